@@ -1,0 +1,34 @@
+# Shortcuts; every target runs inside the project's virtual environment (.venv).
+PY ?= .venv/bin/python
+RUN ?=
+
+.PHONY: install test test-fast lint format train train-smoke eval clean
+
+install:  ## create .venv and install everything (the README's first command)
+	python3 -m venv .venv && .venv/bin/pip install -r requirements.txt
+
+test:  ## the whole suite, as CI runs it
+	$(PY) -m pytest
+
+test-fast:  ## skip the slow end-to-end and distributed tests
+	$(PY) -m pytest -m "not slow and not distributed"
+
+lint:
+	$(PY) -m ruff check src tests bench
+	$(PY) -m ruff format --check src tests bench
+
+format:
+	$(PY) -m ruff format src tests bench
+	$(PY) -m ruff check --fix src tests bench
+
+train:  ## the main job: fine-tune ViT-B/32 on CIFAR-10
+	$(PY) src/train.py experiment=cifar
+
+train-smoke:  ## a tiny run through the whole pipeline
+	$(PY) src/train.py experiment=smoke
+
+eval:  ## make eval CKPT=path/to/checkpoint.ckpt
+	$(PY) src/eval.py ckpt_path=$(CKPT)
+
+clean:
+	rm -rf logs/train logs/eval .pytest_cache .ruff_cache

@@ -1,0 +1,19 @@
+"""Evaluate a checkpoint: `python src/eval.py ckpt_path=<file | FSDP folder | s3://bucket/key>`."""
+
+import hydra
+from omegaconf import DictConfig
+
+from vitrain.evaluation import evaluate
+from vitrain.utils.run_id import register_resolvers
+from vitrain.utils.task import run_task
+
+register_resolvers()
+
+
+@hydra.main(version_base="1.3", config_path="../configs", config_name="eval.yaml")
+def main(cfg: DictConfig) -> None:
+    run_task(evaluate, cfg)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Lightning + Hydra template for (distributed) training of timm vision transformers."""

@@ -1,0 +1,539 @@
+"""Upload checkpoints, logs and run files to S3 in the background while training goes on.
+
+When is a checkpoint on disk? ModelCheckpoint writes inside its own hooks, Lightning moves it to the end of
+the callback list, and `on_save_checkpoint` fires before the write; wrapping the CheckpointIO would miss
+ModelParallelStrategy, which writes sharded folders without it. So every hook of ours that runs after a
+possible save looks at each ModelCheckpoint's `best_model_path` / `last_model_path` and uploads the ones
+whose (size, mtime, inode) changed. `Trainer.save_checkpoint` returns only after a barrier, so at that point
+the file, or every shard of a folder (checked against the DCP `.metadata`), is complete on disk.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+from vitrain.s3 import MiB, S3Error, S3Options, S3Store, S3Uri, S3VerifyError, Uploaded, parse_s3_uri
+from vitrain.utils.secrets import find_secrets, scrub
+
+log = logging.getLogger(__name__)
+
+Signature = tuple[Any, ...]
+_TEXT_SUFFIXES = {".yaml", ".yml", ".log", ".md", ".json", ".txt", ".csv"}
+
+
+@dataclass(frozen=True)
+class _Job:
+    local: Path
+    uri: S3Uri
+    slot: str  # jobs for the same slot replace each other: only the newest `last.ckpt` matters
+    signature: Signature
+    kind: str  # "best", "last" or "file"
+
+
+class _Worker:
+    """One background thread draining a queue of jobs keyed by slot."""
+
+    def __init__(self, run: Callable[[_Job], None]) -> None:
+        self._run = run
+        self._cond = threading.Condition()
+        self._pending: dict[str, _Job] = {}
+        self._busy = False
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="s3-upload", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: _Job) -> None:
+        with self._cond:
+            self._pending.pop(job.slot, None)  # re-insert at the end: keep submission order
+            self._pending[job.slot] = job
+            self._cond.notify_all()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """True when the queue is empty and nothing is running."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._pending and not self._busy, timeout)
+
+    def close(self, timeout: float | None = None) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout)
+
+    @property
+    def pending(self) -> int:
+        with self._cond:
+            return len(self._pending) + int(self._busy)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._pending or self._closed)
+                if not self._pending:
+                    return
+                slot = next(iter(self._pending))
+                job = self._pending.pop(slot)
+                self._busy = True
+            try:
+                self._run(job)
+            except Exception:  # the worker must survive anything: a dead thread would hang `wait`
+                log.exception("S3: unexpected error uploading %s", job.local)
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+
+def signature(path: Path) -> Signature | None:
+    """Identity of what is on disk at `path` (a file or a sharded folder), or None if missing."""
+    try:
+        if path.is_dir():
+            files = sorted(p for p in path.rglob("*") if p.is_file())
+            return tuple((p.relative_to(path).as_posix(), *_stat(p)) for p in files)
+        return _stat(path)
+    except FileNotFoundError:
+        return None
+
+
+def _stat(path: Path) -> Signature:
+    st = path.stat()
+    return (st.st_size, st.st_mtime_ns, st.st_ino)
+
+
+def _sharded_complete(folder: Path) -> bool:
+    """Every shard named in the DCP `.metadata` exists: false without a shared filesystem across nodes."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    if not (folder / ".metadata").is_file():
+        return False
+    try:
+        storage = FileSystemReader(str(folder)).read_metadata().storage_data
+    except Exception:
+        return False
+    needed: dict[str, int] = {}
+    for info in storage.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    return all(
+        (folder / rel).is_file() and (folder / rel).stat().st_size >= end for rel, end in needed.items()
+    )
+
+
+class S3CheckpointUpload(Callback):
+    """Mirror the run to `s3://<bucket>/<prefix>/<run_name>/` (see configs/callbacks/s3.yaml for the knobs).
+
+    Only global rank zero talks to S3. Failures never stop training unless `fatal=True`; the local files are
+    always kept. After fit, `uploaded` lists the s3:// URIs and `failures` the errors still unresolved.
+    """
+
+    def __init__(
+        self,
+        bucket: str | None,
+        prefix: str = "runs",
+        run_name: str | None = None,
+        run_dir: str | None = None,
+        runs_root: str | None = None,
+        upload_best: bool = True,
+        upload_last: bool = True,
+        upload_logs: bool = True,
+        run_files: Sequence[str] = (
+            ".hydra/config.yaml",
+            ".hydra/overrides.yaml",
+            "config_tree.log",
+            "report.md",
+            "report.json",
+            "*.log",
+        ),
+        prune: bool = True,
+        preflight: bool = True,
+        fatal: bool = False,
+        wait_timeout: float | None = None,
+        endpoint_url: str | None = None,
+        region: str | None = None,
+        profile: str | None = None,
+        max_attempts: int = 5,
+        connect_timeout: float = 10.0,
+        read_timeout: float = 60.0,
+        request_checksum_calculation: str = "when_required",
+        response_checksum_validation: str = "when_required",
+        multipart_threshold_mb: float = 64,
+        multipart_chunksize_mb: float = 16,
+        max_concurrency: int = 4,
+        verify_etag: bool = True,
+    ) -> None:
+        self.bucket = bucket
+        self.prefix = prefix
+        self.run_name = run_name
+        self.run_dir = Path(run_dir) if run_dir else None
+        self.runs_root = Path(runs_root) if runs_root else None
+        self.upload_best = upload_best
+        self.upload_last = upload_last
+        self.upload_logs = upload_logs
+        self.run_files = list(run_files)
+        self.prune = prune
+        self.preflight = preflight
+        self.fatal = fatal
+        self.wait_timeout = wait_timeout
+        self.options = S3Options(
+            endpoint_url=endpoint_url,
+            region=region,
+            profile=profile,
+            max_attempts=max_attempts,
+            connect_timeout=connect_timeout,
+            read_timeout=read_timeout,
+            request_checksum_calculation=request_checksum_calculation,
+            response_checksum_validation=response_checksum_validation,
+            multipart_threshold=int(multipart_threshold_mb * MiB),
+            multipart_chunksize=int(multipart_chunksize_mb * MiB),
+            max_concurrency=max_concurrency,
+            verify_etag=verify_etag,
+        )
+        # Created in `setup`, not here: a callback holding threads or clients cannot be pickled (ddp_spawn).
+        self._store: S3Store | None = None
+        self._worker: _Worker | None = None
+        self._lock: threading.Lock | None = None
+        self.base: S3Uri | None = None
+        self._queued: dict[Path, Signature] = {}  # what was last handed to the worker, per local path
+        self._done: dict[str, Uploaded] = {}  # by URI, in upload order
+        self._failed: dict[str, tuple[_Job, str]] = {}  # by slot
+        self._bests: dict[str, list[Uploaded]] = {}  # by slot, for pruning replaced bests
+        self._stop_requested = False
+
+    # --- public results ---------------------------------------------------------------------------------------
+
+    @property
+    def uploaded(self) -> list[str]:
+        return list(self._done)
+
+    @property
+    def failures(self) -> list[str]:
+        return [message for _job, message in self._failed.values()]
+
+    # --- Lightning hooks --------------------------------------------------------------------------------------
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if stage != "fit" or self._worker is not None:
+            return
+        problem: S3Error | None = None
+        if trainer.is_global_zero:
+            try:
+                self._start(trainer)
+            except S3Error as err:
+                problem = err
+        message = str(problem) if problem else None
+        if trainer.world_size > 1:  # every rank fails the same way, none is left waiting in a collective
+            message = trainer.strategy.broadcast(message, src=0)
+        if problem is not None:
+            raise problem
+        if message:
+            raise S3Error(message)
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any, **kwargs: Any) -> None:
+        self._collect(trainer)  # saves by `every_n_train_steps`
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._collect(trainer)
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._collect(trainer)  # saves of this epoch's validation
+        if self.fatal and self._must_stop(trainer):
+            trainer.should_stop = True
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # Still inside fit on every rank: the last chance for all ranks to fail together when `fatal`.
+        if self._worker is not None:
+            self._collect(trainer, retry=True)
+            self._wait()
+        if self.fatal and self._must_stop(trainer):
+            raise S3Error(self._fatal_message())
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._worker is None:
+            return
+        self._collect(trainer, retry=True)  # ModelCheckpoint's own on_train_end save
+        self.upload_run_files(trainer, wait=False)
+        self._wait()
+        self._report()
+        if self.fatal and self._failed:
+            raise S3Error(self._fatal_message())
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if stage == "fit" and self._worker is not None:
+            self._worker.close(self.wait_timeout)
+            self._worker = None
+
+    def on_exception(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
+    ) -> None:
+        if self._worker is None:
+            return
+        if not isinstance(exception, KeyboardInterrupt):  # keep what was saved before the crash
+            self._collect(trainer, retry=True)
+            self._wait(timeout=self.wait_timeout if self.wait_timeout is not None else 600.0)
+            self._report()
+        self._worker.close(timeout=0)
+        self._worker = None
+
+    # --- run files --------------------------------------------------------------------------------------------
+
+    def upload_run_files(self, trainer: L.Trainer | None = None, wait: bool = True) -> list[str]:
+        """Logger dirs (TensorBoard events, CSV metrics) and the run's config/report files.
+
+        Called at the end of fit; call it again after writing a report (only changed files go up again).
+        Returns the URIs uploaded so far.
+        """
+        if self._worker is None and self._store is None:
+            return self.uploaded
+        if self._worker is None:  # after teardown: a short-lived worker for this call
+            self._worker = _Worker(self._run_job)
+            closing = True
+        else:
+            closing = False
+        if self.upload_logs and trainer is not None:
+            for log_dir in _logger_dirs(trainer):
+                for path in sorted(p for p in log_dir.rglob("*") if p.is_file()):
+                    self._offer(path, slot=f"file:{path}", kind="file")
+        root = self._root()
+        for pattern in self.run_files:
+            for path in sorted(root.glob(pattern)):
+                if path.is_file():
+                    self._offer(path, slot=f"file:{path}", kind="file")
+        self._retry_failed()
+        if wait or closing:
+            self._wait()
+        if closing:
+            self._worker.close()
+            self._worker = None
+        return self.uploaded
+
+    # --- internals --------------------------------------------------------------------------------------------
+
+    def _start(self, trainer: L.Trainer) -> None:
+        if not self.bucket:
+            raise S3Error(
+                "S3 upload is enabled but no bucket is set: export S3_BUCKET=<bucket> (or .env), "
+                "or pass callbacks.s3_upload.bucket=<bucket>"
+            )
+        bucket = parse_s3_uri(f"s3://{self.bucket}").bucket
+        self.base = S3Uri(bucket).child(self.prefix or "", self._run_name(trainer))
+        self._store = S3Store(self.options)
+        if self.preflight:
+            self._store.preflight(self.base)
+        self._lock = threading.Lock()
+        self._worker = _Worker(self._run_job)
+        log.info("S3: uploading checkpoints to %s/", self.base)
+
+    def _root(self) -> Path:
+        return self.run_dir or Path.cwd()
+
+    def _run_name(self, trainer: L.Trainer) -> str:
+        if self.run_name:
+            return self.run_name
+        if self.run_dir is None:
+            self.run_dir = Path(trainer.default_root_dir)
+        run_dir = self.run_dir.resolve()
+        if self.runs_root is not None:
+            try:
+                return run_dir.relative_to(self.runs_root.resolve()).as_posix()
+            except ValueError:
+                pass
+        return run_dir.name
+
+    def _uri_for(self, path: Path, kind: str) -> S3Uri:
+        """The run dir's layout, mirrored: `<base>/checkpoints/last.ckpt`, `<base>/tensorboard/...`."""
+        assert self.base is not None
+        root = self._root()
+        # not resolve() on the path: `last.ckpt` may be a symlink to the best file (save_last="link")
+        for candidate, base in (
+            (path.absolute(), root.absolute()),
+            (path.parent.resolve() / path.name, root.resolve()),
+        ):
+            try:
+                return self.base.child(candidate.relative_to(base).as_posix())
+            except ValueError:
+                continue
+        return self.base.child("checkpoints" if kind != "file" else "files", path.name)  # outside the run dir
+
+    def _collect(self, trainer: L.Trainer, retry: bool = False) -> None:
+        """Queue checkpoints that changed on disk since we last queued them (rank zero only)."""
+        if self._worker is None:
+            return
+        new = False
+        for index, callback in enumerate(trainer.checkpoint_callbacks):
+            if not isinstance(callback, ModelCheckpoint):
+                continue
+            wanted = [("best", callback.best_model_path if self.upload_best else "")]
+            wanted.append(("last", callback.last_model_path if self.upload_last else ""))
+            for kind, path in wanted:
+                if path:
+                    new |= self._offer(Path(path), slot=f"{kind}:{index}", kind=kind)
+        if new or retry:
+            self._retry_failed()
+
+    def _offer(self, path: Path, slot: str, kind: str) -> bool:
+        sig = signature(path)
+        if sig is None or self._queued.get(path) == sig:
+            return False
+        if path.is_dir() and not _sharded_complete(path):
+            log.warning(
+                "S3: %s lacks shards listed in its .metadata (no shared filesystem?); not uploaded", path
+            )
+            return False
+        assert self._worker is not None
+        self._queued[path] = sig
+        self._worker.submit(_Job(path, self._uri_for(path, kind), slot, sig, kind))
+        return True
+
+    def _retry_failed(self) -> None:
+        assert self._lock is not None and self._worker is not None
+        with self._lock:
+            failed = list(self._failed.values())
+        for job, _message in failed:
+            sig = signature(job.local)
+            if sig is not None:  # else superseded: ModelCheckpoint removed it
+                self._worker.submit(_Job(job.local, job.uri, job.slot, sig, job.kind))
+
+    def _run_job(self, job: _Job) -> None:
+        """Worker thread: upload, verify, record; never raises."""
+        assert self._store is not None and self._lock is not None
+        try:
+            uploads = self._upload(job)
+        except FileNotFoundError:
+            log.debug("S3: %s is gone before upload (replaced by a newer checkpoint)", job.local)
+            self._resolve(job.slot)
+            return
+        except S3VerifyError as err:
+            if signature(job.local) != job.signature:  # rewritten while uploading: the newer save is queued
+                log.debug("S3: %s changed during upload; the newer version will be uploaded", job.local)
+                return
+            self._record_failure(job, str(err))
+            return
+        except S3Error as err:
+            self._record_failure(job, str(err))
+            return
+        except Exception as err:
+            self._record_failure(job, scrub(f"{type(err).__name__}: {err}"))
+            return
+        with self._lock:
+            for up in uploads:
+                self._done.pop(str(up.uri), None)
+                self._done[str(up.uri)] = up
+            self._failed.pop(job.slot, None)
+        for up in uploads:
+            log.info("S3: uploaded %s (%.1f MiB, sha256 %s)", up.uri, up.size / MiB, up.sha256[:12])
+        if job.kind == "best":
+            self._prune(job.slot, uploads[0])
+
+    def _upload(self, job: _Job) -> list[Uploaded]:
+        assert self._store is not None
+        if job.local.is_dir():
+            return self._store.upload_tree(job.local, job.uri)
+        if job.kind == "file" and job.local.suffix in _TEXT_SUFFIXES and job.local.stat().st_size < 16 * MiB:
+            text = job.local.read_text(errors="replace")
+            leaked = find_secrets(text)
+            if leaked:  # never let a secret reach the bucket, even if some writer leaked it locally
+                log.warning(
+                    "S3: %s contains the value of %s; uploading a redacted copy", job.local, ", ".join(leaked)
+                )
+                return [self._upload_text(scrub(text), job)]
+        return [self._store.upload_file(job.local, job.uri)]
+
+    def _upload_text(self, text: str, job: _Job) -> Uploaded:
+        assert self._store is not None
+        with tempfile.TemporaryDirectory() as tmp:
+            copy = Path(tmp) / job.local.name
+            copy.write_text(text)
+            up = self._store.upload_file(copy, job.uri)
+        return Uploaded(up.uri, job.local, up.size, up.sha256)
+
+    def _record_failure(self, job: _Job, message: str) -> None:
+        assert self._lock is not None
+        with self._lock:
+            self._failed[job.slot] = (job, message)
+        what = (
+            "fatal (fatal=true): training will stop"
+            if self.fatal
+            else "training goes on; will retry at the next save and at the end"
+        )
+        log.error("S3 upload failed: %s. Local copy kept at %s; %s", message, job.local, what)
+
+    def _resolve(self, slot: str) -> None:
+        assert self._lock is not None
+        with self._lock:
+            self._failed.pop(slot, None)
+
+    def _prune(self, slot: str, new: Uploaded) -> None:
+        """Delete earlier bests of this slot once ModelCheckpoint has removed them locally (save_top_k)."""
+        assert self._store is not None and self._lock is not None
+        keep: list[Uploaded] = []
+        for old in self._bests.get(slot, []):
+            if old.uri == new.uri:
+                continue
+            if self.prune and not old.local.exists():
+                try:
+                    self._store.delete(old.uri)
+                except S3Error as err:
+                    log.warning("S3: could not delete replaced checkpoint %s: %s", old.uri, err)
+                else:
+                    with self._lock:
+                        self._done.pop(str(old.uri), None)
+                    log.info("S3: deleted replaced checkpoint %s", old.uri)
+                    continue
+            keep.append(old)
+        self._bests[slot] = [*keep, new]
+
+    def _wait(self, timeout: float | None = None) -> None:
+        if self._worker is None:
+            return
+        timeout = self.wait_timeout if timeout is None else timeout
+        if self._worker.pending:
+            log.info("S3: waiting for %d upload(s) to finish", self._worker.pending)
+        if not self._worker.wait(timeout):
+            log.error(
+                "S3: uploads still running after %.0f s; giving up on them (local files are kept)", timeout
+            )
+
+    def _must_stop(self, trainer: L.Trainer) -> bool:
+        stop = bool(self._failed) and trainer.is_global_zero
+        if trainer.world_size > 1:
+            stop = bool(trainer.strategy.broadcast(stop, src=0))
+        if stop and not self._stop_requested:
+            self._stop_requested = True
+            log.error("S3: stopping training because an upload failed and fatal=true")
+        return stop
+
+    def _fatal_message(self) -> str:
+        return "; ".join(self.failures) or "S3 upload failed on rank zero (fatal=true)"
+
+    def _report(self) -> None:
+        if self.base is None:
+            return
+        lines = [f"  {uri}" for uri in self._done]
+        log.info("S3: %d object(s) under %s/:\n%s", len(lines), self.base, "\n".join(lines) or "  (none)")
+        for message in self.failures:
+            log.error("S3: NOT uploaded: %s", message)
+
+
+def _logger_dirs(trainer: L.Trainer) -> list[Path]:
+    """Existing, flushed log dirs of the trainer's loggers."""
+    dirs: list[Path] = []
+    for logger in trainer.loggers:
+        log_dir = getattr(logger, "log_dir", None)
+        if not log_dir or not os.path.isdir(log_dir):
+            continue
+        try:
+            logger.save()  # TensorBoard: flush event files; CSV: write metrics.csv
+        except Exception as err:
+            log.debug("S3: could not flush logger %s: %s", type(logger).__name__, err)
+        path = Path(log_dir).resolve()
+        if path not in dirs:
+            dirs.append(path)
+    return dirs

@@ -1,0 +1,83 @@
+"""The evaluation task: rebuild model and data from a checkpoint's saved config, then test."""
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import hydra
+import lightning as L
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+from rich.console import Console
+from rich.table import Table
+
+from vitrain import checkpoints
+from vitrain.checkpoints import CheckpointError
+from vitrain.utils.config import instantiate_dict
+
+log = logging.getLogger(__name__)
+
+
+def _command_line_overrides(prefixes: tuple[str, ...]) -> list[str]:
+    """`datamodule.x=...` / `model.x=...` overrides the user typed, to apply over the saved config."""
+    if not HydraConfig.initialized():
+        return []
+    return [o for o in HydraConfig.get().overrides.task if o.lstrip("+~").startswith(prefixes)]
+
+
+def saved_config(checkpoint: dict[str, Any], path: Path) -> DictConfig:
+    """The training run's model and datamodule config, with the evaluator's overrides on top."""
+    run_config = checkpoint.get("run_config")
+    if not run_config:
+        raise CheckpointError(f"{path} has no saved run config: it was not written by src/train.py")
+    cfg = OmegaConf.create({"model": run_config["model"], "datamodule": run_config["datamodule"]})
+    cfg.merge_with_dotlist([o.lstrip("+") for o in _command_line_overrides(("model.", "datamodule."))])
+    # the weights come from the checkpoint: never download or read pretrained weights again
+    cfg.model.net.pretrained = False
+    cfg.model.weights_file = None
+    return cfg
+
+
+def print_table(metrics: dict[str, float], title: str) -> None:
+    table = Table(title=title)
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for name, value in sorted(metrics.items()):
+        table.add_row(name, f"{value:.4f}")
+    Console().print(table)
+
+
+def evaluate(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
+    """Evaluate `cfg.ckpt_path` on `cfg.split` (test or val); writes metrics.json in the run dir."""
+    if cfg.split not in ("test", "val"):
+        raise CheckpointError(f"split={cfg.split} is not one of test, val")
+    path = checkpoints.resolve(str(cfg.ckpt_path), cfg.paths.cache_dir)
+    checkpoint = checkpoints.load(path)
+    run_cfg = saved_config(checkpoint, path)
+    if cfg.get("seed") is not None:
+        L.seed_everything(cfg.seed, workers=True)
+
+    model: L.LightningModule = hydra.utils.instantiate(run_cfg.model)
+    try:
+        model.load_state_dict(checkpoint["state_dict"])
+    except RuntimeError as err:
+        first = next((line.strip() for line in str(err).splitlines()[1:] if line.strip()), str(err)[:200])
+        raise CheckpointError(f"{path} does not fit model {run_cfg.model.net.model_name}: {first}") from err
+    datamodule: L.LightningDataModule = hydra.utils.instantiate(run_cfg.datamodule)
+    datamodule.set_input_spec(**model.input_spec)
+
+    trainer: L.Trainer = hydra.utils.instantiate(
+        cfg.trainer, callbacks=instantiate_dict(cfg.get("callbacks")), logger=False
+    )
+    run = trainer.test if cfg.split == "test" else trainer.validate
+    run(model=model, datamodule=datamodule, verbose=False)
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+
+    if trainer.is_global_zero:
+        print_table(metrics, f"{cfg.split} metrics of {cfg.ckpt_path}")
+        out = Path(cfg.paths.output_dir) / "metrics.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"ckpt_path": str(cfg.ckpt_path), "split": cfg.split, **metrics}, indent=2))
+        log.info(f"Metrics written to {out}")
+    return metrics, {"trainer": trainer, "model": model, "datamodule": datamodule, "checkpoint_path": path}

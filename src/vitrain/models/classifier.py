@@ -1,0 +1,109 @@
+"""LightningModule around a timm network: loss, top-1/top-5 accuracy, AdamW + warm-up/cosine."""
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from timm.optim import param_groups_weight_decay
+from torch import nn
+from torchmetrics import MeanMetric, MetricCollection
+from torchmetrics.classification import MulticlassAccuracy
+
+from vitrain.models.timm_net import create_net, input_spec
+
+
+def _metrics(num_classes: int, prefix: str) -> MetricCollection:
+    # "micro" = plain accuracy; torchmetrics' default "macro" would average per-class accuracies.
+    metrics = {"acc1": MulticlassAccuracy(num_classes, top_k=1, average="micro")}
+    if num_classes >= 5:
+        metrics["acc5"] = MulticlassAccuracy(num_classes, top_k=5, average="micro")
+    return MetricCollection(metrics, prefix=prefix)
+
+
+class ImageClassifier(L.LightningModule):
+    """Classifies images with `timm.create_model(**net)`.
+
+    The batch arrives augmented and normalised by the datamodule (on the device), so the step is only
+    forward, loss, metrics. Label smoothing applies to the training loss only: val/test losses are plain
+    cross-entropy so they compare across runs.
+    """
+
+    def __init__(
+        self,
+        net: Mapping[str, Any],
+        optimizer: Callable[..., torch.optim.Optimizer],
+        scheduler: Callable[..., torch.optim.lr_scheduler.LRScheduler] | None = None,
+        label_smoothing: float = 0.0,
+        weights_file: str | None = None,
+        compile: bool = False,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters(logger=False)
+        self.net: nn.Module = create_net(net, weights_file)
+        self.input_spec = input_spec(self.net, bool(net.get("pretrained") or weights_file), net.get("img_size"))
+        num_classes = int(self.net.num_classes)
+        self.train_metrics = _metrics(num_classes, "train/")
+        self.val_metrics = _metrics(num_classes, "val/")
+        self.test_metrics = _metrics(num_classes, "test/")
+        self.val_loss, self.test_loss = MeanMetric(), MeanMetric()
+        # the composed Hydra config of the run, stored in every checkpoint so eval.py can rebuild it
+        self.run_config: dict[str, Any] | None = None
+
+    def configure_model(self) -> None:
+        # in place (nn.Module.compile), so state-dict keys and checkpoints stay those of the plain model
+        if self.hparams.compile:
+            self.net.compile()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        logits = self(x)
+        loss = F.cross_entropy(logits, y, label_smoothing=self.hparams.label_smoothing)
+        self.train_metrics.update(logits.detach(), y)
+        self.log("train/loss", loss, on_step=True, on_epoch=True, prog_bar=True)
+        self.log_dict(self.train_metrics, on_step=False, on_epoch=True)
+        # one `lr` curve: LearningRateMonitor logs one per param group (lr/decay, lr/no_decay)
+        self.log("lr", self.trainer.optimizers[0].param_groups[0]["lr"], on_step=True, on_epoch=False)
+        return loss
+
+    def _eval_step(self, batch: tuple[torch.Tensor, torch.Tensor], metrics: MetricCollection, loss: MeanMetric):
+        x, y = batch
+        logits = self(x)
+        loss.update(F.cross_entropy(logits, y), weight=y.numel())
+        metrics.update(logits, y)
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self._eval_step(batch, self.val_metrics, self.val_loss)
+        # metric objects are synced across ranks once, at epoch end: no collective per step, so ranks
+        # with different numbers of batches cannot hang, and every sample counts exactly once.
+        self.log("val/loss", self.val_loss, on_step=False, on_epoch=True)
+        self.log_dict(self.val_metrics, on_step=False, on_epoch=True, prog_bar=True)
+
+    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self._eval_step(batch, self.test_metrics, self.test_loss)
+        self.log("test/loss", self.test_loss, on_step=False, on_epoch=True)
+        self.log_dict(self.test_metrics, on_step=False, on_epoch=True)
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        optimizer_factory = self.hparams.optimizer
+        weight_decay = getattr(optimizer_factory, "keywords", {}).get("weight_decay", 0.0)
+        # no weight decay on norms, biases, position embeddings and tokens (timm's own grouping)
+        groups = param_groups_weight_decay(self.net, weight_decay=weight_decay)
+        for group in groups:
+            group["name"] = "decay" if group["weight_decay"] else "no_decay"
+        optimizer = optimizer_factory(params=groups)
+        if self.hparams.scheduler is None:
+            return {"optimizer": optimizer}
+        scheduler = self.hparams.scheduler(optimizer=optimizer, total_steps=self.trainer.estimated_stepping_batches)
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": scheduler, "interval": "step", "name": "lr"},
+        }
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self.run_config is not None:
+            checkpoint["run_config"] = self.run_config

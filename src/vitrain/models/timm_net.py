@@ -1,0 +1,83 @@
+"""Building a timm network from config, with clear errors for the ways it goes wrong offline."""
+
+import difflib
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import timm
+import torch
+from torch import nn
+
+from vitrain.errors import ModelError
+
+CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
+CIFAR10_STD = (0.2470, 0.2435, 0.2616)
+
+
+def _check_model_name(name: str) -> None:
+    if timm.is_model(name):
+        return
+    close = difflib.get_close_matches(name, timm.list_models(), n=3, cutoff=0.6)
+    hint = f" (did you mean {', '.join(close)}?)" if close else " (see timm.list_models('vit_*'))"
+    raise ModelError(f"unknown timm model model.net.model_name={name}{hint}")
+
+
+def create_net(net: Mapping[str, Any], weights_file: str | None = None) -> nn.Module:
+    """`timm.create_model(**net)`; a local `weights_file` stands in for the hub download.
+
+    timm itself resizes the classifier when `num_classes` differs from the weights', so a 1000-class
+    ImageNet file loads into a 10-class CIFAR model.
+    """
+    kwargs = dict(net)
+    name = kwargs.pop("model_name")
+    _check_model_name(name)
+    if weights_file:
+        path = Path(weights_file).expanduser()
+        if not path.is_file():
+            raise ModelError(f"model.weights_file={weights_file} does not exist")
+        # loaded here rather than with timm's `file=` overlay: timm hands files of "custom_load" models
+        # (most ViTs) to an .npz reader; a state dict goes through its filter (pos-embed resize) instead.
+        state_dict = _read_state_dict(path)
+        kwargs["pretrained"] = True
+        kwargs["pretrained_cfg_overlay"] = {**kwargs.get("pretrained_cfg_overlay", {}), "state_dict": state_dict}
+    try:
+        return timm.create_model(name, **kwargs)
+    except (OSError, ConnectionError) as err:
+        if not kwargs.get("pretrained") or weights_file:
+            raise
+        offline = " (HF_HUB_OFFLINE is set)" if os.environ.get("HF_HUB_OFFLINE") else ""
+        raise ModelError(
+            f"could not download pretrained weights for {name}{offline}: {type(err).__name__}. "
+            "Train from scratch with model.net.pretrained=false, or give a local file with "
+            "model.weights_file=/path/to/weights.safetensors"
+        ) from err
+    except RuntimeError as err:
+        if weights_file and ("size mismatch" in str(err) or "Missing key" in str(err)):
+            first = str(err).strip().splitlines()[1:2] or [str(err)[:200]]
+            raise ModelError(
+                f"model.weights_file={weights_file} does not fit {name}: {first[0].strip()}"
+            ) from err
+        raise
+
+
+def input_spec(net: nn.Module, pretrained: bool, img_size: int | None) -> dict[str, Any]:
+    """Input size and normalisation the network expects: timm's pretrained config, else CIFAR-10 stats."""
+    cfg = timm.data.resolve_data_config({}, model=net)
+    size = img_size or cfg["input_size"][-1]
+    if pretrained:
+        return {"img_size": size, "mean": tuple(cfg["mean"]), "std": tuple(cfg["std"])}
+    return {"img_size": size, "mean": CIFAR10_MEAN, "std": CIFAR10_STD}
+
+
+def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """Weights of a timm/safetensors file, a torch state dict, or one of our Lightning checkpoints."""
+    try:
+        state_dict = timm.models.load_state_dict(str(path))
+    except Exception as err:
+        raise ModelError(f"model.weights_file={path} cannot be read: {type(err).__name__}: {err}") from err
+    prefix = "net."  # ImageClassifier keeps the timm model under `net`
+    if state_dict and all(k.startswith(prefix) for k in state_dict):
+        state_dict = {k.removeprefix(prefix): v for k, v in state_dict.items()}
+    return state_dict

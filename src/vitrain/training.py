@@ -1,0 +1,60 @@
+"""The training task: build everything from the config, fit, test the best checkpoint."""
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import hydra
+import lightning as L
+from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+from omegaconf import DictConfig
+
+from vitrain.utils.config import instantiate_dict, to_container
+
+log = logging.getLogger(__name__)
+
+
+def build(cfg: DictConfig) -> dict[str, Any]:
+    """Datamodule, model, callbacks, loggers and trainer, exactly as the config says."""
+    datamodule: L.LightningDataModule = hydra.utils.instantiate(cfg.datamodule)
+    model: L.LightningModule = hydra.utils.instantiate(cfg.model)
+    datamodule.set_input_spec(**model.input_spec)
+    model.run_config = to_container(cfg)
+    callbacks = instantiate_dict(cfg.get("callbacks"))
+    loggers = instantiate_dict(cfg.get("logger"))
+    if not loggers:  # LearningRateMonitor refuses to run without a logger
+        callbacks = [c for c in callbacks if not isinstance(c, LearningRateMonitor)]
+    trainer: L.Trainer = hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
+    return {"cfg": cfg, "datamodule": datamodule, "model": model, "callbacks": callbacks,
+            "loggers": loggers, "trainer": trainer}
+
+
+def _scalars(metrics: dict[str, Any]) -> dict[str, float]:
+    return {k: float(v) for k, v in metrics.items()}
+
+
+def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
+    """Fit (optionally resuming from `cfg.ckpt_path`), then test the best checkpoint; returns metrics."""
+    if cfg.get("seed") is not None:
+        # the same seed on every rank: identical initial weights everywhere
+        L.seed_everything(cfg.seed, workers=True)
+    objects = build(cfg)
+    trainer, model, datamodule = objects["trainer"], objects["model"], objects["datamodule"]
+
+    if cfg.get("train"):
+        # weights_only=False: our checkpoints hold the optimizer/scheduler partials of the model's hparams
+        trainer.fit(model=model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"), weights_only=False)
+    metrics = _scalars(trainer.callback_metrics)
+
+    checkpoint = trainer.checkpoint_callback
+    best = checkpoint.best_model_path if isinstance(checkpoint, ModelCheckpoint) else ""
+    objects["best_model_path"] = best or None
+    if cfg.get("test"):
+        if best and Path(best).exists():
+            log.info(f"Testing the best checkpoint: {best}")
+            trainer.test(model=model, datamodule=datamodule, ckpt_path=best, weights_only=False)
+        else:
+            log.warning("No best checkpoint found: testing the current weights")
+            trainer.test(model=model, datamodule=datamodule)
+        metrics.update(_scalars(trainer.callback_metrics))
+    return metrics, objects

@@ -1,0 +1,47 @@
+"""Printing, saving and instantiating the composed Hydra config."""
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import hydra
+import rich.syntax
+import rich.tree
+from lightning.pytorch.utilities import rank_zero_only
+from omegaconf import DictConfig, OmegaConf
+from rich.console import Console
+
+PRINT_ORDER = ("datamodule", "model", "callbacks", "logger", "trainer", "paths", "extras")
+
+
+@rank_zero_only
+def print_config_tree(cfg: DictConfig, save_to: Path | None = None, order: Sequence[str] = PRINT_ORDER) -> None:
+    """Rich tree of the config on rank zero; also written to `save_to` (the run dir's config_tree.log)."""
+    tree = rich.tree.Tree("CONFIG", style="dim", guide_style="dim")
+    fields = [f for f in order if f in cfg] + [f for f in cfg if f not in order]
+    for field in fields:
+        branch = tree.add(str(field), style="bold", guide_style="dim")
+        node = cfg[field]
+        text = OmegaConf.to_yaml(node, resolve=True) if isinstance(node, DictConfig) else str(node)
+        branch.add(rich.syntax.Syntax(text, "yaml"))
+    rich.print(tree)
+    if save_to is not None:
+        save_to.parent.mkdir(parents=True, exist_ok=True)
+        with save_to.open("w") as f:
+            rich.print(tree, file=f)
+
+
+def instantiate_dict(cfg: DictConfig | None) -> list[Any]:
+    """Instantiate every `_target_` node of a group such as `callbacks` or `logger` (None-valued: skipped)."""
+    if not cfg:
+        return []
+    return [hydra.utils.instantiate(node) for node in cfg.values() if isinstance(node, DictConfig) and "_target_" in node]
+
+
+def to_container(cfg: DictConfig) -> dict[str, Any]:
+    """Plain, resolved dict of the config (what a checkpoint stores)."""
+    return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)  # type: ignore[return-value]
+
+
+def console() -> Console:
+    return Console(stderr=False)

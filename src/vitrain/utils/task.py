@@ -1,0 +1,59 @@
+"""What every entry point does around its task: .env, warnings, config tree, one-line errors."""
+
+import logging
+import os
+import sys
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from dotenv import load_dotenv
+from lightning.pytorch.utilities import rank_zero_only
+from omegaconf import DictConfig
+
+from vitrain.errors import UserError
+from vitrain.utils.config import print_config_tree
+
+log = logging.getLogger(__name__)
+
+Task = Callable[[DictConfig], tuple[dict[str, Any], dict[str, Any]]]
+
+
+def user_error(err: BaseException) -> UserError | None:
+    """The UserError behind `err`, also when Hydra's instantiate wrapped it."""
+    while err is not None:
+        if isinstance(err, UserError):
+            return err
+        err = err.__cause__ or err.__context__
+    return None
+
+
+def run_task(task: Task, cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Run `task(cfg)`; a UserError ends the process with its one-line message and exit code 2.
+
+    The full traceback is printed only with HYDRA_FULL_ERROR=1, as Hydra does for its own errors.
+    """
+    load_dotenv(override=False)  # .env fills in what the environment does not already set
+    extras = cfg.get("extras") or {}
+    if extras.get("ignore_warnings"):
+        warnings.filterwarnings("ignore")
+    output_dir = Path(cfg.paths.output_dir)
+    if extras.get("print_config"):
+        print_config_tree(cfg, save_to=output_dir / "config_tree.log")
+    try:
+        return task(cfg)
+    except Exception as err:
+        problem = user_error(err)
+        if problem is None or os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        print(f"error: {problem}", file=sys.stderr, flush=True)
+        log.debug("user error", exc_info=err)
+        sys.exit(2)
+    finally:
+        _log_output_dir(output_dir)
+
+
+@rank_zero_only
+def _log_output_dir(output_dir: Path) -> None:
+    log.info(f"Output dir: {output_dir}")

@@ -1,0 +1,87 @@
+"""Shared fixtures. Each part of the suite appends its own below."""
+
+from pathlib import Path
+
+import pytest
+
+from data_factory import make_class_folders
+
+
+@pytest.fixture(scope="session")
+def tiny_cifar(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small CIFAR-10-like class-folder dataset (10 classes, 32x32 PNGs): 24 train, 4 test per class."""
+    return make_class_folders(tmp_path_factory.mktemp("tiny_cifar"), n_per_class_train=24, n_per_class_test=4)
+
+
+@pytest.fixture(scope="session")
+def data_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One decode cache for the session: the tiny dataset is decoded once."""
+    return tmp_path_factory.mktemp("cache")
+
+
+REAL_CIFAR10_ARCHIVE = Path("/work/shared/data/cifar10-jpeg.tar.gz")
+
+
+@pytest.fixture(scope="session")
+def real_cifar10_cache() -> tuple[Path, Path]:
+    """(cache_dir, archive) for the real CIFAR-10 JPEG archive; the cache lives outside the repo and
+    survives sessions (env VITRAIN_TEST_CACHE or ~/.cache/vitrain-tests), so it is decoded once per machine."""
+    if not REAL_CIFAR10_ARCHIVE.is_file():
+        pytest.skip(f"real CIFAR-10 archive {REAL_CIFAR10_ARCHIVE} is absent")
+    import os
+
+    cache = Path(os.environ.get("VITRAIN_TEST_CACHE", Path.home() / ".cache" / "vitrain-tests")).expanduser()
+    cache.mkdir(parents=True, exist_ok=True)
+    return cache, REAL_CIFAR10_ARCHIVE
+
+
+# --- S3: moto in server mode, a real HTTP endpoint on 127.0.0.1 (boto3 is not mocked) ---------------------
+
+S3_TEST_ACCESS_KEY_ID = "AKIAVITRAINTEST00001"
+S3_TEST_SECRET_ACCESS_KEY = "vitrain-test-secret-key-0123456789abcdef"
+
+
+@pytest.fixture(scope="session")
+def s3_server():  # -> Iterator[str]
+    """One moto S3 server on a free loopback port for the session; yields its endpoint URL."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def s3_env(s3_server: str, monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Fake credentials and the endpoint in the environment, the way a user's .env sets them."""
+    no_aws_dir = tmp_path_factory.mktemp("no_aws_config")
+    env = {
+        "AWS_ACCESS_KEY_ID": S3_TEST_ACCESS_KEY_ID,
+        "AWS_SECRET_ACCESS_KEY": S3_TEST_SECRET_ACCESS_KEY,
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": s3_server,
+        # a developer's ~/.aws or an instance role must not leak into the tests
+        "AWS_CONFIG_FILE": str(no_aws_dir / "config"),
+        "AWS_SHARED_CREDENTIALS_FILE": str(no_aws_dir / "credentials"),
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3", "S3_BUCKET", "S3_PREFIX"):
+        monkeypatch.delenv(name, raising=False)
+    return s3_server
+
+
+@pytest.fixture
+def s3_bucket(s3_env: str) -> str:
+    """A fresh, empty bucket for one test."""
+    import uuid
+
+    import boto3
+
+    name = f"vitrain-test-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=s3_env).create_bucket(Bucket=name)
+    return name

@@ -1,0 +1,91 @@
+"""Tiny CIFAR-10-like datasets in both on-disk layouts, for tests.
+
+Every image is one flat colour that encodes its label and index, so a test can check that decoding,
+labelling and splitting kept each image with its label: red = label_value(label), green = index % 251.
+"""
+
+from __future__ import annotations
+
+import pickle
+import tarfile
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+from torchvision.io import encode_jpeg, encode_png
+
+CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
+
+
+def label_value(label: int) -> int:
+    """Red channel of every image of `label` (far apart so JPEG rounding cannot blur two labels together)."""
+    return 10 + 24 * label
+
+
+def label_of(images: torch.Tensor) -> torch.Tensor:
+    """Recover labels from a uint8 [N,3,H,W] batch made here."""
+    red = images[:, 0].float().mean(dim=(1, 2))
+    return ((red - 10) / 24).round().long()
+
+
+def pattern_image(label: int, index: int, size: int = 32, channels: int = 3) -> torch.Tensor:
+    """A flat uint8 [channels,size,size] image."""
+    img = torch.empty(channels, size, size, dtype=torch.uint8)
+    colour = (label_value(label), index % 251, 128, 255)
+    for c in range(channels):
+        img[c] = colour[c]
+    return img
+
+
+def make_class_folders(
+    root: Path,
+    n_per_class_train: int,
+    n_per_class_test: int,
+    ext: str = "png",
+    classes: Sequence[str] = CLASSES,
+    size: int = 32,
+) -> Path:
+    """Write root/{train,test}/<class>/NNNN.<ext> and return root."""
+    root = Path(root)
+    for split, n in (("train", n_per_class_train), ("test", n_per_class_test)):
+        for label, cls in enumerate(classes):
+            d = root / split / cls
+            d.mkdir(parents=True, exist_ok=True)
+            for i in range(n):
+                img = pattern_image(label, i, size=size)
+                data = encode_png(img) if ext == "png" else encode_jpeg(img, quality=95)
+                (d / f"{i:04d}.{ext}").write_bytes(data.numpy().tobytes())
+    return root
+
+
+def make_python_batches(
+    root: Path, n_per_batch: int = 20, n_test: int = 20, classes: Sequence[str] = CLASSES
+) -> Path:
+    """Write root/cifar-10-batches-py in the official pickle format (5 train batches, test_batch, batches.meta)."""
+    out = Path(root) / "cifar-10-batches-py"
+    out.mkdir(parents=True, exist_ok=True)
+
+    def batch(n: int, offset: int) -> dict:
+        labels = [(offset + i) % len(classes) for i in range(n)]
+        data = torch.stack([pattern_image(y, offset + i) for i, y in enumerate(labels)]).reshape(n, -1)
+        return {b"batch_label": b"synthetic", b"labels": labels, b"data": data.numpy().astype(np.uint8)}
+
+    for b in range(5):
+        _pickle(out / f"data_batch_{b + 1}", batch(n_per_batch, b * n_per_batch))
+    _pickle(out / "test_batch", batch(n_test, 0))
+    _pickle(out / "batches.meta", {b"label_names": [c.encode() for c in classes], b"num_vis": 3072})
+    return out
+
+
+def make_targz(src_dir: Path, out_path: Path, arcname: str | None = None) -> Path:
+    """Pack src_dir as out_path (gzip) with its content under `arcname` ("." for the archive's top level)."""
+    out_path = Path(out_path)
+    with tarfile.open(out_path, "w:gz") as tf:
+        tf.add(src_dir, arcname=arcname if arcname is not None else Path(src_dir).name)
+    return out_path
+
+
+def _pickle(path: Path, obj: dict) -> None:
+    with path.open("wb") as f:
+        pickle.dump(obj, f, protocol=2)

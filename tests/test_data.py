@@ -1,0 +1,387 @@
+"""CIFAR-10 sources, cache, datamodule, samplers and device-side augmentation, on tiny generated data."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+
+from data_factory import (
+    CLASSES,
+    label_of,
+    make_class_folders,
+    make_python_batches,
+    make_targz,
+    pattern_image,
+)
+from vitrain.data.augment import BatchTransform, random_crop, random_hflip, to_model_input
+from vitrain.data.cifar10 import (
+    CIFAR10_MEAN,
+    CIFAR10_STD,
+    CIFAR10DataModule,
+    make_sampler,
+    per_process_batch,
+    split_indices,
+)
+from vitrain.data.sources import load_cifar10
+from vitrain.errors import DataError
+
+
+def _trainer(**kw) -> Trainer:
+    opts = dict(
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    return Trainer(**{**opts, **kw})
+
+
+def _decoded_files(cache: Path) -> dict[Path, int]:
+    return {p: p.stat().st_mtime_ns for p in (cache / "cifar10").glob("decoded-*.pt")}
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_class_folders(tmp_path_factory.mktemp("folders"), n_per_class_train=4, n_per_class_test=2)
+
+
+# --- sources ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("ext", ["png", "jpg"])
+def test_class_folders_decode(tmp_path: Path, ext: str):
+    root = make_class_folders(tmp_path / "data", n_per_class_train=4, n_per_class_test=2, ext=ext)
+    d = load_cifar10(root, tmp_path / "cache")
+    assert d.train_x.shape == (40, 3, 32, 32) and d.train_x.dtype == torch.uint8
+    assert d.test_x.shape == (20, 3, 32, 32) and d.test_y.dtype == torch.int64
+    assert d.classes == list(CLASSES)
+    assert torch.equal(d.train_y, torch.arange(10).repeat_interleave(4))
+    assert torch.equal(label_of(d.train_x), d.train_y) and torch.equal(label_of(d.test_x), d.test_y)
+    if ext == "png":  # lossless: exact pixels
+        assert torch.equal(d.train_x[5], pattern_image(1, 1))
+
+
+def test_python_batches_decode(tmp_path: Path):
+    batches = make_python_batches(tmp_path / "data", n_per_batch=4, n_test=6)
+    from_parent = load_cifar10(tmp_path / "data", tmp_path / "cache")
+    from_batches = load_cifar10(batches, tmp_path / "cache")
+    for d in (from_parent, from_batches):
+        assert d.train_x.shape == (20, 3, 32, 32) and d.train_x.dtype == torch.uint8
+        assert d.test_x.shape == (6, 3, 32, 32)
+        assert d.classes == list(CLASSES)
+        assert torch.equal(d.train_y, torch.arange(20) % 10)
+        assert torch.equal(d.train_x[13], pattern_image(3, 13))
+        assert torch.equal(label_of(d.test_x), d.test_y)
+    assert torch.equal(from_parent.train_x, from_batches.train_x)
+
+
+def test_folder_source_decoded_once_and_rekeyed_on_change(tmp_path: Path):
+    root = make_class_folders(tmp_path / "data", n_per_class_train=2, n_per_class_test=1)
+    load_cifar10(root, tmp_path / "cache")
+    first = _decoded_files(tmp_path / "cache")
+    assert len(first) == 1
+    load_cifar10(root, tmp_path / "cache")
+    assert _decoded_files(tmp_path / "cache") == first  # not rewritten
+    (root / "train" / "cat" / "0009.png").write_bytes((root / "train" / "cat" / "0000.png").read_bytes())
+    d = load_cifar10(root, tmp_path / "cache")
+    assert len(d.train_y) == 21 and len(_decoded_files(tmp_path / "cache")) == 2
+
+
+@pytest.mark.parametrize(
+    ("layout", "arcname", "name"),
+    [
+        ("folders", "cifar10-jpeg", "a.tar.gz"),
+        ("folders", ".", "b.tgz"),
+        ("batches", "cifar-10-batches-py", "cifar-10-python.tar.gz"),
+    ],
+)
+def test_archive_unpacked_and_decoded_once(tmp_path: Path, layout: str, arcname: str, name: str):
+    if layout == "folders":
+        src = make_class_folders(tmp_path / "src", n_per_class_train=2, n_per_class_test=1, ext="jpg")
+        n_train = 20
+    else:
+        src = make_python_batches(tmp_path / "src", n_per_batch=3, n_test=4)
+        n_train = 15
+    archive = make_targz(src, tmp_path / name, arcname=arcname)
+    cache = tmp_path / "cache"
+    d = load_cifar10(archive, cache)
+    assert len(d.train_y) == n_train and d.classes == list(CLASSES)
+    unpacked = list((cache / "cifar10" / "unpacked").iterdir())
+    assert len(unpacked) == 1 and not unpacked[0].name.startswith(".")
+    seen = (unpacked[0].stat().st_mtime_ns, _decoded_files(cache))
+
+    again = CIFAR10DataModule(str(archive), str(cache), batch_size=2, val_size=5)
+    again.setup("fit")
+    assert (unpacked[0].stat().st_mtime_ns, _decoded_files(cache)) == seen
+    assert list((cache / "cifar10" / "unpacked").iterdir()) == unpacked
+    assert len(again.train_set) + len(again.val_set) == n_train
+
+
+def test_parent_folder_with_single_unpacked_tree(tmp_path: Path, folders: Path):
+    make_class_folders(tmp_path / "parent" / "cifar10", n_per_class_train=1, n_per_class_test=1)
+    d = load_cifar10(tmp_path / "parent", tmp_path / "cache")
+    assert len(d.train_y) == 10 and len(d.test_y) == 10
+
+
+# --- errors ----------------------------------------------------------------------------------------
+
+
+def test_missing_and_empty_data_dir(tmp_path: Path):
+    with pytest.raises(DataError, match=r"not found at .*nope: point datamodule.data_dir"):
+        load_cifar10(tmp_path / "nope", tmp_path / "cache")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match=r"not recognised in .*empty: .*download=true"):
+        load_cifar10(tmp_path / "empty", tmp_path / "cache")
+    with pytest.raises(DataError, match=r"archive .*nope.tar.gz not found"):
+        load_cifar10(tmp_path / "nope.tar.gz", tmp_path / "cache")
+
+
+def test_empty_or_missing_class_folder(tmp_path: Path):
+    root = make_class_folders(tmp_path / "a", n_per_class_train=1, n_per_class_test=1)
+    for f in (root / "test" / "dog").iterdir():
+        f.unlink()
+    with pytest.raises(DataError, match=r"test/dog holds no .* images"):
+        load_cifar10(root, tmp_path / "cache")
+    (root / "test" / "dog").rmdir()
+    with pytest.raises(DataError, match=r"class folder .*test/dog is missing \(train/dog exists\)"):
+        load_cifar10(root, tmp_path / "cache")
+    for split in ("train", "test"):
+        (tmp_path / "b" / split).mkdir(parents=True)
+    with pytest.raises(DataError, match=r"train has no class folders"):
+        load_cifar10(tmp_path / "b", tmp_path / "cache")
+
+
+def test_corrupted_archive(tmp_path: Path):
+    src = make_class_folders(tmp_path / "src", n_per_class_train=3, n_per_class_test=1)
+    archive = make_targz(src, tmp_path / "c.tar.gz", arcname="c")
+    data = archive.read_bytes()
+    archive.write_bytes(data[: len(data) // 2])
+    with pytest.raises(DataError, match=r"cannot unpack .*c.tar.gz .*truncated or corrupted"):
+        load_cifar10(archive, tmp_path / "cache")
+    assert list((tmp_path / "cache" / "cifar10" / "unpacked").iterdir()) == []  # no half-unpacked folder
+    archive.write_bytes(b"this is not a tar file")
+    with pytest.raises(DataError, match=r"cannot unpack"):
+        load_cifar10(archive, tmp_path / "cache")
+
+
+def test_corrupted_or_wrong_size_image(tmp_path: Path):
+    root = make_class_folders(tmp_path / "a", n_per_class_train=2, n_per_class_test=1)
+    bad = root / "train" / "bird" / "0001.png"
+    bad.write_bytes(bad.read_bytes()[:40])
+    with pytest.raises(DataError, match=r"cannot decode image .*train/bird/0001.png"):
+        load_cifar10(root, tmp_path / "cache")
+    root = make_class_folders(tmp_path / "b", n_per_class_train=2, n_per_class_test=1)
+    make_class_folders(tmp_path / "small", n_per_class_train=1, n_per_class_test=0, classes=["frog"], size=16)
+    (root / "test" / "frog" / "0000.png").write_bytes(
+        (tmp_path / "small" / "train" / "frog" / "0000.png").read_bytes()
+    )
+    with pytest.raises(DataError, match=r"image .*test/frog/0000.png has shape 3x16x16 .*needs 3x32x32"):
+        load_cifar10(root, tmp_path / "cache")
+
+
+def test_corrupted_python_batch(tmp_path: Path):
+    batches = make_python_batches(tmp_path / "data", n_per_batch=2, n_test=2)
+    (batches / "data_batch_3").write_bytes(b"\x80\x02garbage")
+    with pytest.raises(DataError, match=r"cannot read .*data_batch_3"):
+        load_cifar10(batches, tmp_path / "cache")
+    (batches / "data_batch_3").unlink()
+    with pytest.raises(DataError, match=r"data_batch_3 is missing"):
+        load_cifar10(batches, tmp_path / "cache")
+
+
+def test_download_without_internet_is_a_data_error(tmp_path: Path):
+    start = time.monotonic()
+    with pytest.raises(DataError, match=r"downloading CIFAR-10 into .*failed .*download=false"):
+        load_cifar10(tmp_path / "dl", tmp_path / "cache", download=True)
+    assert time.monotonic() - start < 120
+
+
+# --- datamodule ------------------------------------------------------------------------------------
+
+
+def test_datamodule_splits(folders: Path, tmp_path: Path):
+    def make(**kw) -> CIFAR10DataModule:
+        dm = CIFAR10DataModule(str(folders), str(tmp_path / "cache"), batch_size=4, val_size=10, **kw)
+        dm.setup("fit")
+        return dm
+
+    a, b = make(), make()
+    assert (len(a.train_set), len(a.val_set), len(a.test_set)) == (30, 10, 20)
+    assert a.num_classes == 10 and a.classes == list(CLASSES)
+    assert torch.equal(a.val_set.x, b.val_set.x) and torch.equal(a.train_set.y, b.train_set.y)
+    # an image is identified by (label, index) = (red, green): train and val share none
+    ident = lambda ds: {(int(x[0, 0, 0]), int(x[1, 0, 0])) for x in ds.x}  # noqa: E731
+    assert len(ident(a.train_set)) == 30 and ident(a.train_set).isdisjoint(ident(a.val_set))
+    assert torch.equal(label_of(a.val_set.x), a.val_set.y)
+    assert not torch.equal(make(split_seed=1).val_set.x, a.val_set.x)
+    sub = make(train_subset=7)
+    assert len(sub.train_set) == 7 and torch.equal(sub.train_set.x, a.train_set.x[:7])
+    assert a.hparams.val_size == 10 and a.hparams.batch_size == 4
+
+
+def test_split_indices_cover_and_reject_bad_sizes():
+    train, val = split_indices(50, 5, seed=0)
+    assert sorted(torch.cat([train, val]).tolist()) == list(range(50)) and len(val) == 5
+    torch.manual_seed(123)  # the global seed must not matter
+    assert torch.equal(split_indices(50, 5, seed=0)[1], val)
+    with pytest.raises(DataError, match=r"datamodule.val_size=50 must be between 1 and 49"):
+        split_indices(50, 50, seed=0)
+
+
+def test_loaders_fetch_whole_batches(folders: Path, tmp_path: Path):
+    dm = CIFAR10DataModule(
+        str(folders), str(tmp_path / "cache"), batch_size=8, eval_batch_size=6, val_size=10
+    )
+    dm.setup("fit")
+    train = list(dm.train_dataloader())
+    assert len(train) == 3  # 30 // 8, last incomplete batch dropped
+    x, y = train[0]
+    assert x.shape == (8, 3, 32, 32) and x.dtype == torch.uint8 and y.dtype == torch.int64
+    assert torch.equal(label_of(x), y)
+    val = list(dm.val_dataloader())
+    assert [len(b[1]) for b in val] == [6, 4]
+    assert torch.equal(torch.cat([b[0] for b in val]), dm.val_set.x)  # sequential, complete
+    assert sum(len(b[1]) for b in dm.test_dataloader()) == 20
+
+
+def test_global_batch_split_across_processes(folders: Path, tmp_path: Path):
+    assert per_process_batch(128, 4) == 32 and per_process_batch(7, 1) == 7
+    with pytest.raises(DataError) as e:
+        per_process_batch(10, 4)
+    assert str(e.value) == (
+        "datamodule.batch_size=10 does not divide across 4 processes "
+        "(trainer.devices x trainer.num_nodes): use a multiple of 4"
+    )
+    trainer = _trainer(devices=4, strategy="ddp")
+    dm = CIFAR10DataModule(
+        str(folders), str(tmp_path / "cache"), batch_size=8, eval_batch_size=12, val_size=10
+    )
+    dm.trainer = trainer
+    dm.setup("fit")
+    assert dm.train_dataloader().batch_size == 2 and dm.val_dataloader().batch_size == 3
+    dm = CIFAR10DataModule(
+        str(folders), str(tmp_path / "cache"), batch_size=8, eval_batch_size=10, val_size=10
+    )
+    dm.trainer = trainer
+    with pytest.raises(DataError, match=r"datamodule.eval_batch_size=10 does not divide across 4 processes"):
+        dm.setup("fit")
+
+
+def test_eval_sampler_counts_every_sample_once():
+    data = list(range(5))
+    shards = [list(make_sampler(data, train=False, num_replicas=3, rank=r, seed=0)) for r in range(3)]
+    assert sorted(i for s in shards for i in s) == data
+    train = [make_sampler(data, train=True, num_replicas=3, rank=r, seed=0) for r in range(3)]
+    for s in train:
+        s.set_epoch(1)
+    train_shards = [list(s) for s in train]
+    assert all(len(s) == 1 for s in train_shards)  # drop_last: equal shards, no repeats
+    assert len({i for s in train_shards for i in s}) == 3
+
+
+# --- augmentation ----------------------------------------------------------------------------------
+
+
+def _coordinates(b: int, h: int = 32) -> torch.Tensor:
+    """uint8 [b,3,h,h] whose channel 0 is row+1 and channel 1 is column+1 (0 only in padding)."""
+    r = torch.arange(1, h + 1, dtype=torch.uint8)
+    x = torch.stack(
+        [r[:, None].expand(h, h), r[None, :].expand(h, h), torch.full((h, h), 7, dtype=torch.uint8)]
+    )
+    return x.expand(b, 3, h, h).clone()
+
+
+def test_random_crop_shifts_content():
+    torch.manual_seed(0)
+    x = _coordinates(64)
+    out = random_crop(x, padding=4)
+    assert out.shape == x.shape and out.dtype == torch.uint8
+    padded = torch.nn.functional.pad(x, (4, 4, 4, 4))
+    shifts = set()
+    for b in range(64):
+        dy, dx = int(out[b, 0, 16, 16]) - 17, int(out[b, 1, 16, 16]) - 17  # where the centre came from
+        assert -4 <= dy <= 4 and -4 <= dx <= 4
+        assert torch.equal(out[b], padded[b, :, 4 + dy : 4 + dy + 32, 4 + dx : 4 + dx + 32])
+        shifts.add((dy, dx))
+    assert len(shifts) > 10
+
+
+def test_random_hflip_some_not_all():
+    torch.manual_seed(0)
+    x = _coordinates(64)
+    out = random_hflip(x)
+    flipped = torch.tensor([torch.equal(o, i.flip(-1)) for o, i in zip(out, x, strict=True)])
+    kept = torch.tensor([torch.equal(o, i) for o, i in zip(out, x, strict=True)])
+    assert torch.all(flipped ^ kept) and 10 < int(flipped.sum()) < 54
+
+
+def test_normalise_and_resize():
+    x = torch.full((2, 3, 32, 32), 51, dtype=torch.uint8)
+    out = to_model_input(x, 32, mean=(0.2, 0.1, 0.0), std=(0.5, 0.25, 2.0))
+    assert out.dtype == torch.float32
+    assert torch.allclose(out[:, 0], torch.tensor(0.0), atol=1e-6)
+    assert torch.allclose(out[:, 1], torch.tensor(0.4), atol=1e-6)
+    assert torch.allclose(out[:, 2], torch.tensor(0.1), atol=1e-6)
+    big = to_model_input(x, 48, mean=(0.0,) * 3, std=(1.0,) * 3)
+    assert big.shape == (2, 3, 48, 48) and torch.allclose(big, torch.tensor(0.2), atol=1e-6)
+
+
+def test_batch_transform_is_reproducible():
+    t = BatchTransform(32, CIFAR10_MEAN, CIFAR10_STD)
+    x = _coordinates(16)
+    torch.manual_seed(5)
+    a = t(x, train=True)
+    torch.manual_seed(5)
+    assert torch.equal(a, t(x, train=True))
+    assert torch.equal(t(x, train=False), to_model_input(x, 32, CIFAR10_MEAN, CIFAR10_STD))
+
+
+def test_on_after_batch_transfer_augments_only_in_training(folders: Path, tmp_path: Path):
+    dm = CIFAR10DataModule(str(folders), str(tmp_path / "cache"), batch_size=8, val_size=10)
+    x, y = _coordinates(32), torch.arange(32)
+    plain = to_model_input(x, 32, CIFAR10_MEAN, CIFAR10_STD)
+    out, y_out = dm.on_after_batch_transfer((x, y), 0)  # no trainer: evaluation path
+    assert torch.equal(out, plain) and y_out is y
+    dm.trainer = _trainer(devices=1)
+    dm.trainer.training = True
+    torch.manual_seed(0)
+    out, _ = dm.on_after_batch_transfer((x, y), 0)
+    assert out.shape == plain.shape and out.dtype == torch.float32 and not torch.equal(out, plain)
+    dm.trainer.validating = True
+    assert torch.equal(dm.on_after_batch_transfer((x, y), 0)[0], plain)
+
+
+def test_input_spec_precedence(folders: Path, tmp_path: Path):
+    dm = CIFAR10DataModule(str(folders), str(tmp_path / "cache"))
+    assert (dm.img_size, dm.mean, dm.std) == (32, CIFAR10_MEAN, CIFAR10_STD)
+    dm.set_input_spec(224, (0.5, 0.5, 0.5), [0.5, 0.5, 0.5])
+    assert (dm.img_size, dm.mean, dm.std) == (224, (0.5,) * 3, (0.5,) * 3)
+    out, _ = dm.on_after_batch_transfer((_coordinates(2), torch.zeros(2)), 0)
+    assert out.shape == (2, 3, 224, 224)
+    dm = CIFAR10DataModule(str(folders), str(tmp_path / "cache"), img_size=64, mean=[0.1, 0.2, 0.3])
+    dm.set_input_spec(224, (0.5, 0.5, 0.5), (0.4, 0.4, 0.4))
+    assert (dm.img_size, dm.mean, dm.std) == (64, (0.1, 0.2, 0.3), (0.4, 0.4, 0.4))
+
+
+# --- real data -------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_real_cifar10(real_cifar10_cache: tuple[Path, Path]):
+    cache, archive = real_cifar10_cache
+    dm = CIFAR10DataModule(str(archive), str(cache))
+    dm.prepare_data()
+    dm.setup("fit")
+    assert (len(dm.train_set), len(dm.val_set), len(dm.test_set)) == (45000, 5000, 10000)
+    assert dm.classes == list(CLASSES) and dm.num_classes == 10
+    labels = torch.cat([dm.train_set.y, dm.val_set.y])
+    assert torch.equal(torch.bincount(labels), torch.full((10,), 5000))
+    assert torch.equal(torch.bincount(dm.test_set.y), torch.full((10,), 1000))
+    x, _ = next(iter(dm.train_dataloader()))
+    assert x.shape == (128, 3, 32, 32) and x.dtype == torch.uint8
+    assert 80 < x.float().mean() < 160  # real photos, not blank decodes

@@ -1,0 +1,67 @@
+"""Bad input ends in one clear line on stderr and a non-zero exit, not a traceback."""
+
+from pathlib import Path
+
+import pytest
+
+from helpers import run_cli, tiny_overrides
+
+
+def _last_line(stderr: str) -> str:
+    lines = [line for line in stderr.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+def _assert_clean_failure(done, *needles: str) -> None:
+    assert done.returncode != 0
+    assert "Traceback" not in done.stderr, done.stderr[-2000:]
+    text = done.stderr
+    for needle in needles:
+        assert needle in text, f"{needle!r} not in stderr:\n{text[-2000:]}"
+
+
+def test_missing_data_folder(tmp_path: Path, data_cache: Path):
+    done = run_cli("train.py", [*tiny_overrides(tmp_path / "nowhere", data_cache), f"hydra.run.dir={tmp_path}/run"])
+    _assert_clean_failure(done, "error: ", "nowhere", "datamodule.data_dir")
+    assert done.returncode == 2
+    assert _last_line(done.stderr).startswith("error: ")
+
+
+def test_unknown_model_name(tmp_path: Path, tiny_cifar: Path, data_cache: Path):
+    overrides = [*tiny_overrides(tiny_cifar, data_cache), "model.net.model_name=vit_tinny_patch16_224"]
+    done = run_cli("train.py", [*overrides, f"hydra.run.dir={tmp_path}/run"])
+    _assert_clean_failure(done, "unknown timm model", "vit_tinny_patch16_224", "did you mean vit_tiny_patch16_224")
+    assert done.returncode == 2
+
+
+def test_unknown_config_group_option(tmp_path: Path):
+    done = run_cli("train.py", ["experiment=cifarr", f"hydra.run.dir={tmp_path}/run"])
+    _assert_clean_failure(done, "Could not find 'experiment/cifarr'", "cifar")
+
+
+def test_pretrained_download_offline_says_how_to_go_on(tmp_path: Path, tiny_cifar: Path, data_cache: Path):
+    overrides = [
+        "experiment=cifar",
+        f"datamodule.data_dir={tiny_cifar}",
+        f"datamodule.cache_dir={data_cache}",
+        "trainer.accelerator=cpu",
+        f"hydra.run.dir={tmp_path}/run",
+    ]
+    done = run_cli("train.py", overrides, env={"HF_HUB_OFFLINE": "1"})
+    _assert_clean_failure(done, "could not download pretrained weights", "model.net.pretrained=false",
+                          "model.weights_file=")
+    assert done.returncode == 2
+
+
+def test_eval_checkpoint_that_does_not_exist(tmp_path: Path):
+    done = run_cli("eval.py", [f"ckpt_path={tmp_path}/missing.ckpt", f"hydra.run.dir={tmp_path}/run"])
+    _assert_clean_failure(done, "missing.ckpt does not exist")
+    assert done.returncode == 2
+
+
+@pytest.mark.distributed
+def test_batch_size_not_divisible_by_world_size(tmp_path: Path, tiny_cifar: Path, data_cache: Path):
+    overrides = [*tiny_overrides(tiny_cifar, data_cache, batch_size=9), "trainer=ddp", "trainer.devices=2",
+                 f"hydra.run.dir={tmp_path}/run"]
+    done = run_cli("train.py", overrides, timeout=180)
+    _assert_clean_failure(done, "datamodule.batch_size=9", "2")

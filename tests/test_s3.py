@@ -1,0 +1,460 @@
+"""S3 checkpoints against a real HTTP endpoint (moto server on 127.0.0.1): upload, verify, fetch, failures."""
+
+import logging
+import os
+import socket
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import boto3
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.loggers import TensorBoardLogger
+from moto.server import ThreadedMotoServer
+from omegaconf import OmegaConf
+
+from vitrain.callbacks.s3_upload import S3CheckpointUpload, _sharded_complete
+from vitrain.errors import UserError
+from vitrain.s3 import (
+    MiB,
+    S3BucketNotFound,
+    S3CredentialsError,
+    S3EndpointError,
+    S3Error,
+    S3ObjectNotFound,
+    S3Options,
+    S3Store,
+    S3Uri,
+    S3VerifyError,
+    fetch_checkpoint,
+    file_digest,
+    parse_s3_uri,
+)
+from vitrain.utils.secrets import (
+    REDACTED,
+    SECRET_ENV_VARS,
+    SecretFilter,
+    find_secrets,
+    install_secret_filter,
+    redact,
+    scrub,
+)
+
+
+def _client(endpoint: str):
+    return boto3.client("s3", endpoint_url=endpoint)
+
+
+def _keys(endpoint: str, bucket: str) -> list[str]:
+    listing = _client(endpoint).list_objects_v2(Bucket=bucket)
+    return sorted(o["Key"] for o in listing.get("Contents", []))
+
+
+def _body(endpoint: str, bucket: str, key: str) -> bytes:
+    return _client(endpoint).get_object(Bucket=bucket, Key=key)["Body"].read()
+
+
+@contextmanager
+def moto_auth(endpoint: str) -> Iterator[None]:
+    """Make the moto server check signatures: our fake keys are then unknown to it."""
+
+    def reset(count: bytes) -> None:
+        req = urllib.request.Request(f"{endpoint}/moto-api/reset-auth", data=count, method="POST")
+        req.add_header("Content-Type", "text/plain")
+        urllib.request.urlopen(req, timeout=10).read()
+
+    reset(b"0")
+    try:
+        yield
+    finally:
+        reset(b"inf")
+
+
+class _Server:
+    """A moto server of this test alone, to stop and restart (it shares the process' S3 state)."""
+
+    def __init__(self) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self._server: ThreadedMotoServer | None = None
+
+    def start(self) -> None:
+        self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
+        self._server.start()
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.stop()
+            self._server._server.server_close()  # stop() leaves the socket listening: requests would hang
+            self._server = None
+
+
+@pytest.fixture
+def private_server(s3_env: str) -> Iterator[_Server]:
+    server = _Server()
+    server.start()
+    yield server
+    server.stop()
+
+
+def _free_port_endpoint() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"  # closed on exit: nothing listens there
+
+
+# --- URIs, digests, secrets ------------------------------------------------------------------------------------
+
+
+def test_parse_s3_uri():
+    assert parse_s3_uri("s3://my-bucket/runs/a/b.ckpt") == S3Uri("my-bucket", "runs/a/b.ckpt")
+    assert parse_s3_uri("s3://my-bucket") == S3Uri("my-bucket", "")
+    assert str(S3Uri("b1b", "x").child("/y/", "z.ckpt")) == "s3://b1b/x/y/z.ckpt"
+    for bad in ("my-bucket/key", "s3://", "s3://UPPER/key", "http://bucket/key"):
+        with pytest.raises(UserError):
+            parse_s3_uri(bad)
+
+
+def test_file_digest_matches_s3_etag_rules(tmp_path: Path):
+    path = tmp_path / "f.bin"
+    path.write_bytes(b"x" * (11 * MiB))
+    single = file_digest(path, multipart_threshold=64 * MiB, multipart_chunksize=5 * MiB)
+    assert single.etag == "-".join([single.etag]) and "-" not in single.etag and len(single.etag) == 32
+    multi = file_digest(path, multipart_threshold=5 * MiB, multipart_chunksize=5 * MiB)
+    assert multi.etag.endswith("-3") and multi.sha256 == single.sha256 and multi.size == 11 * MiB
+
+
+def test_redact_and_scrub(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "sEcReT-value-123456")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAEXAMPLE000000001")
+    assert {"AWS_SECRET_ACCESS_KEY", "AWS_ACCESS_KEY_ID", "AWS_SESSION_TOKEN"} <= set(SECRET_ENV_VARS)
+    cfg = OmegaConf.create(
+        {
+            "s3": {
+                "bucket": "b",
+                "aws_secret_access_key": "${oc.env:AWS_SECRET_ACCESS_KEY}",
+                "tokenizer": "bpe",
+            },
+            "note": "key AKIAEXAMPLE000000001 leaked",
+            "endpoint": "http://minio:minio-password@host:9000",
+            "list": ["sEcReT-value-123456", 3],
+        }
+    )
+    clean = redact(cfg, resolve=True)
+    text = OmegaConf.to_yaml(clean)
+    assert find_secrets(OmegaConf.to_yaml(cfg, resolve=True)) == [
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+    ]
+    assert find_secrets(text) == [] and "minio-password" not in text
+    assert clean.s3.aws_secret_access_key == REDACTED and clean.s3.tokenizer == "bpe" and clean.list[1] == 3
+    assert scrub("AKIAEXAMPLE000000001/x") == f"{REDACTED}/x"
+
+    record = logging.LogRecord(
+        "botocore", logging.DEBUG, __file__, 1, "Credential=%s/2025", ("AKIAEXAMPLE000000001",), None
+    )
+    assert SecretFilter().filter(record) and "AKIAEXAMPLE" not in record.getMessage()
+    handler = logging.NullHandler()
+    install_secret_filter([handler])
+    install_secret_filter([handler])
+    assert len(handler.filters) == 1
+
+
+# --- S3Store against the server ------------------------------------------------------------------------------
+
+
+def test_upload_single_and_multipart_verified(s3_bucket: str, s3_env: str, tmp_path: Path):
+    store = S3Store(S3Options(multipart_threshold=5 * MiB, multipart_chunksize=5 * MiB))
+    small, big = tmp_path / "small.ckpt", tmp_path / "big.ckpt"
+    small.write_bytes(os.urandom(1000))
+    big.write_bytes(os.urandom(11 * MiB + 7))  # 3 parts
+    for path in (small, big):
+        up = store.upload_file(path, S3Uri(s3_bucket, f"x/{path.name}"))
+        assert _body(s3_env, s3_bucket, up.uri.key) == path.read_bytes()
+        head = _client(s3_env).head_object(Bucket=s3_bucket, Key=up.uri.key)
+        assert head["Metadata"]["sha256"] == up.sha256
+    assert head["ETag"].strip('"').endswith("-3")  # really multipart, and our ETag check agreed
+
+
+def test_fetch_file_is_verified_and_cached_by_etag(s3_bucket: str, s3_env: str, tmp_path: Path):
+    store = S3Store()
+    src = tmp_path / "model.ckpt"
+    src.write_bytes(b"v1" * 1000)
+    store.upload_file(src, S3Uri(s3_bucket, "runs/r/model.ckpt"))
+    cache = tmp_path / "cache"
+    first = fetch_checkpoint(f"s3://{s3_bucket}/runs/r/model.ckpt", cache)
+    assert first.read_bytes() == src.read_bytes() and first.name == "model.ckpt"
+    mtime = first.stat().st_mtime_ns
+    assert fetch_checkpoint(f"s3://{s3_bucket}/runs/r/model.ckpt", cache) == first
+    assert first.stat().st_mtime_ns == mtime  # served from the cache
+
+    src.write_bytes(b"v2" * 1000)  # re-uploaded: new ETag, new cache entry
+    store.upload_file(src, S3Uri(s3_bucket, "runs/r/model.ckpt"))
+    second = fetch_checkpoint(f"s3://{s3_bucket}/runs/r/model.ckpt", cache)
+    assert second != first and second.read_bytes() == b"v2" * 1000
+
+
+def test_fetch_rejects_corrupt_object(s3_bucket: str, s3_env: str, tmp_path: Path):
+    good = tmp_path / "good.ckpt"
+    good.write_bytes(b"good bytes" * 100)
+    sha = file_digest(good, 64 * MiB, 16 * MiB).sha256
+    # bytes that differ from what the uploader hashed (a truncated or tampered object)
+    _client(s3_env).put_object(
+        Bucket=s3_bucket, Key="bad.ckpt", Body=b"evil bytes" * 100, Metadata={"sha256": sha}
+    )
+    with pytest.raises(S3VerifyError, match="sha256"):
+        fetch_checkpoint(f"s3://{s3_bucket}/bad.ckpt", tmp_path / "cache")
+    assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]  # nothing unverified is cached
+    with pytest.raises(S3ObjectNotFound):
+        fetch_checkpoint(f"s3://{s3_bucket}/missing.ckpt", tmp_path / "cache")
+
+
+def test_sharded_folder_upload_and_fetch(s3_bucket: str, s3_env: str, tmp_path: Path):
+    import torch.distributed.checkpoint as dcp
+
+    folder = tmp_path / "epoch=1.ckpt"
+    dcp.save({"w": torch.randn(8, 8), "b": torch.randn(8)}, checkpoint_id=str(folder))
+    torch.save({"epoch": 1}, folder / "meta.pt")
+    assert _sharded_complete(folder)
+    S3Store().upload_tree(folder, S3Uri(s3_bucket, "runs/r/checkpoints/epoch=1.ckpt"))
+
+    local = fetch_checkpoint(f"s3://{s3_bucket}/runs/r/checkpoints/epoch=1.ckpt", tmp_path / "cache")
+    assert local.is_dir() and local.name == "epoch=1.ckpt"
+    assert {p.name for p in local.iterdir()} == {p.name for p in folder.iterdir()}
+    for path in folder.iterdir():
+        assert (local / path.name).read_bytes() == path.read_bytes()
+
+    shard = next(folder.glob("*.distcp"))
+    shard.unlink()  # another node's shard, on a filesystem rank zero does not see
+    assert not _sharded_complete(folder)
+
+
+def test_preflight_passes_and_leaves_no_marker(s3_bucket: str, s3_env: str):
+    S3Store().preflight(S3Uri(s3_bucket, "runs/r"))
+    assert _keys(s3_env, s3_bucket) == []
+
+
+@pytest.mark.parametrize("case", ["no_bucket", "bad_credentials", "no_credentials", "unreachable"])
+def test_preflight_errors_are_classified(
+    case: str, s3_bucket: str, s3_env: str, monkeypatch: pytest.MonkeyPatch
+):
+    bucket, expected = s3_bucket, S3Error
+    if case == "no_bucket":
+        bucket, expected = "vitrain-no-such-bucket", S3BucketNotFound
+    elif case == "no_credentials":
+        monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+        monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+        expected = S3CredentialsError
+    elif case == "unreachable":
+        monkeypatch.setenv("AWS_ENDPOINT_URL", _free_port_endpoint())
+        expected = S3EndpointError
+    started = time.monotonic()
+    with moto_auth(s3_env) if case == "bad_credentials" else _nothing(), pytest.raises(expected) as info:
+        S3Store().preflight(S3Uri(bucket, "runs/r"))
+    if case == "bad_credentials":
+        assert isinstance(info.value, S3CredentialsError) and "InvalidAccessKeyId" in str(info.value)
+    assert time.monotonic() - started < 15
+    assert "\n" not in str(info.value) and find_secrets(str(info.value)) == []
+
+
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield
+
+
+# --- the callback with a real Trainer ------------------------------------------------------------------------
+
+
+class _Tiny(L.LightningModule):
+    """A linear model whose `val/score` rises every epoch: every epoch saves a new best."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 2)
+        self.steps = 0
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        self.steps += 1
+        return self.layer(batch).sum()
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        self.log("val/score", float(self.current_epoch))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        return torch.utils.data.DataLoader(torch.randn(8, 4), batch_size=4)
+
+    def val_dataloader(self) -> torch.utils.data.DataLoader:
+        return torch.utils.data.DataLoader(torch.randn(4, 4), batch_size=4)
+
+
+class _OnEpoch(Callback):
+    """Runs `actions[epoch]` at the start of that training epoch (-1: at train start)."""
+
+    def __init__(self, actions: dict) -> None:
+        self.actions = actions
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if -1 in self.actions:
+            self.actions[-1]()
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.current_epoch in self.actions:
+            self.actions[trainer.current_epoch]()
+
+
+def _fit(
+    run_dir: Path, upload: S3CheckpointUpload, epochs: int = 3, extra: tuple = ()
+) -> tuple[L.Trainer, _Tiny]:
+    model = _Tiny()
+    checkpoint = ModelCheckpoint(
+        dirpath=run_dir / "checkpoints",
+        filename="epoch{epoch}",
+        auto_insert_metric_name=False,
+        monitor="val/score",
+        mode="max",
+        save_top_k=1,
+        save_last=True,
+    )
+    trainer = L.Trainer(
+        default_root_dir=run_dir,
+        max_epochs=epochs,
+        accelerator="cpu",
+        logger=TensorBoardLogger(run_dir, name="tensorboard", version=""),
+        callbacks=[checkpoint, upload, *extra],  # ModelCheckpoint first: Lightning moves it last anyway
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    trainer.fit(model)
+    return trainer, model
+
+
+def _upload_cb(bucket: str, run_dir: Path, **kwargs) -> S3CheckpointUpload:
+    return S3CheckpointUpload(bucket=bucket, prefix="runs", run_dir=str(run_dir), max_attempts=2, **kwargs)
+
+
+@pytest.fixture
+def upload_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Keys passed to S3Store.upload_file (a spy on our code; boto3 is untouched)."""
+    calls: list[str] = []
+    original = S3Store.upload_file
+
+    def spy(self, path, uri, digest=None):
+        calls.append(uri.key)
+        return original(self, path, uri, digest)
+
+    monkeypatch.setattr(S3Store, "upload_file", spy)
+    return calls
+
+
+def test_callback_uploads_each_checkpoint_once_and_prunes(
+    s3_bucket: str, s3_env: str, tmp_path: Path, upload_calls
+):
+    run_dir = tmp_path / "run-1"
+    (run_dir / ".hydra").mkdir(parents=True)
+    (run_dir / ".hydra" / "config.yaml").write_text("model: tiny\n")
+    upload = _upload_cb(s3_bucket, run_dir)
+    trainer, _ = _fit(run_dir, upload)
+
+    base = "runs/run-1"
+    best = Path(trainer.checkpoint_callback.best_model_path)
+    assert best.name == "epoch2.ckpt"
+    keys = _keys(s3_env, s3_bucket)
+    assert f"{base}/checkpoints/epoch2.ckpt" in keys and f"{base}/checkpoints/last.ckpt" in keys
+    assert f"{base}/checkpoints/epoch0.ckpt" not in keys  # replaced bests are pruned
+    assert f"{base}/.hydra/config.yaml" in keys
+    assert any(k.startswith(f"{base}/tensorboard/events.out.tfevents") for k in keys)
+    assert _body(s3_env, s3_bucket, f"{base}/checkpoints/epoch2.ckpt") == best.read_bytes()
+    assert (
+        _body(s3_env, s3_bucket, f"{base}/checkpoints/last.ckpt") == (best.parent / "last.ckpt").read_bytes()
+    )
+    assert upload_calls.count(f"{base}/checkpoints/epoch2.ckpt") == 1
+    assert upload_calls.count(f"{base}/checkpoints/last.ckpt") == 3  # rewritten every epoch
+    assert upload.failures == [] and f"s3://{s3_bucket}/{base}/checkpoints/epoch2.ckpt" in upload.uploaded
+
+    # later files (a report written after fit) go up on request; unchanged ones are not sent again
+    (run_dir / "report.md").write_text("# report\n")
+    before = len(upload_calls)
+    upload.upload_run_files(trainer)
+    assert f"{base}/report.md" in _keys(s3_env, s3_bucket)
+    assert upload_calls[before:].count(f"{base}/report.md") == 1
+    assert not [k for k in upload_calls[before:] if "checkpoints" in k or ".hydra" in k]
+
+
+def test_callback_survives_outage_and_retries(
+    private_server: _Server, s3_bucket: str, tmp_path: Path, caplog
+):
+    """Server down from train start to epoch 2: errors logged, training goes on, everything up at the end."""
+    upload = _upload_cb(s3_bucket, tmp_path / "run", endpoint_url=private_server.endpoint)
+    stopper = _OnEpoch({-1: private_server.stop, 2: private_server.start})
+    with caplog.at_level(logging.INFO, logger="vitrain"):
+        trainer, model = _fit(tmp_path / "run", upload, epochs=4, extra=(stopper,))
+    assert trainer.current_epoch == 4 and model.steps == 8  # every epoch ran
+    assert any("S3 upload failed" in r.message and "unreachable" in r.message for r in caplog.records)
+    assert upload.failures == []  # retried at the next save, after the server came back
+    keys = _keys(private_server.endpoint, s3_bucket)
+    assert "runs/run/checkpoints/epoch3.ckpt" in keys and "runs/run/checkpoints/last.ckpt" in keys
+
+
+@pytest.mark.parametrize("fatal", [False, True])
+def test_callback_outage_until_the_end(
+    fatal: bool, private_server: _Server, s3_bucket: str, tmp_path: Path, caplog
+):
+    upload = _upload_cb(s3_bucket, tmp_path / "run", endpoint_url=private_server.endpoint, fatal=fatal)
+
+    def first_failure() -> None:  # make "the failure is known before epoch 1 ends" certain
+        deadline = time.monotonic() + 30
+        while not upload.failures and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    stopper = _OnEpoch({-1: private_server.stop, 1: first_failure})
+    with caplog.at_level(logging.INFO, logger="vitrain"):
+        if fatal:
+            with pytest.raises(S3Error, match="unreachable"):
+                _fit(tmp_path / "run", upload, epochs=6, extra=(stopper,))
+        else:
+            trainer, _ = _fit(tmp_path / "run", upload, epochs=6, extra=(stopper,))
+            assert trainer.current_epoch == 6
+    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    assert torch.load(last, weights_only=False)["epoch"] < (2 if fatal else 6)  # intact; fatal stopped early
+    assert any(r.levelno == logging.ERROR and "S3 upload failed" in r.message for r in caplog.records)
+    assert any("NOT uploaded" in r.message for r in caplog.records)
+    assert upload.failures
+
+
+def test_callback_preflight_fails_before_training(s3_env: str, tmp_path: Path):
+    upload = _upload_cb("vitrain-no-such-bucket", tmp_path / "run")
+    model = _Tiny()
+    trainer = L.Trainer(
+        max_epochs=1, accelerator="cpu", logger=False, callbacks=[upload], enable_progress_bar=False
+    )
+    with pytest.raises(S3BucketNotFound, match="vitrain-no-such-bucket"):
+        trainer.fit(model)
+    assert model.steps == 0
+    with pytest.raises(S3Error, match="no bucket is set"):
+        L.Trainer(
+            max_epochs=1, logger=False, callbacks=[_upload_cb(None, tmp_path)], enable_progress_bar=False
+        ).fit(_Tiny())
+
+
+def test_hydra_list_selection_adds_the_callback(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    from hydra.utils import instantiate
+
+    from helpers import compose_cfg
+
+    monkeypatch.setenv("S3_BUCKET", "from-env")
+    cfg = compose_cfg("train", ["callbacks=[default,s3]"], tmp_path)
+    assert {"model_checkpoint", "s3_upload"} <= set(cfg.callbacks)
+    upload = instantiate(cfg.callbacks.s3_upload)
+    assert isinstance(upload, S3CheckpointUpload) and upload.bucket == "from-env" and upload.prefix == "runs"
+    assert upload.options.request_checksum_calculation == "when_required"

@@ -1,0 +1,98 @@
+"""End-to-end single-process training and evaluation, in-process and through the entry points."""
+
+import json
+from pathlib import Path
+
+import hydra
+import pytest
+import timm
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from helpers import TINY_VIT, compose_cfg, run_cli, tiny_overrides
+from vitrain.training import train
+
+
+def _events(run_dir: Path) -> EventAccumulator:
+    files = list(run_dir.rglob("events.out.tfevents.*"))
+    assert files, f"no TensorBoard event file under {run_dir}"
+    acc = EventAccumulator(str(files[0].parent))
+    acc.Reload()
+    return acc
+
+
+def test_train_writes_checkpoints_and_tensorboard(tmp_path: Path, tiny_cifar: Path, data_cache: Path):
+    cfg = compose_cfg("train", [*tiny_overrides(tiny_cifar, data_cache), "trainer.max_epochs=2"], tmp_path)
+    metrics, objects = train(cfg)
+
+    ckpt_dir = tmp_path / "checkpoints"
+    assert (ckpt_dir / "last.ckpt").is_file()
+    best = Path(objects["best_model_path"])
+    assert best.is_file() and best.parent == ckpt_dir
+    for name in ("train/loss", "train/acc1", "train/acc5", "val/loss", "val/acc1", "val/acc5", "test/acc1"):
+        assert name in metrics and 0 <= metrics[name] < 100, name
+
+    scalars = set(_events(tmp_path).Tags()["scalars"])
+    assert {"train/loss_step", "val/acc1", "val/acc5", "train/acc1", "lr"} <= scalars, scalars
+    lrs = [e.value for e in _events(tmp_path).Scalars("lr")]
+    assert lrs[0] < max(lrs), "warm-up: the learning rate rises first"
+
+    saved = torch.load(best, weights_only=False)
+    assert saved["run_config"]["model"]["net"]["embed_dim"] == 32
+    assert saved["hyper_parameters"]["label_smoothing"] == cfg.model.label_smoothing
+
+
+def test_local_weights_file_is_loaded_with_resized_head(tmp_path: Path):
+    source = timm.create_model("vit_tiny_patch16_224", num_classes=1000, img_size=32, patch_size=8,
+                               embed_dim=32, depth=2, num_heads=2)
+    weights = tmp_path / "imagenet.pth"
+    torch.save(source.state_dict(), weights)
+    cfg = compose_cfg("train", [*TINY_VIT, f"model.weights_file={weights}"], tmp_path)
+    model = hydra.utils.instantiate(cfg.model)
+    assert model.net.head.out_features == 10
+    assert torch.equal(model.net.blocks[1].mlp.fc1.weight, source.blocks[1].mlp.fc1.weight)
+    assert model.input_spec["mean"] == (0.5, 0.5, 0.5)  # the pretrained config's, not CIFAR's
+
+
+def test_train_and_eval_cli(tmp_path: Path, tiny_cifar: Path, data_cache: Path):
+    """`src/train.py` then `src/eval.py` on its best checkpoint: eval reproduces the validation metrics."""
+    overrides = [o for o in tiny_overrides(tiny_cifar, data_cache) if not o.startswith("extras.")]
+    run_dir = tmp_path / "run"
+    done = run_cli("train.py", [*overrides, "trainer.max_epochs=2", f"hydra.run.dir={run_dir}"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (run_dir / "config_tree.log").is_file() and "model_name" in (run_dir / "config_tree.log").read_text()
+    assert (run_dir / ".hydra" / "config.yaml").is_file()
+    best = next((run_dir / "checkpoints").glob("epoch*.ckpt"))
+    best_score = torch.load(best, weights_only=False)["callbacks"]
+    score = next(v["best_model_score"] for k, v in best_score.items() if k.startswith("ModelCheckpoint"))
+
+    eval_dir = tmp_path / "eval"
+    done = run_cli("eval.py", [f"ckpt_path={best}", "split=val", f"hydra.run.dir={eval_dir}"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    metrics = json.loads((eval_dir / "metrics.json").read_text())
+    assert metrics["val/acc1"] == pytest.approx(float(score), abs=1e-6)
+    assert "val/acc1" in done.stdout  # the Rich table
+
+    done = run_cli("eval.py", [f"ckpt_path={best}", f"hydra.run.dir={tmp_path / 'eval_test'}"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert 0 <= json.loads((tmp_path / "eval_test" / "metrics.json").read_text())["test/acc1"] <= 1
+
+
+@pytest.mark.slow
+def test_real_cifar10_learns(tmp_path: Path, real_cifar10_cache):
+    """A couple of minutes of a small ViT on the real CIFAR-10 is far above chance (10 %)."""
+    cache_dir, archive = real_cifar10_cache
+    overrides = [
+        "experiment=cifar_cpu",
+        f"datamodule.data_dir={archive}",
+        f"datamodule.cache_dir={cache_dir}",
+        "datamodule.batch_size=128",
+        "datamodule.train_subset=15000",
+        "model.net.depth=2",  # experiment sets depth 6; keep this under two minutes
+        "trainer.max_epochs=2",
+        "trainer.max_time=null",
+        "logger=none",
+        "extras.print_config=false",
+    ]
+    metrics, _ = train(compose_cfg("train", overrides, tmp_path))
+    assert metrics["test/acc1"] > 0.35, metrics
