@@ -83,3 +83,36 @@ def test_tiny_vit_overrides_are_timm_kwargs(tmp_path: Path):
     cfg = compose_cfg("train", TINY_VIT, tmp_path)
     model = hydra.utils.instantiate(cfg.model)
     assert model.net.embed_dim == 32 and len(model.net.blocks) == 2
+
+
+@pytest.mark.slow
+def test_seed_command_trains_single_process(tmp_path: Path, real_cifar10_cache):
+    """The seed's command, with trainer=cpu in place of the two-node DDP part, trains ViT-B/32.
+
+    Limits for speed: one step at a small input size (the model is still vit_base_patch32_224).
+    """
+    cache_dir, archive = real_cifar10_cache
+    replaced = ("trainer=", "trainer.num_nodes", "trainer.default_root", "callbacks.model_checkpoint.dirpath")
+    command = [o for o in SEED_COMMAND if not o.startswith(replaced)]
+    overrides = [
+        *command,
+        "trainer=cpu",
+        f"callbacks.model_checkpoint.dirpath={tmp_path / 'logs/train/runs'}",
+        f"trainer.default_root_dir={tmp_path / 'root'}",
+        "model.net.pretrained=false",
+        "model.net.img_size=64",
+        f"datamodule.data_dir={archive}",
+        f"datamodule.cache_dir={cache_dir}",
+        "trainer.max_epochs=1",
+        "trainer.limit_train_batches=1",
+        "trainer.limit_val_batches=1",
+        "trainer.limit_test_batches=1",
+        "extras.print_config=false",
+    ]
+    metrics, objects = train(compose_cfg("train", overrides, tmp_path))
+    trainer = objects["trainer"]
+    assert trainer.global_step == 1 and trainer.world_size == 1
+    assert objects["model"].net.patch_embed.proj.kernel_size == (32, 32)
+    assert objects["datamodule"].hparams.batch_size == 384
+    assert Path(objects["best_model_path"]).is_file()
+    assert "test/acc1" in metrics

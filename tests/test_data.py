@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from lightning.pytorch import Trainer
+from lightning.pytorch import LightningModule, Trainer
 
 from data_factory import (
     CLASSES,
@@ -366,6 +366,35 @@ def test_input_spec_precedence(folders: Path, tmp_path: Path):
     dm = CIFAR10DataModule(str(folders), str(tmp_path / "cache"), img_size=64, mean=[0.1, 0.2, 0.3])
     dm.set_input_spec(224, (0.5, 0.5, 0.5), (0.4, 0.4, 0.4))
     assert (dm.img_size, dm.mean, dm.std) == (64, (0.1, 0.2, 0.3), (0.4, 0.4, 0.4))
+
+
+class _Probe(LightningModule):
+    """Records what the steps receive: the datamodule's hooks must hand over float model inputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(3 * 32 * 32, 10)
+        self.seen: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.seen.append(("train", x.dtype, tuple(x.shape)))
+        return torch.nn.functional.cross_entropy(self.net(x.flatten(1)), y)
+
+    def validation_step(self, batch, batch_idx):
+        self.seen.append(("val", batch[0].dtype, tuple(batch[0].shape)))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_fit_with_trainer(folders: Path, tmp_path: Path):
+    dm = CIFAR10DataModule(str(folders), str(tmp_path / "cache"), batch_size=8, val_size=10)
+    probe = _Probe()
+    _trainer(devices=1, max_epochs=1, use_distributed_sampler=False, num_sanity_val_steps=0).fit(probe, dm)
+    assert probe.seen.count(("train", torch.float32, (8, 3, 32, 32))) == 3
+    val = [shape for stage, _, shape in probe.seen if stage == "val"]
+    assert val == [(8, 3, 32, 32), (2, 3, 32, 32)]
 
 
 # --- real data -------------------------------------------------------------------------------------

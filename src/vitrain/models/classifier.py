@@ -6,11 +6,13 @@ from typing import Any
 import lightning as L
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.strategies import ModelParallelStrategy
 from timm.optim import param_groups_weight_decay
 from torch import nn
 from torchmetrics import MeanMetric, MetricCollection
 from torchmetrics.classification import MulticlassAccuracy
 
+from vitrain.distributed.fsdp import apply_fsdp
 from vitrain.models.timm_net import create_net, input_spec
 
 
@@ -52,6 +54,12 @@ class ImageClassifier(L.LightningModule):
         self.run_config: dict[str, Any] | None = None
 
     def configure_model(self) -> None:
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        if isinstance(strategy, ModelParallelStrategy):
+            # FSDP2: shard each transformer block, then the root (vitrain/distributed/fsdp.py)
+            apply_fsdp(
+                self.net, strategy.device_mesh["data_parallel"], **getattr(strategy, "fsdp_options", {})
+            )
         # in place (nn.Module.compile), so state-dict keys and checkpoints stay those of the plain model
         if self.hparams.compile:
             self.net.compile()

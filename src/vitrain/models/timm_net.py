@@ -10,10 +10,8 @@ import timm
 import torch
 from torch import nn
 
+from vitrain.data.cifar10 import CIFAR10_MEAN, CIFAR10_STD
 from vitrain.errors import ModelError
-
-CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
-CIFAR10_STD = (0.2470, 0.2435, 0.2616)
 
 
 def _check_model_name(name: str) -> None:
