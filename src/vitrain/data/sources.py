@@ -1,0 +1,374 @@
+"""Find CIFAR-10 on disk (python batches, class folders or an archive of either), decode it once into a
+uint8 tensor file in the cache, and load that file on every later run."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import pickle
+import shutil
+import socket
+import tarfile
+import tempfile
+import warnings
+import zlib
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+from torchvision.io import ImageReadMode, decode_image
+
+from vitrain.errors import DataError
+
+log = logging.getLogger(__name__)
+
+CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
+BATCHES_DIR = "cifar-10-batches-py"
+TRAIN_BATCHES = tuple(f"data_batch_{i}" for i in range(1, 6))
+TEST_BATCH = "test_batch"
+META_FILE = "batches.meta"
+ARCHIVE_SUFFIXES = (".tar.gz", ".tgz", ".tar")
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
+IMAGE_SHAPE = (3, 32, 32)
+# bump when the decoded file's content changes, so old caches are not mistaken for new ones
+CACHE_FORMAT = 1
+DOWNLOAD_TIMEOUT_S = 60.0
+
+LAYOUT_HINT = (
+    "point datamodule.data_dir at a cifar-10-batches-py folder, a train/<class>/ folder tree "
+    "or a .tar.gz of either, or set datamodule.download=true"
+)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where the data sits: `kind` is "batches" (official python pickles) or "folders" (train/<class>/...)."""
+
+    kind: str
+    root: Path
+
+
+@dataclass(frozen=True)
+class Decoded:
+    """The whole data set as uint8 [N,3,32,32] images and int64 labels."""
+
+    train_x: Tensor
+    train_y: Tensor
+    test_x: Tensor
+    test_y: Tensor
+    classes: list[str]
+
+
+def load_cifar10(
+    data_dir: str | os.PathLike,
+    cache_dir: str | os.PathLike,
+    download: bool = False,
+    decode_workers: int | None = None,
+) -> Decoded:
+    """Return CIFAR-10 from the decoded cache, filling the cache (download, unpack, decode) on a miss."""
+    src = Path(data_dir).expanduser().absolute()
+    cache = Path(cache_dir).expanduser().absolute() / "cifar10"
+    if _is_archive(src):
+        if not src.is_file():
+            raise DataError(f"CIFAR-10 archive {src} not found: {LAYOUT_HINT}")
+        key = _digest(f"archive|{src}|{_stat_key(src)}")
+        cached = _load_cached(cache / f"decoded-{key}.pt")
+        if cached is not None:
+            return cached
+        layout = find_layout(unpack_archive(src, cache / "unpacked"))
+        if layout is None:
+            raise DataError(f"archive {src} holds no CIFAR-10 layout: {LAYOUT_HINT}")
+        return _decode_and_cache(layout, cache / f"decoded-{key}.pt", decode_workers)
+
+    layout = find_layout(src) if src.is_dir() else None
+    if layout is None and src.is_dir():
+        archives = [p for p in sorted(src.iterdir()) if _is_archive(p) and p.is_file()]
+        if len(archives) == 1:
+            return load_cifar10(archives[0], cache_dir, download=False, decode_workers=decode_workers)
+    if layout is None and download:
+        download_cifar10(src)
+        layout = find_layout(src)
+    if layout is None:
+        what = "not found at" if not src.exists() else "layout not recognised in"
+        raise DataError(f"CIFAR-10 {what} {src}: {LAYOUT_HINT}")
+    files = _source_files(layout)
+    listing = "\n".join(f"{p.relative_to(layout.root)}|{_stat_key(p)}" for p in files)
+    key = _digest(f"{layout.kind}|{layout.root}|{listing}")
+    cached = _load_cached(cache / f"decoded-{key}.pt")
+    if cached is not None:
+        return cached
+    return _decode_and_cache(layout, cache / f"decoded-{key}.pt", decode_workers)
+
+
+def find_layout(root: Path) -> Layout | None:
+    """Detect the layout in `root`, in a `cifar-10-batches-py` child, or in its only sub-folder (an unpacked archive)."""
+    for depth in range(2):
+        if any((root / name).is_file() for name in (*TRAIN_BATCHES, TEST_BATCH)):
+            return Layout("batches", root)
+        if (root / BATCHES_DIR).is_dir():
+            return Layout("batches", root / BATCHES_DIR)
+        if (root / "train").is_dir() or (root / "test").is_dir():
+            return Layout("folders", root)
+        subdirs = (
+            [p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")] if depth == 0 else []
+        )
+        if len(subdirs) != 1:
+            return None
+        root = subdirs[0]
+    return None
+
+
+def unpack_archive(archive: Path, unpack_root: Path) -> Path:
+    """Unpack once into a folder keyed by the archive's path, size and mtime; a half-done unpack never counts."""
+    key = _digest(f"{archive}|{_stat_key(archive)}")
+    name = archive.name
+    for suffix in ARCHIVE_SUFFIXES:
+        name = name.removesuffix(suffix)
+    target = unpack_root / f"{name}-{key}"
+    if target.is_dir():
+        return target
+    unpack_root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=unpack_root))
+    log.info("unpacking %s into %s (first run only)", archive, target)
+    try:
+        with tarfile.open(archive) as tf:
+            tf.extractall(tmp, filter="data")
+    except (tarfile.TarError, EOFError, zlib.error, OSError) as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise DataError(
+            f"cannot unpack {archive} ({type(e).__name__}: {e}): the archive is truncated or corrupted, copy or download it again"
+        ) from e
+    try:
+        tmp.rename(target)
+    except OSError:  # another process finished the same unpack first
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not target.is_dir():
+            raise
+    return target
+
+
+def download_cifar10(root: Path) -> None:
+    """Fetch the official python batches with torchvision; a network failure becomes a DataError."""
+    from torchvision.datasets import CIFAR10
+
+    log.info("downloading CIFAR-10 into %s", root)
+    old_timeout = socket.getdefaulttimeout()
+    socket.setdefaulttimeout(DOWNLOAD_TIMEOUT_S)  # torchvision's urlopen has no timeout of its own
+    try:
+        CIFAR10(str(root), train=True, download=True)
+    except Exception as e:
+        raise DataError(
+            f"downloading CIFAR-10 into {root} failed ({type(e).__name__}: {e}): without internet, copy "
+            f"cifar-10-python.tar.gz or an unpacked {BATCHES_DIR} folder there (or point datamodule.data_dir "
+            "at a local copy) and set datamodule.download=false"
+        ) from e
+    finally:
+        socket.setdefaulttimeout(old_timeout)
+
+
+def decode_layout(layout: Layout, decode_workers: int | None = None) -> Decoded:
+    """Decode a found layout into memory (no cache involved)."""
+    if layout.kind == "batches":
+        return _decode_batches(layout.root)
+    return _decode_folders(layout.root, decode_workers)
+
+
+# --- python batches -------------------------------------------------------------------------------
+
+
+def _decode_batches(root: Path) -> Decoded:
+    classes = list(CIFAR10_CLASSES)
+    if (root / META_FILE).is_file():
+        meta = _unpickle(root / META_FILE)
+        names = meta.get(b"label_names")
+        if not isinstance(names, list) or not names:
+            raise DataError(f"{root / META_FILE} has no label_names: copy or download the batches again")
+        classes = [n.decode() if isinstance(n, bytes) else str(n) for n in names]
+    parts = [_read_batch(root / name, len(classes)) for name in TRAIN_BATCHES]
+    test_x, test_y = _read_batch(root / TEST_BATCH, len(classes))
+    return Decoded(
+        train_x=torch.cat([x for x, _ in parts]),
+        train_y=torch.cat([y for _, y in parts]),
+        test_x=test_x,
+        test_y=test_y,
+        classes=classes,
+    )
+
+
+def _read_batch(path: Path, num_classes: int) -> tuple[Tensor, Tensor]:
+    if not path.is_file():
+        raise DataError(
+            f"CIFAR-10 batch file {path} is missing: copy or download the complete {BATCHES_DIR} folder"
+        )
+    batch = _unpickle(path)
+    data, labels = batch.get(b"data"), batch.get(b"labels")
+    n = len(labels) if isinstance(labels, list) else -1
+    if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.shape != (n, 3 * 32 * 32):
+        raise DataError(
+            f"{path} is not a CIFAR-10 batch (want b'data' uint8 [N,3072] and N b'labels'): copy or download it again"
+        )
+    y = torch.tensor(labels, dtype=torch.int64)
+    if n and (int(y.min()) < 0 or int(y.max()) >= num_classes):
+        raise DataError(f"{path} has labels outside 0..{num_classes - 1}: copy or download it again")
+    return torch.from_numpy(np.ascontiguousarray(data)).view(n, *IMAGE_SHAPE).clone(), y
+
+
+def _unpickle(path: Path) -> dict:
+    try:
+        with path.open("rb") as f:
+            obj = pickle.load(f, encoding="bytes")
+    except Exception as e:
+        raise DataError(
+            f"cannot read {path} ({type(e).__name__}: {e}): the file is corrupted, copy or download it again"
+        ) from e
+    if not isinstance(obj, dict):
+        raise DataError(f"{path} does not hold a CIFAR-10 dict: copy or download it again")
+    return obj
+
+
+# --- class folders --------------------------------------------------------------------------------
+
+
+def _class_dirs(split_dir: Path) -> list[str]:
+    return sorted(p.name for p in split_dir.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+
+def _folder_files(root: Path) -> dict[str, list[list[Path]]]:
+    """Image files per split and class, checked for a complete, non-empty tree."""
+    for split in ("train", "test"):
+        if not (root / split).is_dir():
+            raise DataError(
+                f"{root / split} is missing: a class-folder CIFAR-10 needs both train/<class>/ and test/<class>/"
+            )
+    classes = _class_dirs(root / "train")
+    if not classes:
+        raise DataError(
+            f"{root / 'train'} has no class folders: put the images in train/<class>/ and test/<class>/"
+        )
+    test_classes = _class_dirs(root / "test")
+    for cls in sorted(set(classes) ^ set(test_classes)):
+        have, lack = ("train", "test") if cls in classes else ("test", "train")
+        raise DataError(
+            f"class folder {root / lack / cls} is missing ({have}/{cls} exists): train and test need the same classes"
+        )
+    out: dict[str, list[list[Path]]] = {}
+    for split in ("train", "test"):
+        out[split] = []
+        for cls in classes:
+            d = root / split / cls
+            files = sorted(
+                p for p in d.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES and not p.name.startswith(".")
+            )
+            if not files:
+                raise DataError(
+                    f"{d} holds no {'/'.join(IMAGE_SUFFIXES)} images: add them or remove the folder"
+                )
+            out[split].append(files)
+    return out
+
+
+def _decode_folders(root: Path, decode_workers: int | None) -> Decoded:
+    files = _folder_files(root)
+    splits = {}
+    for split, per_class in files.items():
+        paths = [p for group in per_class for p in group]
+        labels = torch.cat([torch.full((len(g),), i, dtype=torch.int64) for i, g in enumerate(per_class)])
+        splits[split] = (_decode_images(paths, decode_workers), labels)
+    return Decoded(*splits["train"], *splits["test"], classes=_class_dirs(root / "train"))
+
+
+def _decode_images(paths: list[Path], workers: int | None) -> Tensor:
+    """Decode into one preallocated tensor; threads overlap file reads (decoding itself is GIL-bound C calls)."""
+    out = torch.empty((len(paths), *IMAGE_SHAPE), dtype=torch.uint8)
+
+    def work(span: range) -> None:
+        for i in span:
+            out[i] = _decode_one(paths[i])
+
+    workers = workers or min(4, os.cpu_count() or 1)
+    step = max(256, -(-len(paths) // (workers * 8)))
+    with warnings.catch_warnings():
+        # torchvision 0.29 deprecates its io decoders in favour of torchcodec, which is not a dependency here
+        warnings.simplefilter("ignore", DeprecationWarning)
+        with ThreadPoolExecutor(workers) as pool:
+            for fut in [
+                pool.submit(work, range(i, min(i + step, len(paths)))) for i in range(0, len(paths), step)
+            ]:
+                fut.result()
+    return out
+
+
+def _decode_one(path: Path) -> Tensor:
+    try:
+        with path.open("rb") as f:
+            raw = f.read()
+        img = decode_image(torch.frombuffer(bytearray(raw), dtype=torch.uint8), mode=ImageReadMode.UNCHANGED)
+    except (RuntimeError, ValueError, OSError) as e:
+        raise DataError(
+            f"cannot decode image {path} ({e}): the file is corrupted, replace or delete it"
+        ) from e
+    if tuple(img.shape) != IMAGE_SHAPE:
+        shape = "x".join(map(str, img.shape))
+        raise DataError(
+            f"image {path} has shape {shape} (CxHxW), CIFAR-10 needs 3x32x32 RGB: convert or remove it"
+        )
+    return img
+
+
+# --- cache ----------------------------------------------------------------------------------------
+
+
+def _source_files(layout: Layout) -> list[Path]:
+    if layout.kind == "batches":
+        return [p for p in (layout.root / n for n in (*TRAIN_BATCHES, TEST_BATCH, META_FILE)) if p.exists()]
+    return [p for split in _folder_files(layout.root).values() for group in split for p in group]
+
+
+def _decode_and_cache(layout: Layout, target: Path, decode_workers: int | None) -> Decoded:
+    log.info("decoding CIFAR-10 from %s into %s (first run only)", layout.root, target)
+    data = decode_layout(layout, decode_workers)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    _atomic_write(target, lambda f: torch.save({**data.__dict__, "format": CACHE_FORMAT}, f))
+    return data
+
+
+def _load_cached(path: Path) -> Decoded | None:
+    if not path.is_file():
+        return None
+    try:
+        d = torch.load(path, map_location="cpu", weights_only=True)
+        if d.get("format") != CACHE_FORMAT:
+            return None
+        return Decoded(d["train_x"], d["train_y"], d["test_x"], d["test_y"], list(d["classes"]))
+    except Exception as e:  # a damaged cache is rebuilt, not fatal
+        log.warning("ignoring unreadable cache file %s (%s)", path, e)
+        return None
+
+
+def _atomic_write(path: Path, write: Callable) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _is_archive(path: Path) -> bool:
+    return path.name.lower().endswith(ARCHIVE_SUFFIXES)
+
+
+def _stat_key(path: Path) -> str:
+    st = path.stat()
+    return f"{st.st_size}|{st.st_mtime_ns}"
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(f"v{CACHE_FORMAT}|{text}".encode()).hexdigest()[:16]
