@@ -4,6 +4,7 @@ import hydra
 from omegaconf import DictConfig
 
 from vitrain.evaluation import evaluate
+from vitrain.utils.cli import check_overrides
 from vitrain.utils.run_id import register_resolvers
 from vitrain.utils.task import run_task
 
@@ -16,4 +17,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    check_overrides("eval")
     main()

@@ -4,6 +4,7 @@ import hydra
 from omegaconf import DictConfig
 
 from vitrain.training import train
+from vitrain.utils.cli import check_overrides
 from vitrain.utils.run_id import register_resolvers
 from vitrain.utils.task import run_task
 
@@ -18,4 +19,5 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
+    check_overrides("train")
     main()

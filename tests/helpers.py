@@ -64,6 +64,7 @@ def run_cli(
     env: dict[str, str] | None = None,
     timeout: float = 300,
     cwd: Path = ROOT,
+    **popen: object,
 ) -> subprocess.CompletedProcess:
     """`python src/<script> overrides...` in a fresh process, as a user types it."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
@@ -73,5 +74,5 @@ def run_cli(
             full_env.pop(var, None)
     return subprocess.run(
         [PYTHON, str(ROOT / "src" / script), *overrides],
-        cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout,
+        cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout, **popen,
     )

@@ -65,3 +65,17 @@ def test_batch_size_not_divisible_by_world_size(tmp_path: Path, tiny_cifar: Path
                  f"hydra.run.dir={tmp_path}/run"]
     done = run_cli("train.py", overrides, timeout=180)
     _assert_clean_failure(done, "datamodule.batch_size=9", "2")
+
+
+def test_misspelled_override_key_suggests_the_right_one(tmp_path: Path):
+    done = run_cli("train.py", ["datamodule.batchsize=64", f"hydra.run.dir={tmp_path}/run"])
+    _assert_clean_failure(done, "unknown config key datamodule.batchsize", "did you mean datamodule.batch_size?")
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "run").exists(), "nothing is created for a command that cannot run"
+
+
+def test_wrong_type(tmp_path: Path, tiny_cifar: Path, data_cache: Path):
+    overrides = [*tiny_overrides(tiny_cifar, data_cache), "datamodule.batch_size=abc", f"hydra.run.dir={tmp_path}/r"]
+    done = run_cli("train.py", overrides)
+    _assert_clean_failure(done, "datamodule.batch_size='abc' must be a whole number")
+    assert done.returncode == 2

@@ -1,18 +1,74 @@
-"""Reading checkpoints for evaluation: a Lightning file, a sharded (FSDP) folder, or an s3:// URI."""
+"""Writing checkpoints atomically, and reading them back: a file, a sharded (FSDP) folder, or s3://."""
 
+import errno
+import os
 import pickle
 import zipfile
 from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.fabric.utilities.load import _load_distributed_checkpoint
+from lightning.fabric.utilities.load import _METADATA_FILENAME
+from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from vitrain.errors import UserError
 
 
 class CheckpointError(UserError):
     """A checkpoint that does not exist, cannot be read, or does not fit the model."""
+
+
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+READ_ERRORS = (RuntimeError, EOFError, OSError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError)
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Writes a checkpoint next to its target, fsyncs it, then renames it over the target.
+
+    Lightning's own save goes through an fsspec transaction whose temporary file lives in the system temp
+    dir: when that is another filesystem (a tmpfs, a container layer) the final move is a copy, and a
+    process killed during it leaves a truncated `last.ckpt` where a good one was. A rename within one
+    directory is atomic: readers see the old file or the new one, never half of one.
+    """
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        target = Path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+        try:
+            with tmp.open("wb") as f:
+                torch.save(checkpoint, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, target)
+        except OSError as err:
+            tmp.unlink(missing_ok=True)
+            if err.errno in NO_SPACE:
+                kept = " (the previous one is intact)" if target.exists() else ""
+                raise CheckpointError(
+                    f"no space left to save checkpoint {target}{kept}: free disk space or point "
+                    "callbacks.model_checkpoint.dirpath at a larger disk"
+                ) from err
+            raise
+        _fsync_dir(target.parent)
+
+    def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict:
+        """Lightning's load, with a one-line error naming the file when it is missing or damaged."""
+        if not Path(path).exists():
+            raise CheckpointError(f"ckpt_path={path} does not exist")
+        try:
+            return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        except READ_ERRORS as err:
+            raise _damaged(Path(path), err) from err
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make the rename itself durable (a crash right after must not bring back the old name's content)."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def resolve(ckpt_path: str, cache_dir: str | Path) -> Path:
@@ -31,18 +87,39 @@ def load(path: Path) -> dict[str, Any]:
     """The whole checkpoint as one dict on CPU; a sharded folder is consolidated in memory.
 
     Lightning's `consolidate_checkpoint` CLI fails on ModelParallelStrategy folders (KeyError 'model':
-    the weights are under 'state_dict'), so we use the fabric loader it is built on.
+    the weights are under 'state_dict'), so we read the folder as the fabric loader under it does.
     """
     try:
         if path.is_dir():
             if not (path / ".metadata").is_file():
                 raise CheckpointError(f"{path} is a folder but not a sharded checkpoint (no .metadata file)")
-            return _load_distributed_checkpoint(path)
+            return _load_sharded(path)
         # weights_only=False: our checkpoints hold the optimizer/scheduler partials of the model's hparams
         return torch.load(path, map_location="cpu", weights_only=False)
     except CheckpointError:
         raise
-    except (RuntimeError, EOFError, OSError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError) as err:
-        raise CheckpointError(
-            f"checkpoint {path} is truncated or corrupted ({type(err).__name__}): use another checkpoint"
-        ) from err
+    except READ_ERRORS as err:
+        raise _damaged(path, err) from err
+
+
+def _load_sharded(folder: Path) -> dict[str, Any]:
+    """Lightning's `_load_distributed_checkpoint`, except for meta.pt: it reads that with torch's default
+    weights_only=True, which refuses the hparams (DictConfig, partials) our checkpoints carry."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    checkpoint: dict[str, Any] = {}
+    _load_state_dict(
+        checkpoint, storage_reader=FileSystemReader(folder), planner=_EmptyStateDictLoadPlanner(), no_dist=True
+    )
+    meta = folder / _METADATA_FILENAME
+    if meta.is_file():
+        checkpoint.update(torch.load(meta, map_location="cpu", weights_only=False))
+    return checkpoint
+
+
+def _damaged(path: Path, err: BaseException) -> CheckpointError:
+    return CheckpointError(
+        f"checkpoint {path} is truncated or corrupted ({type(err).__name__}): use another checkpoint"
+    )

@@ -187,7 +187,10 @@ class S3Store:
 
     def __init__(self, options: S3Options | None = None) -> None:
         self.options = options or S3Options()
-        self.client = make_client(self.options)
+        try:
+            self.client = make_client(self.options)
+        except BotoCoreError as exc:  # e.g. AWS_PROFILE names no profile
+            raise _classify(exc, "creating the client", self.options.endpoint_url or "(default)") from None
         self.transfer = TransferConfig(
             multipart_threshold=self.options.multipart_threshold,
             multipart_chunksize=self.options.multipart_chunksize,
@@ -238,6 +241,8 @@ class S3Store:
                 Config=self.transfer,
             )
             head = self.client.head_object(Bucket=uri.bucket, Key=uri.key)
+        except FileNotFoundError:
+            raise  # the caller's business (a checkpoint replaced meanwhile), not an S3 failure
         except Exception as exc:
             raise self.error(exc, f"uploading {path} to {uri}") from exc
         self._check(uri, head, digest)

@@ -9,6 +9,9 @@ import lightning as L
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from omegaconf import DictConfig
 
+from vitrain.checkpoints import CheckpointError
+from vitrain.report import finish_run
+from vitrain.tuning import search_batch_size
 from vitrain.utils.config import instantiate_dict, to_container
 
 log = logging.getLogger(__name__)
@@ -40,10 +43,19 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
         L.seed_everything(cfg.seed, workers=True)
     objects = build(cfg)
     trainer, model, datamodule = objects["trainer"], objects["model"], objects["datamodule"]
+    search_batch_size(cfg, objects)  # only with `+tune=batch_size`
 
     if cfg.get("train"):
         # weights_only=False: our checkpoints hold the optimizer/scheduler partials of the model's hparams
-        trainer.fit(model=model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"), weights_only=False)
+        try:
+            trainer.fit(model=model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"), weights_only=False)
+        except RuntimeError as err:
+            if "Error(s) in loading state_dict" not in str(err):
+                raise
+            detail = next((ln.strip() for ln in str(err).splitlines()[1:] if ln.strip()), "")
+            raise CheckpointError(
+                f"ckpt_path={cfg.ckpt_path} does not fit model {cfg.model.net.model_name}: {detail}"
+            ) from err
     metrics = _scalars(trainer.callback_metrics)
 
     checkpoint = trainer.checkpoint_callback
@@ -57,4 +69,5 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
             log.warning("No best checkpoint found: testing the current weights")
             trainer.test(model=model, datamodule=datamodule)
         metrics.update(_scalars(trainer.callback_metrics))
+    finish_run(objects)  # rank zero: report.md/json and plots in the run dir
     return metrics, objects

@@ -10,6 +10,7 @@ the file, or every shard of a folder (checked against the DCP `.metadata`), is c
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import tempfile
@@ -22,6 +23,7 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
+from vitrain.errors import UserError
 from vitrain.s3 import MiB, S3Error, S3Options, S3Store, S3Uri, S3VerifyError, Uploaded, parse_s3_uri
 from vitrain.utils.secrets import find_secrets, scrub
 
@@ -211,22 +213,27 @@ class S3CheckpointUpload(Callback):
 
     @property
     def uploaded(self) -> list[str]:
-        return list(self._done)
+        with self._locked():
+            return list(self._done)
 
     @property
     def failures(self) -> list[str]:
-        return [message for _job, message in self._failed.values()]
+        with self._locked():
+            return [message for _job, message in self._failed.values()]
+
+    def _locked(self) -> threading.Lock | contextlib.nullcontext:
+        return self._lock or contextlib.nullcontext()
 
     # --- Lightning hooks --------------------------------------------------------------------------------------
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage != "fit" or self._worker is not None:
             return
-        problem: S3Error | None = None
+        problem: UserError | None = None
         if trainer.is_global_zero:
             try:
                 self._start(trainer)
-            except S3Error as err:
+            except UserError as err:
                 problem = err
         message = str(problem) if problem else None
         if trainer.world_size > 1:  # every rank fails the same way, none is left waiting in a collective
@@ -370,8 +377,12 @@ class S3CheckpointUpload(Callback):
         for index, callback in enumerate(trainer.checkpoint_callbacks):
             if not isinstance(callback, ModelCheckpoint):
                 continue
-            wanted = [("best", callback.best_model_path if self.upload_best else "")]
-            wanted.append(("last", callback.last_model_path if self.upload_last else ""))
+            # a ModelCheckpoint without a monitor keeps the newest state (our `last_checkpoint`): its
+            # "best" is the latest, not a best
+            latest_only = callback.monitor is None
+            best = "" if latest_only else callback.best_model_path
+            last = callback.best_model_path if latest_only else callback.last_model_path
+            wanted = [("best", best if self.upload_best else ""), ("last", last if self.upload_last else "")]
             for kind, path in wanted:
                 if path:
                     new |= self._offer(Path(path), slot=f"{kind}:{index}", kind=kind)

@@ -3,7 +3,8 @@ training device, and its own distributed sampling (the trainer runs with use_dis
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 from lightning.pytorch import LightningDataModule
@@ -46,6 +47,32 @@ class TensorImageDataset(Dataset):
 def passthrough_collate(batch: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
     """`__getitems__` already returns a collated batch (module-level so worker processes can pickle it)."""
     return batch
+
+
+class ResumableLoader(DataLoader):
+    """A DataLoader that skips the batches a mid-epoch checkpoint had already trained on.
+
+    Lightning restores its loop counters from a mid-epoch checkpoint (a SIGTERM save) but restarts a plain
+    DataLoader from its first batch: the resumed epoch would train twice on its first batches and never
+    on its last ones. The training order is a function of (seed, epoch) alone, so skipping the batches
+    the restored loop has completed continues exactly where the interrupted run stopped.
+    """
+
+    def __init__(self, *args: Any, batches_done: Callable[[], int], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._batches_done = batches_done
+
+    def __iter__(self) -> Iterator:
+        iterator = super().__iter__()
+
+        def batches() -> Iterator:
+            # decided at the first batch, not here: Lightning creates the iterator before it restores
+            # its loop counters from the checkpoint
+            for _ in range(self._batches_done()):
+                next(iterator, None)  # a tensor slice each: a whole epoch skips in well under a second
+            yield from iterator
+
+        return batches()
 
 
 def per_process_batch(batch_size: int, world_size: int, name: str = "batch_size") -> int:
@@ -110,6 +137,11 @@ class CIFAR10DataModule(LightningDataModule):
         train_subset: int | None = None,
     ) -> None:
         super().__init__()
+        _check_ints(
+            batch_size=batch_size, val_size=val_size, split_seed=split_seed, shuffle_seed=shuffle_seed,
+            num_workers=num_workers, crop_padding=crop_padding, eval_batch_size=eval_batch_size,
+            img_size=img_size, train_subset=train_subset,
+        )
         self.save_hyperparameters()
         self.classes: list[str] = list(CIFAR10_CLASSES)
         self.num_classes = len(self.classes)
@@ -190,12 +222,19 @@ class CIFAR10DataModule(LightningDataModule):
             return 1, 0
         return self.trainer.world_size, self.trainer.global_rank
 
+    def _resume_offset(self) -> int:
+        """Batches of the current epoch a restored (mid-epoch) checkpoint has already trained on."""
+        if self.trainer is None or not self.trainer.fit_loop.restarting:
+            return 0
+        return self.trainer.fit_loop.epoch_loop.batch_progress.current.completed
+
     def _loader(self, dataset: TensorImageDataset | None, train: bool) -> DataLoader:
         if dataset is None:
             raise RuntimeError("call setup() before asking for a dataloader")
         hp = self.hparams
         world, rank = self._world()
-        return DataLoader(
+        extra = {"batches_done": self._resume_offset} if train else {}
+        return (ResumableLoader if train else DataLoader)(
             dataset,
             batch_size=self._batch if train else self._eval_batch,
             sampler=make_sampler(dataset, train=train, num_replicas=world, rank=rank, seed=hp.shuffle_seed),
@@ -204,6 +243,10 @@ class CIFAR10DataModule(LightningDataModule):
             pin_memory=hp.pin_memory,
             persistent_workers=hp.num_workers > 0,
             collate_fn=passthrough_collate,
+            # a private generator: creating the iterator draws a seed, which must not shift the global RNG
+            # that augmentation uses (an exact resume restores that RNG, see callbacks/resume.py)
+            generator=torch.Generator().manual_seed(hp.shuffle_seed),
+            **extra,
         )
 
     def train_dataloader(self) -> DataLoader:
@@ -222,6 +265,13 @@ class CIFAR10DataModule(LightningDataModule):
         x, y = batch
         train = bool(self.hparams.augment) and self.trainer is not None and self.trainer.training
         return self.transform(x, train=train), y
+
+
+def _check_ints(**values: object) -> None:
+    """Hydra passes `datamodule.batch_size=abc` through as a string: catch it here, by name."""
+    for name, value in values.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise DataError(f"datamodule.{name}={value!r} must be a whole number")
 
 
 def _floats(values: Sequence[float] | None) -> tuple[float, ...] | None:

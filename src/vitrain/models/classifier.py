@@ -24,6 +24,17 @@ def _metrics(num_classes: int, prefix: str) -> MetricCollection:
     return MetricCollection(metrics, prefix=prefix)
 
 
+def set_fused_attn(net: nn.Module, enabled: bool) -> None:
+    """Pick timm's attention kernel: SDPA (True, timm's default) or its matmul-softmax-matmul (False).
+
+    On CPU, SDPA's flash kernel is slow for short sequences (65 tokens: about 3x slower training of a small
+    ViT here, docs/benchmarks.md); on GPU SDPA wins. State-dict keys are the same either way.
+    """
+    for module in net.modules():
+        if hasattr(module, "fused_attn"):
+            module.fused_attn = enabled
+
+
 class ImageClassifier(L.LightningModule):
     """Classifies images with `timm.create_model(**net)`.
 
@@ -40,10 +51,13 @@ class ImageClassifier(L.LightningModule):
         label_smoothing: float = 0.0,
         weights_file: str | None = None,
         compile: bool = False,
+        fused_attn: bool | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters(logger=False)
         self.net: nn.Module = create_net(net, weights_file)
+        if fused_attn is not None:
+            set_fused_attn(self.net, fused_attn)
         self.input_spec = input_spec(self.net, bool(net.get("pretrained") or weights_file), net.get("img_size"))
         num_classes = int(self.net.num_classes)
         self.train_metrics = _metrics(num_classes, "train/")

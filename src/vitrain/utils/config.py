@@ -9,7 +9,8 @@ import rich.syntax
 import rich.tree
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
-from rich.console import Console
+
+from vitrain.utils.secrets import redact
 
 PRINT_ORDER = ("datamodule", "model", "callbacks", "logger", "trainer", "paths", "extras")
 
@@ -17,6 +18,7 @@ PRINT_ORDER = ("datamodule", "model", "callbacks", "logger", "trainer", "paths",
 @rank_zero_only
 def print_config_tree(cfg: DictConfig, save_to: Path | None = None, order: Sequence[str] = PRINT_ORDER) -> None:
     """Rich tree of the config on rank zero; also written to `save_to` (the run dir's config_tree.log)."""
+    cfg = redact(cfg, resolve=True)  # a key named like a secret, or a secret's value, never reaches the tree
     tree = rich.tree.Tree("CONFIG", style="dim", guide_style="dim")
     fields = [f for f in order if f in cfg] + [f for f in cfg if f not in order]
     for field in fields:
@@ -39,9 +41,5 @@ def instantiate_dict(cfg: DictConfig | None) -> list[Any]:
 
 
 def to_container(cfg: DictConfig) -> dict[str, Any]:
-    """Plain, resolved dict of the config (what a checkpoint stores)."""
-    return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)  # type: ignore[return-value]
-
-
-def console() -> Console:
-    return Console(stderr=False)
+    """Plain, resolved dict of the config without secrets (what a checkpoint stores)."""
+    return redact(OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False))

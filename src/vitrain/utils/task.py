@@ -10,10 +10,13 @@ from typing import Any
 
 from dotenv import load_dotenv
 from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig
 
+from vitrain.distributed.ranks import setup_rank
 from vitrain.errors import UserError
 from vitrain.utils.config import print_config_tree
+from vitrain.utils.secrets import install_secret_filter
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +38,9 @@ def run_task(task: Task, cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any
     The full traceback is printed only with HYDRA_FULL_ERROR=1, as Hydra does for its own errors.
     """
     load_dotenv(override=False)  # .env fills in what the environment does not already set
+    install_secret_filter()  # on Hydra's console and file handlers: no credential reaches a log
+    # before anything prints: node 1's launching process must not think it is rank zero
+    setup_rank(cfg.get("trainer"))
     extras = cfg.get("extras") or {}
     if extras.get("ignore_warnings"):
         warnings.filterwarnings("ignore")
@@ -43,6 +49,9 @@ def run_task(task: Task, cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any
         print_config_tree(cfg, save_to=output_dir / "config_tree.log")
     try:
         return task(cfg)
+    except SIGTERMException:
+        # stopped on request after saving `last` (CheckpointOnSigterm); 128 + SIGTERM, as a shell reports it
+        sys.exit(143)
     except Exception as err:
         problem = user_error(err)
         if problem is None or os.environ.get("HYDRA_FULL_ERROR") == "1":

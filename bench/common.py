@@ -1,0 +1,214 @@
+"""What every benchmark shares: arguments, machine facts, interleaved timing, the JSON result, configs.
+
+A benchmark is a script `bench/<name>.py` that measures, prints ONE line with its figure and writes
+`<out>/<name>.json` (`bench/results/` by default; `--smoke` runs it in seconds for the tests and writes
+elsewhere). `bench/render.py` turns the JSON files into docs/benchmarks.md; `bench/run.py` runs them all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "bench"
+RESULTS = BENCH / "results"
+PYTHON = sys.executable
+if str(ROOT / "src") not in sys.path:  # the package is used from the source tree, as src/train.py does
+    sys.path.insert(0, str(ROOT / "src"))
+# the real CIFAR-10 on this project's machines; `--data-dir` / `--cache-dir` point elsewhere
+DATA_DIR = Path(os.environ.get("VITRAIN_BENCH_DATA", "/work/shared/data/cifar10-jpeg.tar.gz"))
+CACHE_DIR = Path(os.environ.get("VITRAIN_BENCH_CACHE", Path.home() / ".cache" / "vitrain-tests"))
+
+# the CPU experiment's model, for benchmarks that need "a small ViT"
+SMALL_VIT = "experiment=cifar_cpu"
+
+
+def parse_args(doc: str | None, **extra: tuple[type, Any, str]) -> argparse.Namespace:
+    """--smoke (seconds, tiny sizes), --out (result dir), --data-dir/--cache-dir, plus script options."""
+    parser = argparse.ArgumentParser(description=(doc or "").strip().splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes: checks that it runs, measures nothing")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="directory for <name>.json")
+    parser.add_argument("--data-dir", type=Path, default=DATA_DIR, help="CIFAR-10 (archive, folder, batches)")
+    parser.add_argument("--cache-dir", type=Path, default=CACHE_DIR, help="decoded-data cache")
+    for name, (kind, default, help_) in extra.items():
+        parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=default, help=help_)
+    return parser.parse_args()
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def machine() -> dict[str, Any]:
+    """The facts docs/benchmarks.md prints next to the figures."""
+    import lightning
+    import timm
+    import torch
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return {
+        "cpu": cpu_model(),
+        "cores": os.cpu_count(),
+        "avx512_bf16": "avx512_bf16" in cpu_flags(),
+        "memory_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1024**3, 1),
+        "gpu": gpu,
+        "gpus": torch.cuda.device_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "lightning": lightning.__version__,
+        "timm": timm.__version__,
+    }
+
+
+def load_average() -> float:
+    return round(os.getloadavg()[0], 2)
+
+
+def interleave(variants: dict[str, Callable[[], float]], rounds: int) -> dict[str, list[float]]:
+    """Run A, B, A, B, ... `rounds` times; each call measures one segment and returns its figure.
+
+    Other jobs on the machine slow every variant alike only when the segments alternate quickly, so a
+    ratio of two figures measured this way holds where absolute numbers do not.
+    """
+    results: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(rounds):
+        for name, run in variants.items():
+            results[name].append(float(run()))
+    return results
+
+
+def median(values: Sequence[float]) -> float:
+    return float(statistics.median(values))
+
+
+def ratio(numerator: Sequence[float], denominator: Sequence[float]) -> float:
+    """Median of the per-round ratios: each round's pair ran back to back, under the same load."""
+    return median([a / b for a, b in zip(numerator, denominator, strict=True)])
+
+
+class Result:
+    """One benchmark's JSON: figure, goal, whether it was met, details, the command and the machine."""
+
+    def __init__(self, name: str, args: argparse.Namespace) -> None:
+        self.name, self.args = name, args
+        self.started = time.perf_counter()
+        self.data: dict[str, Any] = {
+            "name": name,
+            "smoke": bool(args.smoke),
+            "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "command": command_line(),
+            "load_before": load_average(),
+        }
+
+    def save(self, line: str, figures: dict[str, Any], goal: str | None = None, met: bool | None = None,
+             notes: Sequence[str] = (), **details: Any) -> Path:
+        """Print the one-line summary and write `<out>/<name>.json`."""
+        self.data.update(
+            line=line, figures=figures, goal=goal, met=None if self.args.smoke else met, notes=list(notes),
+            details=details, seconds=round(time.perf_counter() - self.started, 1),
+            load_after=load_average(), machine=machine(),
+        )
+        self.args.out.mkdir(parents=True, exist_ok=True)
+        path = self.args.out / f"{self.name}.json"
+        path.write_text(json.dumps(self.data, indent=2, default=str) + "\n")
+        print(f"{self.name}: {line}", flush=True)
+        return path
+
+
+def command_line() -> str:
+    script = Path(sys.argv[0]).resolve()
+    rel = script.relative_to(ROOT) if script.is_relative_to(ROOT) else script
+    return shlex.join(["python", str(rel), *sys.argv[1:]])
+
+
+# --- Hydra configs and the template's own objects -------------------------------------------------------
+
+
+def data_overrides(args: argparse.Namespace) -> list[str]:
+    return [f"datamodule.data_dir={args.data_dir}", f"datamodule.cache_dir={args.cache_dir}"]
+
+
+def compose(overrides: Sequence[str], output_dir: Path) -> Any:
+    """`configs/train.yaml` composed as `src/train.py` composes it, with the run dir at `output_dir`."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import open_dict
+
+    from vitrain.utils.run_id import register_resolvers
+
+    register_resolvers()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        cfg = hydra_compose(config_name="train", overrides=list(overrides), return_hydra_config=True)
+    HydraConfig.instance().set_config(cfg)
+    with open_dict(cfg):
+        cfg.paths.output_dir = str(output_dir)
+        del cfg.hydra
+    return cfg
+
+
+def probe_overrides(out: Path, **options: Any) -> list[str]:
+    """Adds bench/probe.py's BenchProbe to a `src/train.py` run (needs PYTHONPATH=bench, see train_env)."""
+    extra = [f"+callbacks.bench_probe.{k}={v}" for k, v in options.items()]
+    return ["+callbacks.bench_probe._target_=probe.BenchProbe", f"+callbacks.bench_probe.out={out}", *extra]
+
+
+def train_env(**env: str) -> dict[str, str]:
+    """The environment of a `src/train.py` child: bench/ importable, no launcher variables, offline hub."""
+    full = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", **env}
+    full["PYTHONPATH"] = os.pathsep.join(p for p in (str(BENCH), str(ROOT / "src"), os.environ.get("PYTHONPATH")) if p)
+    for var in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT"):
+        if var not in env:
+            full.pop(var, None)
+    return full
+
+
+def run_train(overrides: Sequence[str], env: dict[str, str] | None = None, timeout: float = 1800,
+              log: Path | None = None) -> subprocess.CompletedProcess:
+    """`python src/train.py overrides...` as a user types it; raises with the output's tail on failure."""
+    done = subprocess.run(
+        [PYTHON, str(ROOT / "src" / "train.py"), *overrides],
+        cwd=ROOT, env=train_env(**(env or {})), capture_output=True, text=True, timeout=timeout,
+    )
+    if log is not None:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text(done.stdout + "\n--- stderr ---\n" + done.stderr)
+    if done.returncode != 0:
+        raise RuntimeError(f"src/train.py failed ({done.returncode}):\n{done.stderr[-4000:]}")
+    return done
+
+
+def train_command(overrides: Sequence[str], env: dict[str, str] | None = None) -> str:
+    """The command line a user would type for `run_train(overrides, env)`, for the doc."""
+    prefix = [f"{k}={v}" for k, v in (env or {}).items()]
+    return shlex.join([*prefix, "python", "src/train.py", *overrides])

@@ -1,0 +1,216 @@
+"""Data pipeline: images/s delivered to the model, on-device batches vs a torchvision DataLoader; and the
+share of training step time spent waiting for data.
+
+Both sides deliver augmented (random crop with 4 px padding, horizontal flip), resized-to-model-input,
+normalised float batches from the same uint8 CIFAR-10 images held in memory:
+- the template: the datamodule's loader (whole-batch tensor slices) + `BatchTransform` on the device;
+- the baseline: what a hand-written script does, a torchvision-style dataset (PIL image per sample,
+  `RandomCrop`, `RandomHorizontalFlip`, `Resize`, `ToTensor`, `Normalize`) in a DataLoader with 2 workers.
+Measured at 32 px (experiment=cifar_cpu's input) and 224 px (experiment=cifar's ViT-B/32), interleaved.
+The data wait is measured inside a short `experiment=cifar_cpu` fit: time in the loader's `next()` and in
+`on_after_batch_transfer` (augmentation), as a share of the steady-state step time.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+from torch.utils.data import DataLoader, Dataset
+
+from common import SMALL_VIT, Result, compose, data_overrides, interleave, median, parse_args, ratio
+
+CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
+CIFAR10_STD = (0.2470, 0.2435, 0.2616)
+
+
+class PILImages(Dataset):
+    """torchvision.datasets.CIFAR10's way: a numpy HWC array, one PIL image and transform per sample."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, transform: Any) -> None:
+        self.images = np.ascontiguousarray(x.permute(0, 2, 3, 1).numpy())
+        self.labels = y.tolist()
+        self.transform = transform
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        return self.transform(Image.fromarray(self.images[i])), self.labels[i]
+
+
+def torchvision_loader(x: torch.Tensor, y: torch.Tensor, img_size: int, batch: int, workers: int) -> DataLoader:
+    from torchvision import transforms as T
+
+    steps = [T.RandomCrop(32, padding=4), T.RandomHorizontalFlip()]
+    if img_size != 32:
+        steps.append(T.Resize(img_size, interpolation=T.InterpolationMode.BILINEAR))
+    steps += [T.ToTensor(), T.Normalize(CIFAR10_MEAN, CIFAR10_STD)]
+    return DataLoader(PILImages(x, y, T.Compose(steps)), batch_size=batch, shuffle=True, drop_last=True,
+                      num_workers=workers)
+
+
+def images_per_s(batches: Any, warmup: int, count: int, prepare: Any, device: torch.device) -> float:
+    """Images/s over `count` batches after `warmup`, including whatever `prepare(x)` does to each."""
+    it = iter(batches)
+    n, t0 = 0, 0.0
+    for i in range(warmup + count):
+        x, _ = next(it)
+        out = prepare(x)
+        if i == warmup - 1 or (warmup == 0 and i == 0):
+            _sync(device)
+            t0 = time.perf_counter()
+        elif i >= warmup:
+            n += out.shape[0]
+    _sync(device)
+    del it  # workers of a fresh iterator stop here, so they do not run during the next segment
+    return n / (time.perf_counter() - t0)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def pipeline_rates(args: Any, workdir: Path, device: torch.device) -> dict[str, Any]:
+    from vitrain.data.cifar10 import CIFAR10DataModule
+
+    datamodule = CIFAR10DataModule(
+        str(args.data_dir), str(args.cache_dir), batch_size=args.batch_size,
+        val_size=16 if args.smoke else 5000,
+    )
+    datamodule.prepare_data()
+    datamodule.setup("fit")
+    train = datamodule.train_set
+    out: dict[str, Any] = {}
+    for size in args.sizes:
+        datamodule.hparams.img_size = size
+        transform = datamodule.transform
+        ours = datamodule.train_dataloader()
+        theirs = torchvision_loader(train.x, train.y, size, args.batch_size, args.workers)
+        count = args.batches if size <= 64 else max(args.batches // 3, 2)
+        runs = interleave({
+            "on_device": lambda t=transform, o=ours, c=count: images_per_s(
+                o, 2, c, lambda x: t(x.to(device, non_blocking=True), train=True), device),
+            "dataloader": lambda th=theirs, c=count: images_per_s(th, 2, c, lambda x: x.to(device), device),
+        }, args.rounds)
+        out[str(size)] = {
+            "ratio": round(ratio(runs["on_device"], runs["dataloader"]), 2),
+            "on_device_images_per_s": round(median(runs["on_device"])),
+            "dataloader_images_per_s": round(median(runs["dataloader"])),
+            "rounds": {k: [round(v) for v in vs] for k, vs in runs.items()},
+            "batches_timed": count,
+        }
+    return out
+
+
+def data_wait(args: Any, workdir: Path) -> dict[str, Any]:
+    """Share of step time in the loader's next() and in on_after_batch_transfer during a real fit."""
+    from omegaconf import open_dict
+
+    from probe import BenchProbe
+    from vitrain.training import build
+
+    warmup, steps = (1, 3) if args.smoke else (3, args.wait_steps)
+    overrides = [SMALL_VIT, *data_overrides(args), "trainer.max_epochs=1", "trainer.max_time=null",
+                 f"trainer.limit_train_batches={warmup + steps + 1}", "trainer.limit_val_batches=1",
+                 "trainer.num_sanity_val_steps=0", "test=false", "extras.print_config=false"]
+    if args.smoke:
+        overrides += ["model.net.patch_size=8", "model.net.embed_dim=32", "model.net.depth=2",
+                      "model.net.num_heads=2", "datamodule.batch_size=8", "datamodule.val_size=16"]
+    cfg = compose(overrides, workdir / "wait")
+    with open_dict(cfg):
+        cfg.callbacks["bench_probe"] = {"_target_": "probe.BenchProbe", "out": str(workdir / "wait.json")}
+    objects = build(cfg)
+    datamodule, trainer = objects["datamodule"], objects["trainer"]
+    events: list[tuple[float, float, str]] = []  # (start, seconds, what)
+
+    augment = datamodule.on_after_batch_transfer
+
+    def timed_augment(batch: Any, dataloader_idx: int) -> Any:
+        t = time.perf_counter()
+        out = augment(batch, dataloader_idx)
+        events.append((t, time.perf_counter() - t, "augment"))
+        return out
+
+    make_loader = datamodule.train_dataloader
+
+    def timed_loader() -> DataLoader:
+        loader = make_loader()
+
+        class Timed(type(loader)):  # the same DataLoader, with next() timed
+            def __iter__(self) -> Any:
+                inner = super().__iter__()
+                while True:
+                    t = time.perf_counter()
+                    try:
+                        batch = next(inner)
+                    except StopIteration:
+                        return
+                    events.append((t, time.perf_counter() - t, "fetch"))
+                    yield batch
+
+        loader.__class__ = Timed
+        return loader
+
+    datamodule.on_after_batch_transfer = timed_augment
+    datamodule.train_dataloader = timed_loader
+    trainer.fit(objects["model"], datamodule=datamodule)
+    probe = next(c for c in trainer.callbacks if isinstance(c, BenchProbe))
+    ends = probe.record["step_ends"]
+    start, end = ends[warmup], ends[-1]
+    inside = [(d, what) for t, d, what in events if start <= t < end]
+    fetch = sum(d for d, what in inside if what == "fetch")
+    aug = sum(d for d, what in inside if what == "augment")
+    window = end - start
+    return {
+        "fraction": round((fetch + aug) / window, 5),
+        "fetch_ms_per_step": round(1000 * fetch / (len(ends) - 1 - warmup), 3),
+        "augment_ms_per_step": round(1000 * aug / (len(ends) - 1 - warmup), 3),
+        "step_ms": round(1000 * window / (len(ends) - 1 - warmup), 2),
+        "steps": len(ends) - 1 - warmup,
+        "batch_size": int(cfg.datamodule.batch_size),
+    }
+
+
+def main() -> None:
+    args = parse_args(
+        __doc__, rounds=(int, 3, "A/B rounds"), batch_size=(int, 256, "images per batch"),
+        batches=(int, 24, "timed batches per segment at 32 px (a third at larger sizes)"),
+        workers=(int, 2, "DataLoader workers of the baseline"),
+        wait_steps=(int, 20, "timed training steps for the data-wait share"),
+    )
+    args.sizes = [32, 224]
+    if args.smoke:
+        args.rounds, args.batch_size, args.batches, args.sizes = 1, 8, 2, [32, 64]
+    result = Result("data_pipeline", args)
+    workdir = Path(tempfile.mkdtemp(prefix="bench-data-"))
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    rates = pipeline_rates(args, workdir, device)
+    wait = data_wait(args, workdir)
+    small, large = rates[str(args.sizes[0])], rates[str(args.sizes[-1])]
+    met = small["ratio"] >= 10 and large["ratio"] >= 10 and wait["fraction"] < 0.02
+    line = (f"on-device/DataLoader images/s = {small['ratio']:.1f}x at {args.sizes[0]} px, "
+            f"{large['ratio']:.1f}x at {args.sizes[-1]} px; data wait {100 * wait['fraction']:.2f} % of step "
+            f"time (goals >= 10x, < 2 %: {'met' if met else 'NOT met'})")
+    result.save(
+        line,
+        figures={
+            **{f"ratio_{s}px": rates[str(s)]["ratio"] for s in args.sizes},
+            **{f"on_device_images_per_s_{s}px": rates[str(s)]["on_device_images_per_s"] for s in args.sizes},
+            **{f"dataloader_images_per_s_{s}px": rates[str(s)]["dataloader_images_per_s"] for s in args.sizes},
+            "data_wait_percent": round(100 * wait["fraction"], 3),
+        },
+        goal="on-device >= 10x the 2-worker DataLoader; data wait < 2 % of step time",
+        met=met,
+        rates=rates, data_wait=wait, device=str(device), batch_size=args.batch_size, workers=args.workers,
+    )
+
+
+if __name__ == "__main__":
+    main()

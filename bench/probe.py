@@ -1,0 +1,140 @@
+"""A passive Lightning callback the benchmarks add to a run: timestamps, step times, peak memory, metrics.
+
+`python src/train.py ... +callbacks.bench_probe._target_=probe.BenchProbe +callbacks.bench_probe.out=f.json`
+with `bench/` on PYTHONPATH. It changes nothing in the run: it only reads clocks and counters. Every rank
+writes `out` with `{rank}` replaced by its global rank (rank 0 writes `out` itself when there is no
+`{rank}`). Steps are timed on the host; on CUDA the clock is read after a synchronize only at the two ends
+of the measured window, so the step loop itself is not serialised.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback
+
+GB = 1024**3
+
+
+def proc_status(field: str) -> int | None:
+    """A /proc/self/status field in bytes (VmRSS, VmHWM); None off Linux."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def reset_peak_rss() -> bool:
+    """Restart the VmHWM window (Linux): the peak then covers what follows, not the start-up."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def _sync(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+class BenchProbe(Callback):
+    """Records, for the benchmark that added it:
+
+    - `first_step_unix`: wall-clock time (time.time) when the first optimizer step has finished;
+    - `step_ends`: perf_counter at the end of every training batch of the first epoch (up to `max_steps`);
+    - `fit_seconds`, `epochs`, `global_step`, `stopped_early`: how the fit went (max_time, max_epochs);
+    - `rss_setup`, `param_bytes`, `peak_rss_train`: this process's memory at setup and its peak during
+      training (VmHWM reset at train start); on CUDA `peak_cuda_allocated` instead;
+    - `metrics`: the logged metrics after fit and after test (test/acc1 ...).
+    """
+
+    def __init__(self, out: str, max_steps: int = 100_000) -> None:
+        self.out = out
+        self.max_steps = int(max_steps)
+        self.record: dict[str, Any] = {"step_ends": [], "metrics": {}}
+        self._t_train_start: float | None = None
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self.record.update(
+            rank=trainer.global_rank,
+            world_size=trainer.world_size,
+            threads=torch.get_num_threads(),
+            rss_setup=proc_status("VmRSS"),
+            param_bytes=sum(p.numel() * p.element_size() for p in pl_module.parameters()),
+        )
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        device = trainer.strategy.root_device
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        self.record["rss_train_start"] = proc_status("VmRSS")
+        self.record["peak_reset"] = reset_peak_rss()
+        self._t_train_start = _sync(device)
+        self.record["train_start_unix"] = time.time()
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any, **kw: Any) -> None:
+        steps = self.record["step_ends"]
+        if not steps:
+            self.record["first_step_unix"] = time.time()
+        if len(steps) < self.max_steps:
+            steps.append(time.perf_counter())
+        if len(steps) in (1, 2) or len(steps) % 8 == 0:  # peak RSS so far (cheap; on every 8th batch)
+            self.record["peak_rss_train"] = proc_status("VmHWM")
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        device = trainer.strategy.root_device
+        end = _sync(device)
+        self.record.update(
+            fit_seconds=end - (self._t_train_start or end),
+            epochs=trainer.current_epoch,
+            global_step=trainer.global_step,
+            max_epochs=trainer.max_epochs,
+            stopped_early=bool(trainer.current_epoch < (trainer.max_epochs or 0)),
+            peak_rss_train=proc_status("VmHWM"),
+        )
+        if device.type == "cuda":
+            self.record["peak_cuda_allocated"] = torch.cuda.max_memory_allocated(device)
+            self.record["peak_cuda_reserved"] = torch.cuda.max_memory_reserved(device)
+        self.record["metrics"]["fit"] = _floats(trainer.callback_metrics)
+        self._write()
+
+    def on_test_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.record["metrics"]["test"] = _floats(trainer.callback_metrics)
+        self._write()
+
+    def _write(self) -> None:
+        rank = self.record.get("rank", 0)
+        if "{rank}" not in self.out and rank != 0:
+            return
+        path = Path(self.out.replace("{rank}", str(rank)))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(self.record, indent=1))
+        tmp.replace(path)
+
+
+def _floats(metrics: dict[str, Any]) -> dict[str, float]:
+    out = {}
+    for key, value in metrics.items():
+        try:
+            out[key] = float(value)
+        except (TypeError, ValueError):
+            continue
+    return out
+
+
+def step_periods(step_ends: list[float], warmup: int) -> list[float]:
+    """Seconds per step after `warmup` steps: differences of consecutive batch-end times."""
+    ends = step_ends[warmup:]
+    return [b - a for a, b in zip(ends, ends[1:])]

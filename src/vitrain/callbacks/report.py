@@ -1,0 +1,377 @@
+"""Collects what a run's report needs and cannot re-read later from the run dir: `run_stats.json`.
+
+TensorBoard events hold the metric curves; this callback adds timings, images/s, peak memory of every
+device, GPU utilisation samples and how the run was set up (strategy, world size, precision, batch sizes,
+Hydra overrides). `vitrain.report` turns both into report.md / report.json. Every rank measures its own
+device; the figures are gathered to global rank zero, which alone writes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import resource
+import socket
+import threading
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from vitrain.callbacks.throughput import ImageThroughputMonitor, batch_size
+from vitrain.report import STATS_FILE
+from vitrain.utils.secrets import redact
+
+log = logging.getLogger(__name__)
+GB = 1024**3
+
+# resolved config entries worth repeating in the report (dotted paths)
+CONFIG_KEYS = (
+    "model.net.model_name",
+    "model.net.pretrained",
+    "model.net.img_size",
+    "model.net.patch_size",
+    "model.optimizer.lr",
+    "model.optimizer.weight_decay",
+    "model.label_smoothing",
+    "datamodule.batch_size",
+    "datamodule.train_subset",
+    "trainer.max_epochs",
+    "trainer.max_time",
+    "seed",
+    "tags",
+)
+
+
+# --- memory ---------------------------------------------------------------------------------------------
+
+
+def _proc_status(field: str) -> int | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def peak_rss_bytes() -> int:
+    """The process's peak resident memory since the last `reset_peak_rss` (Linux VmHWM), else since start."""
+    peak = _proc_status("VmHWM")
+    if peak is not None:
+        return peak
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kB on Linux
+
+
+def reset_peak_rss() -> bool:
+    """Start a new peak-RSS window (Linux >= 4.0): the previous job of a sweep or a batch-size search must
+    not count. False where the kernel does not allow it: the peak then covers the process's lifetime."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def reset_peak_memory(device: torch.device) -> bool:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    return reset_peak_rss()
+
+
+def device_memory(device: torch.device) -> dict[str, float]:
+    """Peak memory of this process in GB: host RSS, and on a GPU what PyTorch allocated and reserved."""
+    memory = {"peak_rss_gb": peak_rss_bytes() / GB}
+    if device.type == "cuda":
+        memory["max_allocated_gb"] = torch.cuda.max_memory_allocated(device) / GB
+        memory["max_reserved_gb"] = torch.cuda.max_memory_reserved(device) / GB
+    return memory
+
+
+# --- GPU utilisation ------------------------------------------------------------------------------------
+
+
+class UtilisationSampler:
+    """Samples this process's GPU utilisation (NVML, through torch.cuda.utilization) in a thread."""
+
+    def __init__(self, device: torch.device, interval: float) -> None:
+        self.device, self.interval = device, interval
+        self.samples: list[tuple[float, float]] = []
+        self.unavailable: str | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if device.type != "cuda":
+            self.unavailable = f"no GPU ({device.type})"
+            return
+        try:
+            torch.cuda.utilization(device)
+        except Exception as err:  # no pynvml / nvidia-ml-py, or no NVML driver
+            self.unavailable = f"NVML not available: {err}"
+
+    def start(self) -> None:
+        if self.unavailable is None and self._thread is None:
+            self._t0 = time.monotonic()
+            self._thread = threading.Thread(target=self._run, name="gpu-utilisation", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.interval + 5)
+            self._thread = None
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.samples.append((round(time.monotonic() - self._t0, 1), float(torch.cuda.utilization(self.device))))
+            except Exception as err:
+                self.unavailable = f"NVML failed: {err}"
+                return
+
+    def summary(self) -> list[float]:
+        values = [u for _, u in self.samples]
+        return [sum(values) / len(values) if values else float("nan"), max(values, default=float("nan")), len(values)]
+
+
+# --- the callback ---------------------------------------------------------------------------------------
+
+
+class RunReport(Callback):
+    """Writes `<run_dir>/run_stats.json` on global rank zero after fit and after test."""
+
+    def __init__(self, run_dir: str, gpu_sample_interval: float = 5.0) -> None:
+        self.run_dir = Path(run_dir)
+        self.gpu_sample_interval = gpu_sample_interval
+        self.stats: dict[str, Any] = {}
+        self._sampler: UtilisationSampler | None = None
+        self._stretch: float | None = None  # start of the current run of training batches
+        self._epoch_t0 = 0.0
+        self._epoch = {"train_time": 0.0, "images": 0}
+        self._memory_reset = False
+
+    # -- set-up --
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        device = trainer.strategy.root_device
+        if not self.stats:
+            self.stats = {"created": _now(), "host": socket.gethostname(), **_run_info(trainer, pl_module)}
+            # a batch-size search or the previous job of a sweep must not count in this run's peak
+            self._memory_reset = reset_peak_memory(device)
+        if stage == "fit":
+            self.stats["fit"] = {"started": _now(), "epochs": [], "images": 0, "train_time_s": 0.0}
+            self.stats["val_history"] = []
+            self._fit_t0 = time.perf_counter()
+            self._sampler = UtilisationSampler(device, self.gpu_sample_interval)
+            self._sampler.start()
+
+    # -- timing: training batches only (validation and checkpoint saving excluded) --
+
+    def _sync(self, trainer: L.Trainer) -> float:
+        if trainer.strategy.root_device.type == "cuda":
+            torch.cuda.synchronize(trainer.strategy.root_device)
+        return time.perf_counter()
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._epoch_t0 = self._sync(trainer)
+        self._epoch = {"train_time": 0.0, "images": 0}
+        self._stretch = None
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, *_: Any) -> None:
+        if self._stretch is None:
+            self._stretch = self._sync(trainer)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           *_: Any) -> None:
+        now = self._sync(trainer)
+        self._epoch["train_time"] += now - self._stretch
+        self._stretch = now
+        images = batch_size(batch)
+        self.stats["batch_size"].setdefault("per_device_observed", images)
+        self._epoch["images"] += images * trainer.world_size  # equal shards on every rank (drop_last)
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._stretch = None
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.sanity_checking or trainer.state.fn != "fit":
+            return
+        self.stats["val_history"].append(
+            {"epoch": trainer.current_epoch, "step": trainer.global_step, **_metrics(trainer, "val/")}
+        )
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        wall = self._sync(trainer) - self._epoch_t0
+        train_time, images = self._epoch["train_time"], self._epoch["images"]
+        fit = self.stats["fit"]
+        fit["epochs"].append({
+            "epoch": trainer.current_epoch,
+            "wall_time_s": round(wall, 3),
+            "train_time_s": round(train_time, 3),
+            "images": images,
+            "images_per_s": round(images / train_time, 2) if train_time > 0 else None,
+        })
+        fit["images"] += images
+        fit["train_time_s"] = round(fit["train_time_s"] + train_time, 3)
+        self._stretch = None
+
+    # -- end of fit / test: gather from every rank, write on rank zero --
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        fit = self.stats["fit"]
+        fit["wall_time_s"] = round(time.perf_counter() - self._fit_t0, 3)
+        fit["global_step"] = trainer.global_step
+        if fit["train_time_s"] > 0:
+            fit["images_per_s"] = round(fit["images"] / fit["train_time_s"], 2)
+        if self._sampler is not None:
+            self._sampler.stop()
+            self.stats["gpu_utilization"] = self._gather_utilisation(trainer)
+        self.stats["memory"] = self._gather_memory(trainer)
+        self._add_throughput_info(trainer)
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.stats["checkpoints"] = checkpoint_paths(trainer)
+        if trainer.is_global_zero:
+            self.save()
+
+    def on_test_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._test_t0 = self._sync(trainer)
+
+    def on_test_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.stats["test"] = {
+            "wall_time_s": round(self._sync(trainer) - self._test_t0, 3),
+            "ckpt_path": trainer.ckpt_path,
+            **_metrics(trainer, "test/"),
+        }
+        self.stats["memory"] = self._gather_memory(trainer)  # the peak now covers fit and test
+        if trainer.is_global_zero:
+            self.save()
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self._sampler is not None:
+            self._sampler.stop()
+
+    def save(self) -> Path:
+        path = self.run_dir / STATS_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(redact(self.stats), indent=2, default=str) + "\n")
+        return path
+
+    # -- helpers --
+
+    def _gather_memory(self, trainer: L.Trainer) -> dict[str, Any]:
+        device = trainer.strategy.root_device
+        mine = device_memory(device)
+        keys = list(mine)
+        gathered = trainer.strategy.all_gather(torch.tensor([mine[k] for k in keys], dtype=torch.float64,
+                                                            device=device))
+        rows = gathered.reshape(trainer.world_size, len(keys)).cpu().tolist()
+        return {
+            "device_type": device.type,
+            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "peak_window": "since the start of this run" if self._memory_reset else "process lifetime",
+            "per_device": [{"rank": rank, **{k: round(v, 4) for k, v in zip(keys, row, strict=True)}}
+                           for rank, row in enumerate(rows)],
+        }
+
+    def _gather_utilisation(self, trainer: L.Trainer) -> dict[str, Any]:
+        sampler = self._sampler
+        assert sampler is not None
+        # every rank takes part in the collective, whatever it has to say
+        summary = torch.tensor(sampler.summary() if sampler.unavailable is None else [float("nan")] * 3,
+                               dtype=torch.float64, device=trainer.strategy.root_device)
+        rows = trainer.strategy.all_gather(summary).reshape(trainer.world_size, 3).cpu().tolist()
+        if sampler.unavailable is not None:
+            return {"available": False, "reason": sampler.unavailable}
+        return {
+            "available": True,
+            "interval_s": sampler.interval,
+            "per_device": [{"rank": r, "mean_pct": round(m, 1), "max_pct": mx, "samples": int(n)}
+                           for r, (m, mx, n) in enumerate(rows)],
+            "rank0_samples": sampler.samples,
+        }
+
+    def _add_throughput_info(self, trainer: L.Trainer) -> None:
+        monitor = next((c for c in trainer.callbacks if isinstance(c, ImageThroughputMonitor)), None)
+        if monitor is None:
+            return
+        self.stats["flops"] = {
+            "train_flops_per_image": monitor.train_flops,
+            "eval_flops_per_image": monitor.eval_flops,
+            "peak_flops_per_device": monitor.available_flops,
+            "device": monitor.device_name,
+        }
+
+
+def checkpoint_paths(trainer: L.Trainer) -> dict[str, Any]:
+    ckpt = trainer.checkpoint_callback
+    if ckpt is None:
+        return {}
+    score = getattr(ckpt, "best_model_score", None)
+    return {
+        "dir": getattr(ckpt, "dirpath", None),
+        "best": getattr(ckpt, "best_model_path", "") or None,
+        "best_score": float(score) if score is not None else None,
+        "monitor": getattr(ckpt, "monitor", None),
+        "last": getattr(ckpt, "last_model_path", "") or None,
+    }
+
+
+def _run_info(trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
+    datamodule = trainer.datamodule
+    global_batch = getattr(datamodule, "hparams", {}).get("batch_size")
+    info: dict[str, Any] = {
+        "strategy": type(trainer.strategy).__name__,
+        "accelerator": trainer.strategy.root_device.type,
+        "world_size": trainer.world_size,
+        "num_nodes": trainer.num_nodes,
+        "devices_per_node": trainer.num_devices,
+        "precision": str(trainer.precision),
+        "accumulate_grad_batches": trainer.accumulate_grad_batches,
+        "batch_size": {
+            "global": global_batch,
+            "per_device": global_batch // trainer.world_size if global_batch else None,
+        },
+        "hydra": _hydra_info(),
+    }
+    run_config = getattr(pl_module, "run_config", None)
+    if run_config:
+        info["config"] = {key: _select(run_config, key) for key in CONFIG_KEYS}
+    return info
+
+
+def _hydra_info() -> dict[str, Any] | None:
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+
+    if not HydraConfig.initialized():
+        return None
+    hydra_cfg = HydraConfig.get()
+    choices = OmegaConf.to_container(hydra_cfg.runtime.choices)
+    return {
+        "overrides": list(hydra_cfg.overrides.task),
+        "choices": {k: v for k, v in choices.items() if not k.startswith("hydra/")},
+        "mode": str(hydra_cfg.mode),
+        "job_num": hydra_cfg.job.get("num"),
+    }
+
+
+def _select(config: dict[str, Any], dotted: str) -> Any:
+    node: Any = config
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def _metrics(trainer: L.Trainer, prefix: str) -> dict[str, float]:
+    return {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(prefix)}
+
+
+def _now() -> str:
+    return datetime.now().astimezone().isoformat(timespec="seconds")

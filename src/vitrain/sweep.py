@@ -1,0 +1,158 @@
+"""The summary of a sweep (`python src/train.py -m ...`): one row per job, `summary.md` and `summary.csv`
+in the sweep dir, read from each job's report.json.
+
+`SweepSummary` is a Hydra callback (configs/hydra/default.yaml). It rewrites the summary after every job,
+so a sweep that stops half-way (Hydra skips `on_multirun_end` when a job fails) still has one listing
+the jobs done so far and the ones without a report, and once more at the end.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import yaml
+from hydra.experimental.callback import Callback
+from hydra.types import RunMode
+from omegaconf import DictConfig
+
+log = logging.getLogger(__name__)
+
+# column -> how to read it from a report.json
+COLUMNS: dict[str, Any] = {
+    "job": None,
+    "status": None,
+    "overrides": None,
+    "global_batch": lambda r: r["batch_size"].get("global"),
+    "per_device_batch": lambda r: r["batch_size"].get("per_device"),
+    "world_size": lambda r: r.get("world_size"),
+    "images_per_s": lambda r: r.get("throughput_images_per_s"),
+    "peak_memory_gb_per_device": lambda r: _memory(r),
+    "time_per_epoch_s": lambda r: r.get("time_per_epoch_s"),
+    "epochs": lambda r: r.get("epochs"),
+    "best_val_acc1": lambda r: r["metrics"]["best"].get("val/acc1", {}).get("value"),
+    "test_acc1": lambda r: r["metrics"]["test"].get("test/acc1"),
+    "max_batch_size": lambda r: (r.get("max_batch_size") or {}).get("global"),
+    "report": None,
+    "dir": None,
+}
+
+
+def _memory(report: dict[str, Any]) -> str | None:
+    memory = report.get("memory") or {}
+    key = "max_reserved_gb" if memory.get("device_type") == "cuda" else "peak_rss_gb"
+    values = [d.get(key) for d in memory.get("per_device") or []]
+    return " / ".join(f"{v:.2f}" for v in values if v is not None) or None
+
+
+def job_dirs(sweep_dir: Path) -> list[Path]:
+    """The job dirs of a sweep (Hydra's `.hydra/` or our report inside), in job order."""
+    found = [p for p in Path(sweep_dir).iterdir()
+             if p.is_dir() and any((p / name).exists() for name in (".hydra", "report.json", "run_stats.json"))]
+    return sorted(found, key=lambda p: (0, int(p.name), "") if p.name.isdigit() else (1, 0, p.name))
+
+
+def _overrides(job: Path, report: dict[str, Any] | None) -> list[str]:
+    if report is not None:
+        return list(report.get("overrides") or [])
+    path = job / ".hydra" / "overrides.yaml"
+    return list(yaml.safe_load(path.read_text()) or []) if path.is_file() else []
+
+
+def summary_rows(sweep_dir: Path) -> list[dict[str, Any]]:
+    rows = []
+    jobs = [(job, _read(job / "report.json")) for job in job_dirs(sweep_dir)]
+    overrides = {job: _overrides(job, report) for job, report in jobs}
+    shared = set.intersection(*(set(o) for o in overrides.values())) if overrides else set()
+    for job, report in jobs:
+        row: dict[str, Any] = dict.fromkeys(COLUMNS)
+        row.update(job=job.name, dir=str(job.resolve()),
+                   overrides=" ".join(o for o in overrides[job] if o not in shared))
+        if report is None:
+            row["status"] = "no report (failed or running)"
+        else:
+            row.update(status="done", report=f"{job.name}/report.md")
+            for column, read in COLUMNS.items():
+                if read is not None:
+                    try:
+                        row[column] = read(report)
+                    except (KeyError, TypeError, AttributeError):
+                        row[column] = None
+        rows.append(row)
+    return rows
+
+
+def _read(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def render_markdown(sweep_dir: Path, rows: list[dict[str, Any]]) -> str:
+    lines = [f"# Sweep summary: `{Path(sweep_dir).name}`", "",
+             f"Sweep dir `{Path(sweep_dir).resolve()}`: {len(rows)} job(s). Images/s count training batches "
+             "of all devices; peak memory is per device (GPU: reserved; CPU: peak RSS of each process).", ""]
+    header = [c for c in COLUMNS if c != "dir"]
+    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row in rows:
+        cells = [f"[{row['report']}]({row['report']})" if c == "report" and row[c] else _cell(row[c])
+                 for c in header]
+        cells = [f"`{c}`" if name == "overrides" and c else c for name, c in zip(header, cells, strict=True)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_summary(sweep_dir: str | Path) -> list[Path]:
+    """summary.md and summary.csv in `sweep_dir`; each is replaced whole (parallel launchers)."""
+    sweep_dir = Path(sweep_dir)
+    rows = summary_rows(sweep_dir)
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=list(COLUMNS))
+    writer.writeheader()
+    writer.writerows({k: _cell(v) for k, v in row.items()} for row in rows)
+    written = []
+    for name, text in (("summary.md", render_markdown(sweep_dir, rows)), ("summary.csv", buffer.getvalue())):
+        path = sweep_dir / name
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(text)
+        tmp.replace(path)
+        written.append(path)
+    return written
+
+
+class SweepSummary(Callback):
+    """Hydra callback: the sweep's summary after each job and at the end of the sweep."""
+
+    def _write(self, config: DictConfig) -> None:
+        # imported here: it loads torch, which `python -m vitrain.report` does without
+        from vitrain.distributed.ranks import is_global_zero_from_env
+
+        if config.hydra.mode != RunMode.MULTIRUN or not is_global_zero_from_env():
+            return
+        sweep_dir = Path(config.hydra.sweep.dir)
+        if not sweep_dir.is_dir():
+            return
+        try:
+            paths = write_summary(sweep_dir)
+            log.info("Sweep summary: %s", paths[0])
+        except Exception:
+            log.exception("Writing the sweep summary failed")
+
+    def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
+        self._write(config)
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        self._write(config)

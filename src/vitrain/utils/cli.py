@@ -1,0 +1,79 @@
+"""Command-line overrides checked before Hydra runs, so config mistakes end in one actionable line.
+
+Hydra reports a misspelled key as "Could not override ... To append to your config use +key=..." over
+several lines: for a typo that advice is wrong. We compose once ourselves, and on failure name the key,
+suggest the closest existing one and exit 2.
+"""
+
+import difflib
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
+from omegaconf import OmegaConf
+
+CONFIG_DIR = Path(__file__).resolve().parents[3] / "configs"
+# flags after which Hydra does something other than run the task: leave those to Hydra
+HYDRA_FLAGS = ("-m", "--multirun", "-h", "--help", "--hydra-help", "-i", "--info", "-c", "--cfg",
+               "--shell-completion", "-sc", "-p", "--package", "-cp", "--config-path", "-cn",
+               "--config-name", "-cd", "--config-dir", "--experimental-rerun")
+
+
+def _keys(node: dict, prefix: str = "") -> list[str]:
+    out = []
+    for key, value in node.items():
+        out.append(f"{prefix}{key}")
+        if isinstance(value, dict):
+            out.extend(_keys(value, f"{prefix}{key}."))
+    return out
+
+
+def _unknown_key_message(config_name: str, overrides: Sequence[str], bad: str) -> str:
+    """'unknown config key a.b (did you mean a.c?)', looking at the config composed without it."""
+    rest = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") != bad]
+    try:
+        cfg = compose(config_name=config_name, overrides=rest)
+        known = _keys(OmegaConf.to_container(cfg, resolve=False))
+    except Exception:
+        known = []
+    close = difflib.get_close_matches(bad, known, n=1, cutoff=0.75)
+    hint = f"did you mean {close[0]}?" if close else f"to add a new key use +{bad}=..."
+    return f"unknown config key {bad} ({hint})"
+
+
+def describe(err: Exception, config_name: str, overrides: Sequence[str]) -> str:
+    """One line for a Hydra composition error."""
+    if isinstance(err, MissingConfigException):
+        missing = (err.missing_cfg_file or "").split("/")
+        group, choice = ("/".join(missing[:-1]), missing[-1]) if len(missing) > 1 else ("", missing[0])
+        options = ", ".join(sorted(err.options or []))
+        if group:
+            return f"unknown {group}={choice}: choose one of {options}" if options else f"unknown {group}={choice}"
+        return str(err).splitlines()[0]
+    if isinstance(err, OverrideParseException):
+        return f"cannot parse the override: {str(err).splitlines()[0]}"
+    message = str(err)
+    if message.startswith("Could not override '"):
+        key = message.split("'", 2)[1]
+        return _unknown_key_message(config_name, overrides, key)
+    if "Could not append to config" in message:
+        key = message.split("'", 2)[1] if "'" in message else "it"
+        return f"{key} exists already: set it without the leading +"
+    first = next((line.strip() for line in message.splitlines() if line.strip()), type(err).__name__)
+    return first
+
+
+def check_overrides(config_name: str, argv: Sequence[str] | None = None) -> None:
+    """Compose the config from the command line; on a mistake print one line and exit 2."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if any(a.split("=", 1)[0] in HYDRA_FLAGS for a in args):
+        return
+    overrides = [a for a in args if not a.startswith("-")]
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        try:
+            compose(config_name=config_name, overrides=overrides)
+        except (ConfigCompositionException, MissingConfigException, OverrideParseException) as err:
+            print(f"error: {describe(err, config_name, overrides)}", file=sys.stderr, flush=True)
+            sys.exit(2)

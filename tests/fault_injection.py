@@ -1,0 +1,30 @@
+"""Lightning callbacks that kill their own process at a known point; tests add them with
+`+callbacks.fault._target_=fault_injection.KillAt` (tests/ is put on PYTHONPATH)."""
+
+import os
+import signal
+
+import lightning as L
+from lightning.pytorch.callbacks import Callback
+
+
+class KillAt(Callback):
+    """SIGKILL (no clean-up at all) when training epoch `epoch` starts, after the previous epoch's save."""
+
+    def __init__(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.current_epoch == self.epoch:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class SigtermAt(Callback):
+    """SIGTERM the whole process group (as a scheduler does) once global rank zero reaches `step`."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
+        if trainer.global_step == self.step and trainer.is_global_zero and not trainer.received_sigterm:
+            os.killpg(os.getpgid(os.getpid()), signal.SIGTERM)

@@ -1,0 +1,373 @@
+"""Distributed training for real, on this machine: gloo over 127.0.0.1, 2 processes, a tiny ViT, 3 steps.
+
+One DDP run and one FSDP run (2 processes each) serve several tests: world size, metrics exactly equal to
+one process on a validation set of 9 (odd, so the ranks get 5 and 4 images, in 3 and 2 batches), and
+weights equal to one process after the same 3 global batches. Two "nodes" run the seed's command.
+"""
+
+import csv
+import json
+import os
+import shutil
+import socket
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import hydra
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DistributedSampler
+
+import vitrain.data.cifar10 as cifar10
+from helpers import PYTHON, ROOT, compose_cfg, run_cli, tiny_overrides
+from vitrain import checkpoints
+from vitrain.distributed.ddp import DDPStrategy
+from vitrain.distributed.ranks import devices_per_node, global_rank_from_env
+from vitrain.training import train
+from vitrain.utils.run_id import run_id
+
+RUN_TIMEOUT = 240  # seconds for one multi-process run on 2 slow cores (normally 20-40 s)
+STEPS = 3
+
+
+def overrides(data: Path, cache: Path) -> list[str]:
+    """The same 3 global batches of 8 for every world size: no augmentation, no drop-path."""
+    return [
+        *tiny_overrides(data, cache, batch_size=8),
+        "datamodule.val_size=9",
+        "datamodule.eval_batch_size=4",
+        "datamodule.augment=false",
+        f"+trainer.limit_train_batches={STEPS}",
+        "logger=csv",
+    ]
+
+
+@dataclass
+class Run:
+    dir: Path
+    output: str
+
+
+def launch(run_dir: Path, args: list[str]) -> Run:
+    done = run_cli("train.py", [*args, f"hydra.run.dir={run_dir}"], timeout=RUN_TIMEOUT)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-4000:]
+    return Run(run_dir, output)
+
+
+@pytest.fixture(scope="module")
+def single_run(tmp_path_factory: pytest.TempPathFactory, tiny_cifar: Path, data_cache: Path) -> Path:
+    """One process, in-process, drawing its batches as one DistributedSampler replica.
+
+    With world size 1 the datamodule shuffles with a RandomSampler; the union of N DistributedSampler
+    shards' k-th batches is the k-th batch of the same sampler with one replica, so this reference sees
+    exactly the global batches of the multi-process runs.
+    """
+
+    original = cifar10.make_sampler
+
+    def one_replica_sampler(dataset, *, train: bool, num_replicas: int, rank: int, seed: int):
+        assert num_replicas == 1
+        if train:
+            return DistributedSampler(
+                dataset, num_replicas=1, rank=0, shuffle=True, seed=seed, drop_last=True
+            )
+        return original(dataset, train=False, num_replicas=1, rank=0, seed=seed)
+
+    run_dir = tmp_path_factory.mktemp("single")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cifar10, "make_sampler", one_replica_sampler)
+        train(compose_cfg("train", [*overrides(tiny_cifar, data_cache), "test=false"], run_dir))
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory: pytest.TempPathFactory, tiny_cifar: Path, data_cache: Path) -> Run:
+    args = [*overrides(tiny_cifar, data_cache), "trainer=ddp", "trainer.devices=2"]
+    return launch(tmp_path_factory.mktemp("ddp") / "run", args)
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(tmp_path_factory: pytest.TempPathFactory, tiny_cifar: Path, data_cache: Path) -> Run:
+    args = [*overrides(tiny_cifar, data_cache), "trainer=fsdp", "trainer.devices=2"]
+    return launch(tmp_path_factory.mktemp("fsdp") / "run", args)
+
+
+def val_metrics(run_dir: Path) -> dict[str, float]:
+    """The run's epoch-0 validation metrics, from the CSV logger."""
+    with (run_dir / "csv" / "metrics.csv").open() as f:
+        rows = [row for row in csv.DictReader(f) if row.get("val/loss")]
+    assert len(rows) == 1, rows
+    return {k: float(v) for k, v in rows[0].items() if k.startswith("val/")}
+
+
+def weights(path: Path) -> dict[str, torch.Tensor]:
+    state = checkpoints.load(path)["state_dict"]
+    return {k: v.float() for k, v in state.items() if k.startswith("net.")}
+
+
+def assert_world_size_2(output: str) -> None:
+    assert "All distributed processes registered. Starting with 2 processes" in output
+    assert "GLOBAL_RANK: 1, MEMBER: 2/2" in output
+
+
+# --- one machine, two processes -----------------------------------------------------------------
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(RUN_TIMEOUT)
+def test_ddp_two_processes(ddp_run: Run):
+    assert_world_size_2(ddp_run.output)
+    assert (ddp_run.dir / "checkpoints" / "last.ckpt").is_file()
+    assert "test/acc1" in ddp_run.output  # fit, then test of the best checkpoint, on both ranks
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(RUN_TIMEOUT)
+def test_fsdp_two_processes_saves_shards(fsdp_run: Run):
+    assert_world_size_2(fsdp_run.output)
+    last = fsdp_run.dir / "checkpoints" / "last.ckpt"
+    assert last.is_dir() and (last / ".metadata").is_file() and (last / "meta.pt").is_file()
+    assert sorted(p.name for p in last.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    assert "FSDPVisionTransformer" in fsdp_run.output  # the model summary shows the sharded net
+    assert "test/acc1" in fsdp_run.output  # the sharded best checkpoint reloads for testing
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(2 * RUN_TIMEOUT)
+@pytest.mark.parametrize("name", ["ddp_run", "fsdp_run"])
+def test_weights_equal_single_process(
+    name: str,
+    request: pytest.FixtureRequest,
+    single_run: Path,
+    tmp_path: Path,
+    tiny_cifar: Path,
+    data_cache: Path,
+):
+    """2 processes x 4 images = 1 process x 8 images, step for step (AdamW, warm-up, label smoothing)."""
+    run: Run = request.getfixturevalue(name)
+    ours = weights(run.dir / "checkpoints" / "last.ckpt")
+    reference = weights(single_run / "checkpoints" / "last.ckpt")
+    assert ours.keys() == reference.keys()
+    for key, value in reference.items():
+        torch.testing.assert_close(ours[key], value, rtol=1e-4, atol=5e-5, msg=key)
+    initial = initial_weights(tiny_cifar, data_cache, tmp_path)
+    moved = max((reference[k] - initial[k]).abs().max().item() for k in reference)
+    assert moved > 1e-3, "the weights must have trained for the comparison to mean anything"
+
+
+def initial_weights(data: Path, cache: Path, tmp_path: Path) -> dict[str, torch.Tensor]:
+    """The weights every run starts from: train.py seeds with 42 before building the model."""
+    cfg = compose_cfg("train", overrides(data, cache), tmp_path)
+    L.seed_everything(cfg.seed)
+    model = hydra.utils.instantiate(cfg.model)
+    return {k: v.float() for k, v in model.state_dict().items() if k.startswith("net.")}
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(2 * RUN_TIMEOUT)
+@pytest.mark.parametrize("name", ["ddp_run", "fsdp_run"])
+def test_val_metrics_exact_and_eval_on_one_process(name: str, request: pytest.FixtureRequest, tmp_path: Path):
+    """World size 2 on 9 validation images (5 + 4, uneven batch counts) = `src/eval.py` on one process."""
+    run: Run = request.getfixturevalue(name)
+    distributed = val_metrics(run.dir)
+    done = run_cli(
+        "eval.py",
+        [f"ckpt_path={run.dir / 'checkpoints' / 'last.ckpt'}", "split=val", f"hydra.run.dir={tmp_path}"],
+        timeout=RUN_TIMEOUT,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    single = json.loads((tmp_path / "metrics.json").read_text())
+    assert distributed["val/acc1"] == pytest.approx(single["val/acc1"], abs=1e-7)
+    assert distributed["val/acc5"] == pytest.approx(single["val/acc5"], abs=1e-7)
+    # a padded (repeated) sample would move the mean loss far more than float noise
+    assert distributed["val/loss"] == pytest.approx(single["val/loss"], rel=1e-6)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(2 * RUN_TIMEOUT)
+def test_fsdp_resumes_from_sharded_checkpoint(
+    fsdp_run: Run, tmp_path: Path, tiny_cifar: Path, data_cache: Path
+):
+    """`ckpt_path=last` continues the FSDP run: step counter, epoch and AdamW moments come back.
+
+    The resumed run also turns on the other FSDP options (bf16 mixed precision, activation checkpointing,
+    no resharding after forward): they change neither the parameter names nor the fp32 sharded weights,
+    so the checkpoint loads strictly into the re-wrapped model.
+    """
+    run_dir = tmp_path / "run"
+    shutil.copytree(fsdp_run.dir / "checkpoints" / "last.ckpt", run_dir / "checkpoints" / "last.ckpt")
+    args = [
+        *overrides(tiny_cifar, data_cache),
+        "trainer=fsdp",
+        "trainer.devices=2",
+        "trainer.max_epochs=2",
+        "ckpt_path=last",
+        "test=false",
+        "trainer.strategy.mixed_precision=bf16",
+        "trainer.strategy.activation_checkpointing=true",
+        "trainer.strategy.reshard_after_forward=false",
+    ]
+    resumed = launch(run_dir, args)
+    assert "Restored all states from the checkpoint" in resumed.output
+    state = checkpoints.load(run_dir / "checkpoints" / "last.ckpt")
+    assert state["epoch"] == 1 and state["global_step"] == 2 * STEPS
+    adam_steps = {float(s["step"]) for s in state["optimizer_0"]["state"].values()}
+    assert adam_steps == {2.0 * STEPS}, "AdamW state restored, not restarted"
+
+
+# --- two nodes on loopback, launched by hand as the seeds do -------------------------------------
+
+SEED_COMMAND = [
+    "experiment=cifar",
+    "trainer=ddp",
+    "trainer.devices=1",
+    "trainer.num_nodes=2",
+    # trainer.default_root_dir=$(date +%Y-%m-%d_%H-%M-%S): each node's clock, given per node below
+    "callbacks.model_checkpoint.dirpath=logs/train/runs",
+    "datamodule.batch_size=384",
+    "trainer.min_epochs=1",
+    "trainer.max_epochs=10",
+    "model.net.model_name=vit_base_patch32_224",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(RUN_TIMEOUT + 30)
+def test_two_nodes_by_env_vars_share_one_run(tmp_path: Path, tiny_cifar: Path, data_cache: Path):
+    tiny = [
+        "model.net.pretrained=false",
+        "model.net.img_size=32",
+        "model.net.patch_size=8",
+        "+model.net.embed_dim=32",
+        "+model.net.depth=2",
+        "+model.net.num_heads=2",
+        "model.net.drop_path_rate=0.0",
+        f"datamodule.data_dir={tiny_cifar}",
+        f"datamodule.cache_dir={data_cache}",
+        "datamodule.batch_size=16",
+        "datamodule.val_size=16",
+        "trainer.accelerator=cpu",
+        "trainer.max_epochs=1",
+        f"+trainer.limit_train_batches={STEPS}",
+    ]
+    port = str(free_port())
+    base = {
+        k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "NODE_RANK", "PROJECT_ROOT")
+    }
+    base.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE="2", PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1"
+    )
+    nodes = []
+    for node in (0, 1):
+        # the nodes' clocks differ by a second: the run must not split
+        cmd = [PYTHON, str(ROOT / "src" / "train.py"), *SEED_COMMAND,
+               f"trainer.default_root_dir=2026-01-01_00-00-0{node}", *tiny]  # fmt: skip
+        nodes.append(subprocess.Popen(cmd, cwd=tmp_path, env={**base, "NODE_RANK": str(node)},
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))  # fmt: skip
+    try:
+        outputs = [p.communicate(timeout=RUN_TIMEOUT)[0] for p in nodes]
+    finally:
+        for p in nodes:
+            p.kill()
+    for node, (p, out) in enumerate(zip(nodes, outputs, strict=True)):
+        assert p.returncode == 0, f"node {node}:\n{out[-4000:]}"
+    node0, node1 = outputs
+    assert_world_size_2(node0 + node1)
+
+    runs = tmp_path / "logs" / "train" / "runs"
+    run_dirs = [p for p in runs.iterdir() if p.is_dir()]
+    assert len(run_dirs) == 1 and run_dirs[0].name.startswith(f"127.0.0.1-{port}-"), run_dirs
+    run = run_dirs[0]
+    ckpts = sorted(p.name for p in runs.glob("*.ckpt"))
+    assert len(ckpts) == 2 and "last.ckpt" in ckpts, ckpts  # best + last, once, where the seed put them
+    tb_dirs = {p.parent for p in tmp_path.rglob("events.out.tfevents.*")}
+    assert tb_dirs == {run / "tensorboard"}
+    assert not list(tmp_path.glob("2026-*")), "default_root_dir is not where anything goes"
+    # rank-zero work happens once: node 1 neither prints the config tree nor logs the output dir
+    assert "CONFIG" in node0 and "CONFIG" not in node1
+    assert (run / "config_tree.log").is_file()
+    assert "Output dir" in node0 and "Output dir" not in node1
+    assert "[rank: 1] Testing the best checkpoint" in node1  # other ranks' log lines say who they are
+
+
+# --- no processes: launch environment, run-dir agreement, compression hooks ----------------------
+
+
+def test_global_rank_from_env():
+    assert global_rank_from_env(4, {}) == 0
+    assert global_rank_from_env(4, {"RANK": "5", "NODE_RANK": "0"}) == 5  # torchrun
+    assert global_rank_from_env(4, {"NODE_RANK": "1"}) == 4  # node 1's launching process
+    assert global_rank_from_env(4, {"NODE_RANK": "1", "LOCAL_RANK": "3"}) == 7  # its 4th process
+    assert global_rank_from_env(4, {"LOCAL_RANK": "2", "SLURM_PROCID": "0"}) == 2
+    assert global_rank_from_env(4, {"SLURM_PROCID": "6"}) == 6  # srun
+    assert (
+        devices_per_node(2)
+        == devices_per_node("2")
+        == devices_per_node([0, 1])
+        == devices_per_node("0,1")
+        == 2
+    )
+    assert devices_per_node("auto", "cpu") == 1
+
+
+def test_run_id_agrees_across_nodes_and_relaunches():
+    env = {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "NODE_RANK": "0"}
+    cmd = ["experiment=cifar", "trainer=ddp", "trainer.num_nodes=2", "datamodule.batch_size=384"]
+    first = run_id(env, [*cmd, "trainer.default_root_dir=2026-01-01_00-00-00"])
+    assert first.startswith("10.0.0.1-29500-")
+    # another node, another clock, a relaunch that resumes, Lightning's children: the same run
+    assert run_id({**env, "NODE_RANK": "1"}, [*cmd, "trainer.default_root_dir=2026-01-01_00-00-01"]) == first
+    assert run_id(env, [*cmd, "ckpt_path=last", "hydra.run.dir=x"]) == first
+    # another experiment or another rendezvous: another run
+    assert run_id(env, [*cmd[:-1], "datamodule.batch_size=256"]) != first
+    assert run_id({**env, "MASTER_PORT": "29501"}, cmd) != first
+    # launcher ids and an explicit name win; torchrun's default id "none" does not count
+    assert run_id({**env, "TORCHELASTIC_RUN_ID": "none"}, cmd) == run_id(env, cmd)
+    assert run_id({**env, "TORCHELASTIC_RUN_ID": "job7"}, cmd) == "job7"
+    assert run_id({**env, "SLURM_JOB_ID": "123", "VITRAIN_RUN_ID": "mine"}, cmd) == "mine"
+    # a single process: the start time
+    assert run_id({}, cmd)[:2] == "20"
+
+
+def test_ddp_compression_options():
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    assert DDPStrategy(gradient_compression="bf16")._ddp_comm_hook is default_hooks.bf16_compress_hook
+    strategy = DDPStrategy(gradient_compression="powersgd", powersgd_rank=2, powersgd_start_iter=10)
+    assert strategy._ddp_comm_hook is powerSGD_hook.powerSGD_hook
+    assert strategy._ddp_comm_state.matrix_approximation_rank == 2
+    with pytest.raises(ValueError, match="gradient_compression"):
+        DDPStrategy(gradient_compression="int8")
+
+
+def test_compression_hook_runs_on_cpu(tmp_path: Path):
+    """Lightning registers comm hooks on CUDA only; ours run on gloo too: bf16 rounds the gradients."""
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        net = nn.Linear(64, 64)
+        x = torch.randn(8, 64)
+        strategy = DDPStrategy(gradient_compression="bf16", parallel_devices=[torch.device("cpu")])
+        strategy.model = DistributedDataParallel(net)
+        strategy._register_ddp_hooks()
+        strategy.model(x).square().sum().backward()
+        grad = net.weight.grad.clone()
+        exact = torch.func.grad(lambda w: torch.nn.functional.linear(x, w, net.bias).square().sum())(
+            net.weight
+        )
+        torch.testing.assert_close(grad, exact.bfloat16().float())
+        assert not torch.equal(grad, exact)
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,167 @@
+"""The run's log book (report.md/json, plots), throughput/MFU logging and the batch-size search."""
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from types import SimpleNamespace
+
+import matplotlib.image
+import pytest
+import torch
+from lightning.pytorch.utilities.memory import is_oom_error
+from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
+
+from helpers import PYTHON, ROOT, compose_cfg, tiny_overrides
+from vitrain.callbacks.throughput import alias_peak_flops
+from vitrain.training import train
+from vitrain.tuning import GB, MemoryCapExceeded, PerDeviceBatch, extrapolate
+
+SECRET = "vitrain-report-secret-0123456789"
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory: pytest.TempPathFactory, tiny_cifar: Path, data_cache: Path) -> Path:
+    """One 2-epoch tiny run; a secret sits in the environment and in an override, as a careless user's would."""
+    run_dir = tmp_path_factory.mktemp("report_run")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
+        overrides = [
+            *tiny_overrides(tiny_cifar, data_cache, batch_size=16),
+            "trainer.max_epochs=2",
+            "callbacks.throughput.window_size=2",
+            f"+extras.api_token={SECRET}",
+        ]
+        train(compose_cfg("train", overrides, run_dir))
+    return run_dir
+
+
+def scalars(run_dir: Path) -> dict[str, list]:
+    acc = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={SCALARS: 0})
+    acc.Reload()
+    return {tag: acc.Scalars(tag) for tag in acc.Tags()[SCALARS]}
+
+
+def test_report_figures_match_the_run_and_its_tensorboard_events(run_dir: Path):
+    report = json.loads((run_dir / "report.json").read_text())
+    events = scalars(run_dir)
+
+    val_acc = [e.value for e in events["val/acc1"]]
+    assert len(val_acc) == 2
+    assert report["metrics"]["best"]["val/acc1"]["value"] == pytest.approx(max(val_acc))
+    assert report["metrics"]["final"]["val/acc1"]["value"] == pytest.approx(val_acc[-1])
+    assert report["metrics"]["best"]["val/loss"]["value"] == pytest.approx(min(e.value for e in events["val/loss"]))
+    assert report["metrics"]["test"]["test/acc1"] == pytest.approx(events["test/acc1"][-1].value)
+    assert set(report["metrics"]["test"]) == {"test/acc1", "test/acc5", "test/loss"}  # no throughput figures
+
+    assert report["strategy"] == "SingleDeviceStrategy" and report["accelerator"] == "cpu"
+    assert (report["world_size"], report["num_nodes"], report["devices_per_node"]) == (1, 1, 1)
+    assert report["precision"] == "32-true"
+    assert report["batch_size"]["global"] == report["batch_size"]["per_device"] == 16
+    assert report["epochs"] == 2 and len(report["epoch_times_s"]) == 2
+    assert report["global_step"] == 2 * 14
+    assert 0 < report["train_time_s"] <= report["wall_time_s"]
+    # 2 epochs x 14 batches of 16 (224 training images, drop_last)
+    assert report["throughput_images_per_s"] == pytest.approx(2 * 14 * 16 / report["train_time_s"], rel=0.01)
+    [device] = report["memory"]["per_device"]
+    assert device["rank"] == 0 and 0.1 < device["peak_rss_gb"] < 64
+    assert report["gpu_utilization"] == {"available": False, "reason": "no GPU (cpu)"}
+    assert report["mfu"] is None and "cpu" in report["mfu_note"]
+    assert report["max_batch_size"] is None
+    ckpts = report["checkpoints"]
+    assert Path(ckpts["best"]).is_file() and Path(ckpts["last"]).name == "last.ckpt"
+    assert ckpts["best_score"] == pytest.approx(max(val_acc))
+    assert "datamodule.batch_size=16" in report["overrides"]
+
+    md = (run_dir / "report.md").read_text()
+    for text in ("## Metrics", "val/acc1", "test/acc1", "SingleDeviceStrategy", "16 global, 16 per device",
+                 "images/s", "peak_rss_gb", "Not available: no GPU", "![loss](plots/loss.png)", ckpts["best"]):
+        assert text in md, text
+
+
+def test_throughput_and_flops_are_logged(run_dir: Path):
+    events = scalars(run_dir)
+    assert events["train/device/samples_per_sec"][-1].value > 0
+    assert events["train/device/flops_per_sec"][-1].value > 0
+    assert "train/device/mfu" not in events  # no peak FLOPs for a CPU
+    stats = json.loads((run_dir / "run_stats.json").read_text())
+    # forward + backward is about 3x forward
+    assert 2.5 < stats["flops"]["train_flops_per_image"] / stats["flops"]["eval_flops_per_image"] < 3.5
+
+
+def test_peak_flops_for_device_names_lightning_does_not_know():
+    assert alias_peak_flops("NVIDIA H200", torch.bfloat16) == pytest.approx(2.0e15)
+    assert alias_peak_flops("NVIDIA H200 NVL", torch.bfloat16) == pytest.approx(1.7e15)
+    assert alias_peak_flops("Some Future GPU", torch.bfloat16) is None
+
+
+def test_plots_are_valid_pngs(run_dir: Path):
+    for name in ("loss", "accuracy"):
+        path = run_dir / "plots" / f"{name}.png"
+        assert path.read_bytes()[:8] == PNG_SIGNATURE
+        image = matplotlib.image.imread(path)
+        assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
+
+
+def test_secrets_never_reach_the_report(run_dir: Path):
+    for name in ("report.md", "report.json", "run_stats.json"):
+        text = (run_dir / name).read_text()
+        assert SECRET not in text, name
+    assert "+extras.api_token=***" in json.loads((run_dir / "report.json").read_text())["overrides"]
+
+
+def test_report_is_rebuilt_from_the_run_dir(run_dir: Path, tmp_path: Path):
+    """`make report RUN=<dir>` = `python -m vitrain.report <dir>`: same figures from the files alone."""
+    copy = shutil.copytree(run_dir, tmp_path / "copy")
+    before = json.loads((copy / "report.json").read_text())
+    for name in ("report.md", "report.json"):
+        (copy / name).unlink()
+    shutil.rmtree(copy / "plots")
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    done = subprocess.run([PYTHON, "-m", "vitrain.report", str(copy)], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    after = json.loads((copy / "report.json").read_text())
+    for key in ("metrics", "memory", "batch_size", "throughput_images_per_s", "checkpoints", "overrides", "epochs"):
+        assert after[key] == before[key], key
+    assert (copy / "plots" / "loss.png").is_file() and (copy / "report.md").is_file()
+
+
+def test_batch_size_search_is_recorded_and_applied(tmp_path: Path, tiny_cifar: Path, data_cache: Path):
+    """Doubling from 2 for 3 trials (2, 4, 8): 8 per device is what fits the limits; the run trains with it."""
+    overrides = [
+        *tiny_overrides(tiny_cifar, data_cache, batch_size=32),
+        "+tune=batch_size",
+        "tune.batch_size.max_trials=3",
+        "tune.batch_size.steps_per_trial=1",
+        "tune.batch_size.apply=true",
+        "+trainer.limit_train_batches=2",
+        "+trainer.limit_val_batches=1",
+        "+trainer.limit_test_batches=1",
+    ]
+    metrics, objects = train(compose_cfg("train", overrides, tmp_path))
+    search = json.loads((tmp_path / "batch_size_search.json").read_text())
+    assert (search["per_device"], search["global"], search["world_size"]) == (8, 8, 1)
+    assert [t["batch_size"] for t in search["trials"]] == [2, 4, 8]
+    assert search["stopped_by"] == "max_trials" and search["max_memory_gb"] > 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["max_batch_size"]["per_device"] == 8
+    assert report["batch_size"]["global"] == 8  # applied
+    assert "test/acc1" in metrics
+    assert "8 global, 8 per device" in (tmp_path / "report.md").read_text()
+    assert not list(tmp_path.glob(".scale_batch_size_*.ckpt"))
+
+
+def test_memory_cap_stops_growth_before_a_trial_would_exceed_it():
+    """Peaks 1.0 GB at batch 4 and 1.5 GB at batch 8: batch 16 would need about 2.5 GB."""
+    assert extrapolate([(4, 1 * GB), (8, int(1.5 * GB))], 16) == pytest.approx(2.5 * GB)
+    assert extrapolate([(8, GB)], 16) is None  # one point: no slope yet
+    fake = SimpleNamespace(hparams=SimpleNamespace(batch_size=16))
+    scaled = PerDeviceBatch(fake, torch.device("cpu"), cap_bytes=2 * GB)
+    scaled.trials = [(4, 1 * GB), (8, int(1.5 * GB))]
+    with pytest.raises(MemoryCapExceeded) as caught:
+        scaled._check_cap()
+    assert is_oom_error(caught.value)  # Lightning's finder halves and stops, as after a real OOM
+    assert "would need about 2.50 GB" in scaled.stopped_by
