@@ -2,7 +2,7 @@
 PY ?= .venv/bin/python
 RUN ?=
 
-.PHONY: install test test-fast lint format train train-smoke eval clean
+.PHONY: install test test-fast lint format train train-smoke eval report clean
 
 install:  ## create .venv and install everything (the README's first command)
 	python3 -m venv .venv && .venv/bin/pip install -r requirements.txt
@@ -29,6 +29,9 @@ train-smoke:  ## a tiny run through the whole pipeline
 
 eval:  ## make eval CKPT=path/to/checkpoint.ckpt
 	$(PY) src/eval.py ckpt_path=$(CKPT)
+
+report:  ## make report RUN=logs/train/runs/<id> (or a multiruns/<id> sweep dir): rebuild report.md/json, plots
+	PYTHONPATH=src $(PY) -m vitrain.report $(RUN)
 
 clean:
 	rm -rf logs/train logs/eval .pytest_cache .ruff_cache

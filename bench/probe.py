@@ -59,9 +59,10 @@ class BenchProbe(Callback):
     - `metrics`: the logged metrics after fit and after test (test/acc1 ...).
     """
 
-    def __init__(self, out: str, max_steps: int = 100_000) -> None:
+    def __init__(self, out: str, max_steps: int = 100_000, warmup: int = 0) -> None:
         self.out = out
         self.max_steps = int(max_steps)
+        self.warmup = int(warmup)  # on CUDA: synchronise after this batch and after the epoch's last one
         self.record: dict[str, Any] = {"step_ends": [], "metrics": {}}
         self._t_train_start: float | None = None
 
@@ -83,8 +84,12 @@ class BenchProbe(Callback):
         self._t_train_start = _sync(device)
         self.record["train_start_unix"] = time.time()
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any, **kw: Any) -> None:
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
         steps = self.record["step_ends"]
+        device = trainer.strategy.root_device
+        if device.type == "cuda" and (len(steps) == self.warmup or batch_idx == trainer.num_training_batches - 1):
+            torch.cuda.synchronize(device)
         if not steps:
             self.record["first_step_unix"] = time.time()
         if len(steps) < self.max_steps:

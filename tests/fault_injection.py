@@ -3,20 +3,30 @@
 
 import os
 import signal
+from pathlib import Path
 
 import lightning as L
 from lightning.pytorch.callbacks import Callback
 
 
 class KillAt(Callback):
-    """SIGKILL (no clean-up at all) when training epoch `epoch` starts, after the previous epoch's save."""
+    """SIGKILL (no clean-up at all) when training epoch `epoch` starts, after the previous epoch's save.
 
-    def __init__(self, epoch: int) -> None:
+    With `once_file`, only the first time: the file marks that the kill happened (for restart tests).
+    """
+
+    def __init__(self, epoch: int, once_file: str | None = None) -> None:
         self.epoch = epoch
+        self.once_file = Path(once_file) if once_file else None
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if trainer.current_epoch == self.epoch:
-            os.kill(os.getpid(), signal.SIGKILL)
+        if trainer.current_epoch != self.epoch:
+            return
+        if self.once_file is not None:
+            if self.once_file.exists():
+                return
+            self.once_file.touch()
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 class SigtermAt(Callback):

@@ -53,8 +53,34 @@ class Run:
     output: str
 
 
-def launch(run_dir: Path, args: list[str]) -> Run:
-    done = run_cli("train.py", [*args, f"hydra.run.dir={run_dir}"], timeout=RUN_TIMEOUT)
+# what a launcher sets: none of it may leak from the test runner into the runs
+LAUNCH_VARS = ("LOCAL_RANK", "RANK", "GROUP_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+               "TORCHELASTIC_RUN_ID", "VITRAIN_RUN_ID", "PROJECT_ROOT")  # fmt: skip
+
+
+def launch_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    return {**env, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", **extra}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(run_dir: Path, args: list[str], torchrun: bool = False) -> Run:
+    """`python src/train.py ...` (Lightning starts the other local rank) or the same under torchrun."""
+    args = [*args, f"hydra.run.dir={run_dir}"]
+    if torchrun:
+        launcher = [PYTHON, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2",
+                    f"--master-port={free_port()}"]  # fmt: skip
+        cmd = [*launcher, str(ROOT / "src" / "train.py"), *args]
+        done = subprocess.run(
+            cmd, cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=RUN_TIMEOUT
+        )
+    else:
+        done = run_cli("train.py", args, timeout=RUN_TIMEOUT)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-4000:]
     return Run(run_dir, output)
@@ -94,8 +120,9 @@ def ddp_run(tmp_path_factory: pytest.TempPathFactory, tiny_cifar: Path, data_cac
 
 @pytest.fixture(scope="module")
 def fsdp_run(tmp_path_factory: pytest.TempPathFactory, tiny_cifar: Path, data_cache: Path) -> Run:
+    """Launched by torchrun (the resume test below uses Lightning's own launcher for FSDP)."""
     args = [*overrides(tiny_cifar, data_cache), "trainer=fsdp", "trainer.devices=2"]
-    return launch(tmp_path_factory.mktemp("fsdp") / "run", args)
+    return launch(tmp_path_factory.mktemp("fsdp") / "run", args, torchrun=True)
 
 
 def val_metrics(run_dir: Path) -> dict[str, float]:
@@ -237,12 +264,6 @@ SEED_COMMAND = [
 ]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.distributed
 @pytest.mark.timeout(RUN_TIMEOUT + 30)
 def test_two_nodes_by_env_vars_share_one_run(tmp_path: Path, tiny_cifar: Path, data_cache: Path):
@@ -263,12 +284,7 @@ def test_two_nodes_by_env_vars_share_one_run(tmp_path: Path, tiny_cifar: Path, d
         f"+trainer.limit_train_batches={STEPS}",
     ]
     port = str(free_port())
-    base = {
-        k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "NODE_RANK", "PROJECT_ROOT")
-    }
-    base.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE="2", PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1"
-    )
+    base = launch_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE="2")
     nodes = []
     for node in (0, 1):
         # the nodes' clocks differ by a second: the run must not split

@@ -141,7 +141,7 @@ def test_batch_size_search_is_recorded_and_applied(tmp_path: Path, tiny_cifar: P
         "+trainer.limit_val_batches=1",
         "+trainer.limit_test_batches=1",
     ]
-    metrics, objects = train(compose_cfg("train", overrides, tmp_path))
+    metrics, _ = train(compose_cfg("train", overrides, tmp_path))
     search = json.loads((tmp_path / "batch_size_search.json").read_text())
     assert (search["per_device"], search["global"], search["world_size"]) == (8, 8, 1)
     assert [t["batch_size"] for t in search["trials"]] == [2, 4, 8]

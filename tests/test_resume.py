@@ -1,6 +1,9 @@
 """A killed run resumes to the same weights as the run left alone; SIGTERM saves before exiting."""
 
+import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -88,3 +91,75 @@ def test_truncated_checkpoint_gives_a_clear_error(tmp_path: Path, tiny_cifar: Pa
         assert done.returncode == 2, done.stderr[-3000:]
         assert "Traceback" not in done.stderr
         assert f"{bad}" in done.stderr and "truncated or corrupted" in done.stderr
+
+
+def _no_bigger_files_than(limit: int):
+    """preexec_fn: the child cannot write files over `limit` bytes (EFBIG, as a full disk gives ENOSPC)."""
+
+    def apply() -> None:
+        import resource
+
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # fail the write instead of killing the process
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    return apply
+
+
+def test_disk_full_while_saving_keeps_the_previous_checkpoint(tmp_path: Path, tiny_cifar: Path, data_cache: Path):
+    overrides = [*tiny_overrides(tiny_cifar, data_cache), "logger=csv", f"hydra.run.dir={tmp_path}"]
+    first = _run(overrides)
+    assert first.returncode == 0, first.stderr[-3000:]
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    before = last.read_bytes()
+
+    full = _run([*overrides, "ckpt_path=last", "trainer.max_epochs=2"],
+                preexec_fn=_no_bigger_files_than(len(before) // 2))
+    assert full.returncode == 2, full.stderr[-3000:]
+    assert "Traceback" not in full.stderr
+    assert "no space left to save checkpoint" in full.stderr and "the previous one is intact" in full.stderr
+    assert last.read_bytes() == before, "the good checkpoint was not touched"
+    assert not list(last.parent.glob(".*.tmp-*")), "no temporary file left behind"
+
+
+def test_resume_from_a_checkpoint_of_another_architecture(tmp_path: Path, tiny_cifar: Path, data_cache: Path):
+    overrides = [*tiny_overrides(tiny_cifar, data_cache), "logger=csv", f"hydra.run.dir={tmp_path}/a"]
+    assert _run(overrides).returncode == 0
+    ckpt = tmp_path / "a" / "checkpoints" / "last.ckpt"
+    other = [o.replace("depth=2", "depth=3") for o in overrides[:-1]] + [f"hydra.run.dir={tmp_path}/b"]
+    done = _run([*other, f"ckpt_path={ckpt}"])
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+    assert f"ckpt_path={ckpt} does not fit model vit_tiny_patch16_224" in done.stderr
+
+    done = _run([*overrides[:-1], f"ckpt_path={tmp_path}/nope.ckpt", f"hydra.run.dir={tmp_path}/c"])
+    assert done.returncode == 2 and f"ckpt_path={tmp_path}/nope.ckpt does not exist" in done.stderr
+
+
+@pytest.mark.slow
+def test_torchrun_restart_resumes_in_the_same_run_dir(tmp_path: Path, tiny_cifar: Path, data_cache: Path):
+    """`torchrun --max-restarts 1`: the killed worker is restarted and resumes from `last`."""
+    marker = tmp_path / "killed-once"
+    overrides = [
+        *tiny_overrides(tiny_cifar, data_cache),
+        "trainer.max_epochs=2",
+        "logger=csv",
+        "ckpt_path=last",  # nothing there on the first attempt: Lightning starts from scratch
+        f"paths.log_dir={tmp_path / 'logs'}",
+        "+callbacks.fault._target_=fault_injection.KillAt",
+        "+callbacks.fault.epoch=1",
+        f"+callbacks.fault.once_file={marker}",
+    ]
+    env = {**os.environ, "PYTHONPATH": TESTS, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    for var in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
+                "--max-restarts=1", "--monitor-interval=0.5"]
+    done = subprocess.run([*torchrun, str(ROOT / "src" / "train.py"), *overrides], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert marker.exists(), "the first attempt was killed"
+    run_dirs = list((tmp_path / "logs" / "train" / "runs").iterdir())
+    assert len(run_dirs) == 1, f"the restart must reuse the run dir: {run_dirs}"
+    checkpoint = torch.load(run_dirs[0] / "checkpoints" / "last.ckpt", weights_only=False)
+    assert checkpoint["epoch"] == 1 and checkpoint["global_step"] == 2 * 28
+    assert "Restoring states from the checkpoint path" in done.stderr + done.stdout

@@ -1,6 +1,7 @@
 """Writing checkpoints atomically, and reading them back: a file, a sharded (FSDP) folder, or s3://."""
 
 import errno
+import io
 import os
 import pickle
 import zipfile
@@ -35,9 +36,11 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+        buffer = io.BytesIO()  # serialised first, as Lightning does: a failed write then raises OSError
+        torch.save(checkpoint, buffer)  # with its errno, not the zip writer's bare RuntimeError
         try:
             with tmp.open("wb") as f:
-                torch.save(checkpoint, f)
+                f.write(buffer.getbuffer())
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, target)

@@ -308,16 +308,21 @@ class RunReport(Callback):
 
 
 def checkpoint_paths(trainer: L.Trainer) -> dict[str, Any]:
-    ckpt = trainer.checkpoint_callback
-    if ckpt is None:
+    """Best (the monitored ModelCheckpoint) and last: a `save_last` path, or the newest file of an
+    unmonitored ModelCheckpoint (configs/callbacks/default.yaml keeps `last.ckpt` that way)."""
+    callbacks = trainer.checkpoint_callbacks
+    best = next((c for c in callbacks if c.monitor), None)
+    last = next((c.last_model_path for c in callbacks if c.last_model_path), None) or next(
+        (c.best_model_path for c in callbacks if not c.monitor and c.best_model_path), None)
+    if best is None and last is None:
         return {}
-    score = getattr(ckpt, "best_model_score", None)
+    score = best.best_model_score if best is not None else None
     return {
-        "dir": getattr(ckpt, "dirpath", None),
-        "best": getattr(ckpt, "best_model_path", "") or None,
+        "dir": (best or callbacks[0]).dirpath,
+        "best": (best.best_model_path or None) if best is not None else None,
         "best_score": float(score) if score is not None else None,
-        "monitor": getattr(ckpt, "monitor", None),
-        "last": getattr(ckpt, "last_model_path", "") or None,
+        "monitor": best.monitor if best is not None else None,
+        "last": last,
     }
 
 

@@ -1,0 +1,72 @@
+"""Accuracy under a budget: `python src/train.py experiment=cifar_cpu` on the real CIFAR-10, from scratch,
+at most 10 minutes of training (the experiment's `trainer.max_time`), then the test accuracy of the best
+checkpoint, as the run itself reports it.
+
+The experiment's epochs and LR schedule are sized to end inside the budget on this machine; if the run is
+stopped by `max_time` instead (a slower or busier machine), the result says so.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+from common import SMALL_VIT, Result, data_overrides, parse_args, probe_overrides, run_train, train_command
+
+SMOKE = ["model.net.patch_size=8", "model.net.embed_dim=32", "model.net.depth=2", "model.net.num_heads=2",
+         "datamodule.batch_size=16", "datamodule.val_size=32", "trainer.max_epochs=1"]
+
+
+def main() -> None:
+    args = parse_args(__doc__)
+    result = Result("accuracy", args)
+    run_dir = Path(tempfile.mkdtemp(prefix="bench-accuracy-")) / "run"
+    argv = [SMALL_VIT, *data_overrides(args), f"hydra.run.dir={run_dir}", *(SMOKE if args.smoke else [])]
+    run_train([*argv, *probe_overrides(run_dir / "probe.json")], log=run_dir / "output.log", timeout=3600)
+    rec = json.loads((run_dir / "probe.json").read_text())
+    test = rec["metrics"].get("test", {})
+    fit = rec["metrics"].get("fit", {})
+    acc = test.get("test/acc1")
+    minutes = rec["fit_seconds"] / 60
+    met = acc is not None and acc >= 0.70 and not rec["stopped_early"]
+    notes = []
+    if rec["stopped_early"]:
+        notes.append(f"stopped by trainer.max_time after {rec['epochs']} of {rec['max_epochs']} epochs: "
+                     "the LR schedule did not finish (a slower or busier machine than the one it was sized for)")
+    line = (f"test accuracy {100 * (acc or 0):.2f} % after {minutes:.1f} min of training, "
+            f"{rec['epochs']} epochs (goal >= 70 %: {'met' if met else 'NOT met'})")
+    result.save(
+        line,
+        figures={"test_acc1_percent": round(100 * (acc or 0), 2),
+                 "test_acc5_percent": round(100 * test.get("test/acc5", 0), 2),
+                 "val_acc1_percent": round(100 * fit.get("val/acc1", 0), 2),
+                 "train_minutes": round(minutes, 2), "epochs": rec["epochs"],
+                 "images_per_s": round(rec["global_step"] * _batch(run_dir) / rec["fit_seconds"], 1)},
+        goal="test accuracy >= 70 % within 10 minutes of training",
+        met=met,
+        notes=notes,
+        stopped_by_max_time=rec["stopped_early"], global_step=rec["global_step"],
+        command=train_command(argv),
+        config=_experiment_config(run_dir),
+    )
+
+
+def _batch(run_dir: Path) -> int:
+    import yaml
+
+    return int(yaml.safe_load((run_dir / ".hydra" / "config.yaml").read_text())["datamodule"]["batch_size"])
+
+
+def _experiment_config(run_dir: Path) -> dict:
+    """The resolved settings that decide the result, from the run's saved config."""
+    import yaml
+
+    cfg = yaml.safe_load((run_dir / ".hydra" / "config.yaml").read_text())
+    return {"model": cfg["model"], "datamodule": {k: cfg["datamodule"][k] for k in (
+        "batch_size", "val_size", "crop_padding", "hflip", "augment")},
+        "trainer": {k: cfg["trainer"].get(k) for k in ("precision", "max_epochs", "max_time")}}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""Levers: training steps/s of experiment=cifar_cpu's network with one speed option changed at a time,
+against the experiment as configured, interleaved in one run (a plain loop: no framework in the way).
+
+Variants: SDPA attention instead of timm's matmul-softmax attention (`model.fused_attn`), fp32 instead of
+bf16 autocast (`trainer.precision`), AdamW `foreach` instead of `fused` (`model.optimizer.fused`),
+`torch.compile` (`model.compile`, whose compile time is reported against the time it saves).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from common import SMALL_VIT, Result, compose, interleave, median, parse_args, ratio
+
+SMOKE = ["model.net.patch_size=8", "model.net.embed_dim=32", "model.net.depth=2", "model.net.num_heads=2",
+         "datamodule.batch_size=8"]
+
+
+class Variant:
+    """One network + optimizer, stepped on random images of the model's input size."""
+
+    def __init__(self, cfg: Any, x: torch.Tensor, y: torch.Tensor, *, fused_attn: bool | None,
+                 bf16: bool, fused_adamw: bool, compile: bool) -> None:
+        import hydra
+        from timm.optim import param_groups_weight_decay
+
+        from vitrain.models.classifier import set_fused_attn
+
+        torch.manual_seed(0)
+        self.net = hydra.utils.instantiate(cfg.model).net.train()
+        if fused_attn is not None:
+            set_fused_attn(self.net, fused_attn)
+        factory = hydra.utils.instantiate(cfg.model.optimizer)
+        kwargs = {k: v for k, v in factory.keywords.items() if k not in ("fused", "foreach")}
+        groups = param_groups_weight_decay(self.net, weight_decay=kwargs.get("weight_decay", 0.0))
+        self.optimizer = factory.func(groups, **kwargs, **({"fused": True} if fused_adamw else {"foreach": True}))
+        self.x, self.y, self.bf16 = x, y, bf16
+        self.compile_s: float | None = None
+        if compile:
+            self.net.compile()
+            t0 = time.perf_counter()
+            self.step()  # the first call compiles forward and backward
+            self.compile_s = time.perf_counter() - t0
+
+    def step(self) -> None:
+        ctx = torch.autocast("cpu", dtype=torch.bfloat16) if self.bf16 else contextlib.nullcontext()
+        with ctx:
+            loss = F.cross_entropy(self.net(self.x), self.y)
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def steps_per_s(self, steps: int) -> float:
+        self.step()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            self.step()
+        return steps / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    args = parse_args(__doc__, rounds=(int, 3, "rounds"), steps=(int, 6, "timed steps per segment"),
+                      compile=(int, 1, "1: include torch.compile (its compile time counts against the budget)"))
+    if args.smoke:
+        args.rounds, args.steps = 1, 2
+    result = Result("levers", args)
+    cfg = compose([SMALL_VIT, "extras.print_config=false", *(SMOKE if args.smoke else [])],
+                  Path(tempfile.mkdtemp(prefix="bench-levers-")))
+    shipped = {
+        "fused_attn": cfg.model.get("fused_attn"),
+        "bf16": str(cfg.trainer.precision).startswith("bf16"),
+        "fused_adamw": bool(cfg.model.optimizer.get("fused")),
+        "compile": bool(cfg.model.get("compile")),
+    }
+    batch, size = int(cfg.datamodule.batch_size), int(cfg.model.net.img_size)
+    x, y = torch.randn(batch, 3, size, size), torch.randint(0, 10, (batch,))
+    sdpa = shipped["fused_attn"] in (None, True)  # timm's default is SDPA
+    changes = {
+        "SDPA -> matmul attention" if sdpa else "matmul -> SDPA attention": {"fused_attn": not sdpa},
+        "bf16 -> fp32" if shipped["bf16"] else "fp32 -> bf16": {"bf16": not shipped["bf16"]},
+        "fused -> foreach AdamW" if shipped["fused_adamw"] else "foreach -> fused AdamW":
+            {"fused_adamw": not shipped["fused_adamw"]},
+    }
+    if args.compile and not shipped["compile"]:
+        changes["torch.compile"] = {"compile": True}
+    variants = {"as configured": Variant(cfg, x, y, **shipped)}
+    for name, change in changes.items():
+        variants[name] = Variant(cfg, x, y, **{**copy.deepcopy(shipped), **change})
+    runs = interleave({k: (lambda v=v: v.steps_per_s(args.steps)) for k, v in variants.items()}, args.rounds)
+    base = runs["as configured"]
+    rel = {k: round(ratio(v, base), 3) for k, v in runs.items() if k != "as configured"}
+    figures: dict[str, Any] = {f"{k} (x steps/s)": v for k, v in rel.items()}
+    figures["as configured (steps/s)"] = round(median(base), 3)
+    compiled = variants.get("torch.compile")
+    notes = []
+    if compiled is not None:
+        step_s = 1 / median(runs["torch.compile"])
+        saved_per_step = 1 / median(base) - step_s
+        figures["compile seconds"] = round(compiled.compile_s or 0.0, 1)
+        if saved_per_step > 0:
+            figures["steps to repay compile"] = round((compiled.compile_s or 0) / saved_per_step)
+        notes.append("torch.compile: worth it when the run is much longer than the compile time "
+                     "(`steps to repay compile` x the step time)")
+    line = "; ".join(f"{k}: {v:.2f}x" for k, v in rel.items()) + " (steps/s relative to the experiment as configured)"
+    result.save(line, figures=figures, goal=None, met=None, notes=notes, shipped=shipped,
+                rounds={k: [round(v, 3) for v in vs] for k, vs in runs.items()}, batch_size=batch, img_size=size)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""The benchmark suite (`make bench`): every bench/<name>.py in turn, then docs/benchmarks.md from the JSON.
+
+    python bench/run.py                      # all, results in bench/results/, doc rendered
+    python bench/run.py --only overhead,startup
+    python bench/run.py --smoke --out /tmp/b # seconds: checks that every script runs
+    python bench/run.py --wait-quiet 60      # first wait up to 60 min for a 1-minute load below 0.8
+
+Each benchmark runs in its own process (threads, memory and caches do not leak between them); its
+output goes to <out>/logs/<name>.log and its one-line figure to the console.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from common import BENCH, PYTHON, RESULTS, ROOT, load_average
+
+# short ones first; the 10-minute accuracy run last
+SUITE = ["startup", "overhead", "data_pipeline", "levers", "ddp_scaling", "fsdp_memory", "gpu", "accuracy"]
+
+
+def wait_quiet(minutes: float, threshold: float = 0.8) -> float:
+    """Poll the 1-minute load average until it is below `threshold` or `minutes` have passed."""
+    deadline = time.monotonic() + 60 * minutes
+    while load_average() >= threshold and time.monotonic() < deadline:
+        print(f"load {load_average()} >= {threshold}: waiting", flush=True)
+        time.sleep(30)
+    return load_average()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--only", default="", help="comma-separated subset of " + ",".join(SUITE))
+    parser.add_argument("--doc", type=Path, default=None, help="default: docs/benchmarks.md (not in --smoke)")
+    parser.add_argument("--wait-quiet", type=float, default=0.0, help="minutes to wait for a quiet machine")
+    parser.add_argument("passthrough", nargs="*", help="extra arguments for every script (after --)")
+    args = parser.parse_args()
+    names = [n for n in args.only.split(",") if n] or SUITE
+    unknown = set(names) - set(SUITE)
+    if unknown:
+        parser.error(f"unknown benchmark(s) {', '.join(sorted(unknown))}; known: {', '.join(SUITE)}")
+    if args.wait_quiet:
+        wait_quiet(args.wait_quiet)
+
+    logs = args.out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    started, load_before = time.perf_counter(), load_average()
+    failed = []
+    for name in names:
+        cmd = [PYTHON, str(BENCH / f"{name}.py"), "--out", str(args.out), *(["--smoke"] if args.smoke else []),
+               *args.passthrough]
+        t0 = time.perf_counter()
+        with open(logs / f"{name}.log", "w") as log:
+            done = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                  env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        took = time.perf_counter() - t0
+        if done.returncode != 0:
+            failed.append(name)
+            print(f"{name}: FAILED ({done.returncode}) after {took:.0f} s, see {logs / f'{name}.log'}", flush=True)
+            continue
+        result = json.loads((args.out / f"{name}.json").read_text())
+        print(f"{name} ({took:.0f} s): {result['line']}", flush=True)
+
+    seconds = time.perf_counter() - started
+    run = {
+        "command": "make bench" if not args.only and not args.smoke else shlex.join(["python", "bench/run.py", *sys.argv[1:]]),
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "seconds": round(seconds, 1), "benchmarks": names, "failed": failed,
+        "load_before": load_before, "load_after": load_average(), "smoke": args.smoke,
+    }
+    (args.out / "run.json").write_text(json.dumps(run, indent=2) + "\n")
+    print(f"total {seconds / 60:.1f} min; {len(failed)} failed", flush=True)
+    doc = args.doc or (None if args.smoke else ROOT / "docs" / "benchmarks.md")
+    if doc is not None:
+        subprocess.run([PYTHON, str(BENCH / "render.py"), "--results", str(args.out), "--doc", str(doc)], check=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

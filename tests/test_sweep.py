@@ -1,0 +1,133 @@
+"""Hydra multirun sweeps (`python src/train.py -m ...`), on one process per job and with DDP, and their summary."""
+
+import csv
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import open_dict
+
+from helpers import CONFIGS, ROOT, run_cli, tiny_overrides
+from vitrain.distributed.multirun import DistributedMultirun, job_command
+from vitrain.sweep import write_summary
+from vitrain.utils.run_id import register_resolvers
+
+SWEEP_TIMEOUT = 240  # seconds; normally 30-60 s on 2 slow cores
+
+
+def run_sweep(sweep_dir: Path, tiny_cifar: Path, data_cache: Path, args: list[str]) -> str:
+    base = [o for o in tiny_overrides(tiny_cifar, data_cache) if not o.startswith("datamodule.batch_size")]
+    done = run_cli(
+        "train.py",
+        ["-m", *base, *args, f"hydra.sweep.dir={sweep_dir}", "callbacks.rich_progress_bar=null"],
+        timeout=SWEEP_TIMEOUT,
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-4000:]
+    return output
+
+
+def summary(sweep_dir: Path) -> list[dict[str, str]]:
+    with (sweep_dir / "summary.csv").open() as f:
+        return list(csv.DictReader(f))
+
+
+def check_jobs(sweep_dir: Path, batch_sizes: list[int], world_size: int) -> None:
+    rows = summary(sweep_dir)
+    assert [r["job"] for r in rows] == [str(i) for i in range(len(batch_sizes))]
+    assert sorted(p.name for p in sweep_dir.iterdir() if p.is_dir()) == [r["job"] for r in rows]
+    md = (sweep_dir / "summary.md").read_text()
+    for row, batch in zip(rows, batch_sizes, strict=True):
+        job = sweep_dir / row["job"]
+        assert (job / "checkpoints" / "last.ckpt").is_file() and list((job / "checkpoints").glob("epoch*.ckpt"))
+        assert (job / ".hydra" / "overrides.yaml").is_file()
+        report = json.loads((job / "report.json").read_text())
+        assert report["batch_size"] == {"global": batch, "per_device": batch // world_size,
+                                        "per_device_observed": batch // world_size, "accumulate_grad_batches": 1}
+        assert report["world_size"] == world_size and len(report["memory"]["per_device"]) == world_size
+        assert row["status"] == "done" and row["overrides"] == f"datamodule.batch_size={batch}"
+        assert (int(row["global_batch"]), int(row["per_device_batch"])) == (batch, batch // world_size)
+        assert float(row["images_per_s"]) > 0 and float(row["time_per_epoch_s"]) > 0
+        assert len(row["peak_memory_gb_per_device"].split(" / ")) == world_size
+        assert 0 <= float(row["best_val_acc1"]) <= 1 and 0 <= float(row["test_acc1"]) <= 1
+        assert (sweep_dir / row["report"]).is_file() and Path(row["dir"]) == job.resolve()
+        assert f"[{row['report']}]({row['report']})" in md
+
+
+@pytest.mark.timeout(SWEEP_TIMEOUT)
+def test_batch_size_sweep_one_process_per_job(tmp_path: Path, tiny_cifar: Path, data_cache: Path):
+    sweep_dir = tmp_path / "sweep"
+    output = run_sweep(sweep_dir, tiny_cifar, data_cache, ["trainer=cpu", "datamodule.batch_size=16,32,64"])
+    assert output.count("Launching 3 jobs locally") == 1
+    check_jobs(sweep_dir, [16, 32, 64], world_size=1)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(SWEEP_TIMEOUT)
+def test_batch_size_sweep_with_ddp(tmp_path: Path, tiny_cifar: Path, data_cache: Path):
+    """Each job starts its own second rank, which runs that job (not the sweep) in that job's dir."""
+    sweep_dir = tmp_path / "sweep"
+    output = run_sweep(sweep_dir, tiny_cifar, data_cache,
+                       ["trainer=ddp", "trainer.devices=2", "datamodule.batch_size=16,32"])
+    assert output.count("Launching 2 jobs locally") == 1, "a child process started its own sweep"
+    assert output.count("GLOBAL_RANK: 1, MEMBER: 2/2") == 2, "every job must launch its own rank 1"
+    check_jobs(sweep_dir, [16, 32], world_size=2)
+
+
+def test_child_command_runs_exactly_its_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(sys.modules["__main__"], "__spec__", None)  # as `python src/train.py` (not `-m pytest`)
+    register_resolvers()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        cfg = compose("train", overrides=["trainer=ddp", "datamodule.batch_size=32"], return_hydra_config=True)
+    job_dir = tmp_path / "sweep" / "1"
+    with open_dict(cfg):
+        cfg.hydra.mode = RunMode.MULTIRUN
+        cfg.hydra.runtime.output_dir = str(job_dir)
+        cfg.hydra.runtime.cwd = str(ROOT)
+        cfg.hydra.overrides.hydra = ["hydra.mode=MULTIRUN", f"hydra.sweep.dir={tmp_path / 'sweep'}"]
+    HydraConfig.instance().set_config(cfg)
+    argv = ["src/train.py", "-m", "--config-name", "train", "trainer=ddp", "datamodule.batch_size=16,32"]
+    command, cwd = job_command(local_rank=1, argv=argv)
+    assert command == [
+        sys.executable, str(ROOT / "src" / "train.py"),
+        "--config-name", "train",
+        "trainer=ddp", "datamodule.batch_size=32",
+        f"hydra.sweep.dir={tmp_path / 'sweep'}",
+        f'hydra.run.dir="{job_dir}"', "hydra.job.name=train_ddp_process_1", "hydra.output_subdir=null",
+    ]
+    assert cwd == str(ROOT)
+
+
+def test_each_job_starts_from_the_launch_environment_of_the_sweep(monkeypatch: pytest.MonkeyPatch):
+    """What job 1's launcher put into os.environ must not make job 2 think it is an outside-launched rank."""
+    monkeypatch.setenv("NODE_RANK", "0")  # set by the user: kept
+    for var in ("LOCAL_RANK", "MASTER_PORT", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    callback = DistributedMultirun()
+    callback.on_multirun_start(config=None)
+    try:
+        os.environ.update(LOCAL_RANK="0", MASTER_PORT="29511", WORLD_SIZE="2", NODE_RANK="0")
+        callback.on_job_start(config=None)
+        assert "LOCAL_RANK" not in os.environ and "MASTER_PORT" not in os.environ
+        assert "WORLD_SIZE" not in os.environ and os.environ["NODE_RANK"] == "0"
+    finally:
+        callback.on_multirun_end(config=None)
+
+
+def test_summary_lists_jobs_without_a_report(tmp_path: Path):
+    """A failed (or still running) job appears in the summary, without figures."""
+    (tmp_path / "multirun.yaml").write_text("{}\n")
+    for job in ("0", "1"):
+        (tmp_path / job / ".hydra").mkdir(parents=True)
+        (tmp_path / job / ".hydra" / "overrides.yaml").write_text(f"- seed={job}\n- trainer=cpu\n")
+    write_summary(tmp_path)
+    rows = {r["job"]: r for r in summary(tmp_path)}
+    assert rows["1"]["status"].startswith("no report") and rows["1"]["overrides"] == "seed=1"
+    assert rows["0"]["images_per_s"] == ""
