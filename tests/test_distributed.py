@@ -21,9 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DistributedSampler
 
-import vitrain.data.cifar10 as cifar10
 from helpers import PYTHON, ROOT, compose_cfg, run_cli, tiny_overrides
 from vitrain import checkpoints
 from vitrain.distributed.ddp import DDPStrategy
@@ -88,27 +86,13 @@ def launch(run_dir: Path, args: list[str], torchrun: bool = False) -> Run:
 
 @pytest.fixture(scope="module")
 def single_run(tmp_path_factory: pytest.TempPathFactory, tiny_cifar: Path, data_cache: Path) -> Path:
-    """One process, in-process, drawing its batches as one DistributedSampler replica.
+    """One process, in-process: the reference for the weights.
 
-    With world size 1 the datamodule shuffles with a RandomSampler; the union of N DistributedSampler
-    shards' k-th batches is the k-th batch of the same sampler with one replica, so this reference sees
-    exactly the global batches of the multi-process runs.
+    Training always samples with DistributedSampler (seed, epoch): the k-th batches of N replicas together
+    are the k-th batch of one replica, so this run sees exactly the global batches of the 2-process runs.
     """
-
-    original = cifar10.make_sampler
-
-    def one_replica_sampler(dataset, *, train: bool, num_replicas: int, rank: int, seed: int):
-        assert num_replicas == 1
-        if train:
-            return DistributedSampler(
-                dataset, num_replicas=1, rank=0, shuffle=True, seed=seed, drop_last=True
-            )
-        return original(dataset, train=False, num_replicas=1, rank=0, seed=seed)
-
     run_dir = tmp_path_factory.mktemp("single")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(cifar10, "make_sampler", one_replica_sampler)
-        train(compose_cfg("train", [*overrides(tiny_cifar, data_cache), "test=false"], run_dir))
+    train(compose_cfg("train", [*overrides(tiny_cifar, data_cache), "test=false"], run_dir))
     return run_dir
 
 

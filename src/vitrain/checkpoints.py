@@ -113,9 +113,8 @@ def _load_sharded(folder: Path) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     checkpoint: dict[str, Any] = {}
-    _load_state_dict(
-        checkpoint, storage_reader=FileSystemReader(folder), planner=_EmptyStateDictLoadPlanner(), no_dist=True
-    )
+    reader, planner = FileSystemReader(folder), _EmptyStateDictLoadPlanner()
+    _load_state_dict(checkpoint, storage_reader=reader, planner=planner, no_dist=True)
     meta = folder / _METADATA_FILENAME
     if meta.is_file():
         checkpoint.update(torch.load(meta, map_location="cpu", weights_only=False))

@@ -1,7 +1,6 @@
 """The training task: build everything from the config, fit, test the best checkpoint."""
 
 import logging
-from pathlib import Path
 from typing import Any
 
 import hydra
@@ -62,7 +61,9 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
     best = checkpoint.best_model_path if isinstance(checkpoint, ModelCheckpoint) else ""
     objects["best_model_path"] = best or None
     if cfg.get("test"):
-        if best and Path(best).exists():
+        if best:
+            # the path agrees on every rank (the monitored metric is synced); a rank that cannot read
+            # it (no shared filesystem) fails loudly instead of testing other weights than its peers
             log.info(f"Testing the best checkpoint: {best}")
             trainer.test(model=model, datamodule=datamodule, ckpt_path=best, weights_only=False)
         else:

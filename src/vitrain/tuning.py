@@ -153,10 +153,12 @@ def search_batch_size(cfg: DictConfig, objects: dict[str, Any]) -> dict[str, Any
     if not options or not options.get("enabled", True):
         return None
     run_dir = Path(cfg.paths.output_dir)
-    world = devices_per_node(cfg.trainer.get("devices", 1), cfg.trainer.get("accelerator")) * int(
-        cfg.trainer.get("num_nodes", 1))
-    if global_rank_from_env(devices_per_node(cfg.trainer.get("devices", 1), cfg.trainer.get("accelerator"))):
-        result = _read_result(run_dir)  # another rank: global rank zero has searched already
+    per_node = devices_per_node(cfg.trainer.get("devices", 1), cfg.trainer.get("accelerator"))
+    world = per_node * int(cfg.trainer.get("num_nodes", 1))
+    if global_rank_from_env(per_node) != 0:
+        if not options.get("apply"):
+            return None
+        result = _read_result(run_dir)  # global rank zero searched before it launched this process
     else:
         result = find_max_batch_size(objects["model"], objects["datamodule"], cfg, world, run_dir, options)
         (run_dir / SEARCH_FILE).write_text(json.dumps(result, indent=2) + "\n")

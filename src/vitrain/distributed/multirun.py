@@ -135,8 +135,9 @@ class DistributedMultirun(Callback):
         install()
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
-        if not self._env:  # a single run, or a job launched in another process
+        if not self._env:  # not a sweep
             return
+        install()  # again: a parallel launcher (joblib, submitit) runs jobs in other processes
         for var, value in self._env.items():
             if value is None:
                 os.environ.pop(var, None)
