@@ -33,5 +33,11 @@ eval:  ## make eval CKPT=path/to/checkpoint.ckpt
 report:  ## make report RUN=logs/train/runs/<id> (or a multiruns/<id> sweep dir): rebuild report.md/json, plots
 	PYTHONPATH=src $(PY) -m vitrain.report $(RUN)
 
+bench:  ## the benchmark suite (~20 min on 2 CPU cores): bench/results/*.json -> docs/benchmarks.md
+	$(PY) bench/run.py $(BENCH_ARGS)
+
+bench-smoke:  ## every benchmark in seconds-sized mode, results in /tmp (checks the scripts, measures nothing)
+	$(PY) bench/run.py --smoke --out /tmp/vitrain-bench-smoke $(BENCH_ARGS)
+
 clean:
 	rm -rf logs/train logs/eval .pytest_cache .ruff_cache

@@ -14,8 +14,16 @@ from pathlib import Path
 
 from common import SMALL_VIT, Result, data_overrides, parse_args, probe_overrides, run_train, train_command
 
-SMOKE = ["model.net.patch_size=8", "model.net.embed_dim=32", "model.net.depth=2", "model.net.num_heads=2",
-         "datamodule.batch_size=16", "datamodule.val_size=32", "trainer.max_epochs=1"]
+SMOKE = [
+    "model.net.patch_size=8",
+    "model.net.embed_dim=32",
+    "model.net.depth=2",
+    "model.net.num_heads=2",
+    "datamodule.batch_size=16",
+    "datamodule.val_size=32",
+    "datamodule.train_subset=64",
+    "trainer.max_epochs=1",
+]
 
 
 def main() -> None:
@@ -32,21 +40,29 @@ def main() -> None:
     met = acc is not None and acc >= 0.70 and not rec["stopped_early"]
     notes = []
     if rec["stopped_early"]:
-        notes.append(f"stopped by trainer.max_time after {rec['epochs']} of {rec['max_epochs']} epochs: "
-                     "the LR schedule did not finish (a slower or busier machine than the one it was sized for)")
-    line = (f"test accuracy {100 * (acc or 0):.2f} % after {minutes:.1f} min of training, "
-            f"{rec['epochs']} epochs (goal >= 70 %: {'met' if met else 'NOT met'})")
+        notes.append(
+            f"stopped by trainer.max_time after {rec['epochs']} of {rec['max_epochs']} epochs: "
+            "the LR schedule did not finish (a slower or busier machine than the one it was sized for)"
+        )
+    line = (
+        f"test accuracy {100 * (acc or 0):.2f} % after {minutes:.1f} min of training, "
+        f"{rec['epochs']} epochs (goal >= 70 %: {'met' if met else 'NOT met'})"
+    )
     result.save(
         line,
-        figures={"test_acc1_percent": round(100 * (acc or 0), 2),
-                 "test_acc5_percent": round(100 * test.get("test/acc5", 0), 2),
-                 "val_acc1_percent": round(100 * fit.get("val/acc1", 0), 2),
-                 "train_minutes": round(minutes, 2), "epochs": rec["epochs"],
-                 "images_per_s": round(rec["global_step"] * _batch(run_dir) / rec["fit_seconds"], 1)},
+        figures={
+            "test_acc1_percent": round(100 * (acc or 0), 2),
+            "test_acc5_percent": round(100 * test.get("test/acc5", 0), 2),
+            "val_acc1_percent": round(100 * fit.get("val/acc1", 0), 2),
+            "train_minutes": round(minutes, 2),
+            "epochs": rec["epochs"],
+            "images_per_s": round(rec["global_step"] * _batch(run_dir) / rec["fit_seconds"], 1),
+        },
         goal="test accuracy >= 70 % within 10 minutes of training",
         met=met,
         notes=notes,
-        stopped_by_max_time=rec["stopped_early"], global_step=rec["global_step"],
+        stopped_by_max_time=rec["stopped_early"],
+        global_step=rec["global_step"],
         command=train_command(argv),
         config=_experiment_config(run_dir),
     )
@@ -63,9 +79,13 @@ def _experiment_config(run_dir: Path) -> dict:
     import yaml
 
     cfg = yaml.safe_load((run_dir / ".hydra" / "config.yaml").read_text())
-    return {"model": cfg["model"], "datamodule": {k: cfg["datamodule"][k] for k in (
-        "batch_size", "val_size", "crop_padding", "hflip", "augment")},
-        "trainer": {k: cfg["trainer"].get(k) for k in ("precision", "max_epochs", "max_time")}}
+    return {
+        "model": cfg["model"],
+        "datamodule": {
+            k: cfg["datamodule"][k] for k in ("batch_size", "val_size", "crop_padding", "hflip", "augment")
+        },
+        "trainer": {k: cfg["trainer"].get(k) for k in ("precision", "max_epochs", "max_time")},
+    }
 
 
 if __name__ == "__main__":

@@ -38,7 +38,9 @@ SMALL_VIT = "experiment=cifar_cpu"
 def parse_args(doc: str | None, **extra: tuple[type, Any, str]) -> argparse.Namespace:
     """--smoke (seconds, tiny sizes), --out (result dir), --data-dir/--cache-dir, plus script options."""
     parser = argparse.ArgumentParser(description=(doc or "").strip().splitlines()[0])
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes: checks that it runs, measures nothing")
+    parser.add_argument(
+        "--smoke", action="store_true", help="tiny sizes: checks that it runs, measures nothing"
+    )
     parser.add_argument("--out", type=Path, default=RESULTS, help="directory for <name>.json")
     parser.add_argument("--data-dir", type=Path, default=DATA_DIR, help="CIFAR-10 (archive, folder, batches)")
     parser.add_argument("--cache-dir", type=Path, default=CACHE_DIR, help="decoded-data cache")
@@ -128,13 +130,26 @@ class Result:
             "load_before": load_average(),
         }
 
-    def save(self, line: str, figures: dict[str, Any], goal: str | None = None, met: bool | None = None,
-             notes: Sequence[str] = (), **details: Any) -> Path:
+    def save(
+        self,
+        line: str,
+        figures: dict[str, Any],
+        goal: str | None = None,
+        met: bool | None = None,
+        notes: Sequence[str] = (),
+        **details: Any,
+    ) -> Path:
         """Print the one-line summary and write `<out>/<name>.json`."""
         self.data.update(
-            line=line, figures=figures, goal=goal, met=None if self.args.smoke else met, notes=list(notes),
-            details=details, seconds=round(time.perf_counter() - self.started, 1),
-            load_after=load_average(), machine=machine(),
+            line=line,
+            figures=figures,
+            goal=goal,
+            met=None if self.args.smoke else met,
+            notes=list(notes),
+            details=details,
+            seconds=round(time.perf_counter() - self.started, 1),
+            load_after=load_average(),
+            machine=machine(),
         )
         self.args.out.mkdir(parents=True, exist_ok=True)
         path = self.args.out / f"{self.name}.json"
@@ -186,19 +201,29 @@ def probe_overrides(out: Path, **options: Any) -> list[str]:
 def train_env(**env: str) -> dict[str, str]:
     """The environment of a `src/train.py` child: bench/ importable, no launcher variables, offline hub."""
     full = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", **env}
-    full["PYTHONPATH"] = os.pathsep.join(p for p in (str(BENCH), str(ROOT / "src"), os.environ.get("PYTHONPATH")) if p)
+    full["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(BENCH), str(ROOT / "src"), os.environ.get("PYTHONPATH")) if p
+    )
     for var in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT"):
         if var not in env:
             full.pop(var, None)
     return full
 
 
-def run_train(overrides: Sequence[str], env: dict[str, str] | None = None, timeout: float = 1800,
-              log: Path | None = None) -> subprocess.CompletedProcess:
+def run_train(
+    overrides: Sequence[str],
+    env: dict[str, str] | None = None,
+    timeout: float = 1800,
+    log: Path | None = None,
+) -> subprocess.CompletedProcess:
     """`python src/train.py overrides...` as a user types it; raises with the output's tail on failure."""
     done = subprocess.run(
         [PYTHON, str(ROOT / "src" / "train.py"), *overrides],
-        cwd=ROOT, env=train_env(**(env or {})), capture_output=True, text=True, timeout=timeout,
+        cwd=ROOT,
+        env=train_env(**(env or {})),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
     if log is not None:
         log.parent.mkdir(parents=True, exist_ok=True)

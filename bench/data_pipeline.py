@@ -20,10 +20,9 @@ from typing import Any
 
 import numpy as np
 import torch
+from common import SMALL_VIT, Result, compose, data_overrides, interleave, median, parse_args, ratio
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
-
-from common import SMALL_VIT, Result, compose, data_overrides, interleave, median, parse_args, ratio
 
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR10_STD = (0.2470, 0.2435, 0.2616)
@@ -44,15 +43,18 @@ class PILImages(Dataset):
         return self.transform(Image.fromarray(self.images[i])), self.labels[i]
 
 
-def torchvision_loader(x: torch.Tensor, y: torch.Tensor, img_size: int, batch: int, workers: int) -> DataLoader:
+def torchvision_loader(
+    x: torch.Tensor, y: torch.Tensor, img_size: int, batch: int, workers: int
+) -> DataLoader:
     from torchvision import transforms as T
 
     steps = [T.RandomCrop(32, padding=4), T.RandomHorizontalFlip()]
     if img_size != 32:
         steps.append(T.Resize(img_size, interpolation=T.InterpolationMode.BILINEAR))
     steps += [T.ToTensor(), T.Normalize(CIFAR10_MEAN, CIFAR10_STD)]
-    return DataLoader(PILImages(x, y, T.Compose(steps)), batch_size=batch, shuffle=True, drop_last=True,
-                      num_workers=workers)
+    return DataLoader(
+        PILImages(x, y, T.Compose(steps)), batch_size=batch, shuffle=True, drop_last=True, num_workers=workers
+    )
 
 
 def images_per_s(batches: Any, warmup: int, count: int, prepare: Any, device: torch.device) -> float:
@@ -81,7 +83,9 @@ def pipeline_rates(args: Any, workdir: Path, device: torch.device) -> dict[str, 
     from vitrain.data.cifar10 import CIFAR10DataModule
 
     datamodule = CIFAR10DataModule(
-        str(args.data_dir), str(args.cache_dir), batch_size=args.batch_size,
+        str(args.data_dir),
+        str(args.cache_dir),
+        batch_size=args.batch_size,
         val_size=16 if args.smoke else 5000,
     )
     datamodule.prepare_data()
@@ -94,11 +98,17 @@ def pipeline_rates(args: Any, workdir: Path, device: torch.device) -> dict[str, 
         ours = datamodule.train_dataloader()
         theirs = torchvision_loader(train.x, train.y, size, args.batch_size, args.workers)
         count = args.batches if size <= 64 else max(args.batches // 3, 2)
-        runs = interleave({
-            "on_device": lambda t=transform, o=ours, c=count: images_per_s(
-                o, 2, c, lambda x: t(x.to(device, non_blocking=True), train=True), device),
-            "dataloader": lambda th=theirs, c=count: images_per_s(th, 2, c, lambda x: x.to(device), device),
-        }, args.rounds)
+        runs = interleave(
+            {
+                "on_device": lambda t=transform, o=ours, c=count: images_per_s(
+                    o, 2, c, lambda x: t(x.to(device, non_blocking=True), train=True), device
+                ),
+                "dataloader": lambda th=theirs, c=count: images_per_s(
+                    th, 2, c, lambda x: x.to(device), device
+                ),
+            },
+            args.rounds,
+        )
         out[str(size)] = {
             "ratio": round(ratio(runs["on_device"], runs["dataloader"]), 2),
             "on_device_images_per_s": round(median(runs["on_device"])),
@@ -112,17 +122,31 @@ def pipeline_rates(args: Any, workdir: Path, device: torch.device) -> dict[str, 
 def data_wait(args: Any, workdir: Path) -> dict[str, Any]:
     """Share of step time in the loader's next() and in on_after_batch_transfer during a real fit."""
     from omegaconf import open_dict
-
     from probe import BenchProbe
+
     from vitrain.training import build
 
     warmup, steps = (1, 3) if args.smoke else (3, args.wait_steps)
-    overrides = [SMALL_VIT, *data_overrides(args), "trainer.max_epochs=1", "trainer.max_time=null",
-                 f"trainer.limit_train_batches={warmup + steps + 1}", "trainer.limit_val_batches=1",
-                 "trainer.num_sanity_val_steps=0", "test=false", "extras.print_config=false"]
+    overrides = [
+        SMALL_VIT,
+        *data_overrides(args),
+        "trainer.max_epochs=1",
+        "trainer.max_time=null",
+        f"trainer.limit_train_batches={warmup + steps + 1}",
+        "trainer.limit_val_batches=1",
+        "trainer.num_sanity_val_steps=0",
+        "test=false",
+        "extras.print_config=false",
+    ]
     if args.smoke:
-        overrides += ["model.net.patch_size=8", "model.net.embed_dim=32", "model.net.depth=2",
-                      "model.net.num_heads=2", "datamodule.batch_size=8", "datamodule.val_size=16"]
+        overrides += [
+            "model.net.patch_size=8",
+            "model.net.embed_dim=32",
+            "model.net.depth=2",
+            "model.net.num_heads=2",
+            "datamodule.batch_size=8",
+            "datamodule.val_size=16",
+        ]
     cfg = compose(overrides, workdir / "wait")
     with open_dict(cfg):
         cfg.callbacks["bench_probe"] = {"_target_": "probe.BenchProbe", "out": str(workdir / "wait.json")}
@@ -180,7 +204,9 @@ def data_wait(args: Any, workdir: Path) -> dict[str, Any]:
 
 def main() -> None:
     args = parse_args(
-        __doc__, rounds=(int, 3, "A/B rounds"), batch_size=(int, 256, "images per batch"),
+        __doc__,
+        rounds=(int, 3, "A/B rounds"),
+        batch_size=(int, 256, "images per batch"),
         batches=(int, 24, "timed batches per segment at 32 px (a third at larger sizes)"),
         workers=(int, 2, "DataLoader workers of the baseline"),
         wait_steps=(int, 20, "timed training steps for the data-wait share"),
@@ -195,20 +221,28 @@ def main() -> None:
     wait = data_wait(args, workdir)
     small, large = rates[str(args.sizes[0])], rates[str(args.sizes[-1])]
     met = small["ratio"] >= 10 and large["ratio"] >= 10 and wait["fraction"] < 0.02
-    line = (f"on-device/DataLoader images/s = {small['ratio']:.1f}x at {args.sizes[0]} px, "
-            f"{large['ratio']:.1f}x at {args.sizes[-1]} px; data wait {100 * wait['fraction']:.2f} % of step "
-            f"time (goals >= 10x, < 2 %: {'met' if met else 'NOT met'})")
+    line = (
+        f"on-device/DataLoader images/s = {small['ratio']:.1f}x at {args.sizes[0]} px, "
+        f"{large['ratio']:.1f}x at {args.sizes[-1]} px; data wait {100 * wait['fraction']:.2f} % of step "
+        f"time (goals >= 10x, < 2 %: {'met' if met else 'NOT met'})"
+    )
     result.save(
         line,
         figures={
             **{f"ratio_{s}px": rates[str(s)]["ratio"] for s in args.sizes},
             **{f"on_device_images_per_s_{s}px": rates[str(s)]["on_device_images_per_s"] for s in args.sizes},
-            **{f"dataloader_images_per_s_{s}px": rates[str(s)]["dataloader_images_per_s"] for s in args.sizes},
+            **{
+                f"dataloader_images_per_s_{s}px": rates[str(s)]["dataloader_images_per_s"] for s in args.sizes
+            },
             "data_wait_percent": round(100 * wait["fraction"], 3),
         },
         goal="on-device >= 10x the 2-worker DataLoader; data wait < 2 % of step time",
         met=met,
-        rates=rates, data_wait=wait, device=str(device), batch_size=args.batch_size, workers=args.workers,
+        rates=rates,
+        data_wait=wait,
+        device=str(device),
+        batch_size=args.batch_size,
+        workers=args.workers,
     )
 
 

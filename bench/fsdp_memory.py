@@ -22,24 +22,42 @@ from common import Result, data_overrides, parse_args, probe_overrides, run_trai
 from probe import GB
 
 MODEL = [
-    "model.net.model_name=vit_base_patch32_224", "model.net.pretrained=false", "model.net.img_size=224",
+    "model.net.model_name=vit_base_patch32_224",
+    "model.net.pretrained=false",
+    "model.net.img_size=224",
     "model.net.patch_size=32",
 ]
-SMOKE = ["model.net.model_name=vit_tiny_patch16_224", "model.net.pretrained=false", "model.net.img_size=32",
-         "model.net.patch_size=8", "+model.net.depth=2", "datamodule.val_size=16"]
+SMOKE = [
+    "model.net.model_name=vit_tiny_patch16_224",
+    "model.net.pretrained=false",
+    "model.net.img_size=32",
+    "model.net.patch_size=8",
+    "+model.net.depth=2",
+    "datamodule.val_size=16",
+]
 ENV = {"OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}
 
 
 def measure(args: Any, strategy: str, workdir: Path) -> dict[str, Any]:
     run_dir = workdir / strategy
     argv = [
-        *data_overrides(args), *(SMOKE if args.smoke else MODEL), f"trainer={strategy}", "trainer.devices=2",
-        "trainer.accelerator=cpu", "trainer.max_epochs=1", f"trainer.limit_train_batches={args.steps}",
-        "trainer.limit_val_batches=0", "trainer.num_sanity_val_steps=0", "callbacks=none", "logger=none",
-        "test=false", "extras.print_config=false", f"datamodule.batch_size={2 * args.batch_size}",
+        *data_overrides(args),
+        *(SMOKE if args.smoke else MODEL),
+        f"trainer={strategy}",
+        "trainer.devices=2",
+        "trainer.accelerator=cpu",
+        "trainer.max_epochs=1",
+        f"trainer.limit_train_batches={args.steps}",
+        "trainer.limit_val_batches=0",
+        "trainer.num_sanity_val_steps=0",
+        "callbacks=none",
+        "logger=none",
+        "test=false",
+        "extras.print_config=false",
+        f"datamodule.batch_size={2 * args.batch_size}",
         f"hydra.run.dir={run_dir}",
     ]
-    argv += probe_overrides(run_dir / "probe-{rank}.json")
+    argv += probe_overrides(run_dir / "probe-__RANK__.json")
     run_train(argv, env=ENV, log=run_dir / "output.log")
     ranks = []
     for rank in range(2):
@@ -48,14 +66,23 @@ def measure(args: Any, strategy: str, workdir: Path) -> dict[str, Any]:
         peak = rec.get("peak_cuda_allocated") or rec["peak_rss_train"]
         state = peak if rec.get("peak_cuda_allocated") else peak - base
         ends = rec["step_ends"]
-        ranks.append({
-            "rank": rank, "peak_gb": round(peak / GB, 3), "state_gb": round(state / GB, 3),
-            "base_gb": round(base / GB, 3), "param_gb": round(rec["param_bytes"] / GB, 3),
-            "peak_reset": rec.get("peak_reset"),
-            "s_per_step": round((ends[-1] - ends[0]) / (len(ends) - 1), 2) if len(ends) > 1 else None,
-        })
-    return {"ranks": ranks, "command": train_command(argv, ENV),
-            "peak_gb": max(r["peak_gb"] for r in ranks), "state_gb": max(r["state_gb"] for r in ranks)}
+        ranks.append(
+            {
+                "rank": rank,
+                "peak_gb": round(peak / GB, 3),
+                "state_gb": round(state / GB, 3),
+                "base_gb": round(base / GB, 3),
+                "param_gb": round(rec["param_bytes"] / GB, 3),
+                "peak_reset": rec.get("peak_reset"),
+                "s_per_step": round((ends[-1] - ends[0]) / (len(ends) - 1), 2) if len(ends) > 1 else None,
+            }
+        )
+    return {
+        "ranks": ranks,
+        "command": train_command(argv, ENV),
+        "peak_gb": max(r["peak_gb"] for r in ranks),
+        "state_gb": max(r["state_gb"] for r in ranks),
+    }
 
 
 def main() -> None:
@@ -66,26 +93,40 @@ def main() -> None:
     workdir = Path(tempfile.mkdtemp(prefix="bench-fsdp-"))
     notes = []
     if not (Path(__file__).resolve().parents[1] / "configs" / "trainer" / "fsdp.yaml").is_file():
-        result.save("not measured: configs/trainer/fsdp.yaml does not exist yet", figures={},
-                    goal="FSDP/DDP peak memory per rank <= 0.6", met=None)
+        result.save(
+            "not measured: configs/trainer/fsdp.yaml does not exist yet",
+            figures={},
+            goal="FSDP/DDP peak memory per rank <= 0.6",
+            met=None,
+        )
         return
     ddp = measure(args, "ddp", workdir)
     fsdp = measure(args, "fsdp", workdir)
     state_ratio = fsdp["state_gb"] / ddp["state_gb"]
     peak_ratio = fsdp["peak_gb"] / ddp["peak_gb"]
     met = state_ratio <= 0.6
-    line = (f"FSDP/DDP peak memory per rank = {state_ratio:.2f} of the training state "
-            f"({fsdp['state_gb']:.2f} vs {ddp['state_gb']:.2f} GB; goal <= 0.6: {'met' if met else 'NOT met'}), "
-            f"{peak_ratio:.2f} of the whole process ({fsdp['peak_gb']:.2f} vs {ddp['peak_gb']:.2f} GB)")
+    line = (
+        f"FSDP/DDP peak memory per rank = {state_ratio:.2f} of the training state "
+        f"({fsdp['state_gb']:.2f} vs {ddp['state_gb']:.2f} GB; goal <= 0.6: {'met' if met else 'NOT met'}), "
+        f"{peak_ratio:.2f} of the whole process ({fsdp['peak_gb']:.2f} vs {ddp['peak_gb']:.2f} GB)"
+    )
     result.save(
         line,
-        figures={"state_ratio": round(state_ratio, 3), "peak_ratio": round(peak_ratio, 3),
-                 "fsdp_state_gb": fsdp["state_gb"], "ddp_state_gb": ddp["state_gb"],
-                 "fsdp_peak_gb": fsdp["peak_gb"], "ddp_peak_gb": ddp["peak_gb"]},
+        figures={
+            "state_ratio": round(state_ratio, 3),
+            "peak_ratio": round(peak_ratio, 3),
+            "fsdp_state_gb": fsdp["state_gb"],
+            "ddp_state_gb": ddp["state_gb"],
+            "fsdp_peak_gb": fsdp["peak_gb"],
+            "ddp_peak_gb": ddp["peak_gb"],
+        },
         goal="FSDP/DDP peak memory per rank <= 0.6",
         met=met,
         notes=notes,
-        ddp=ddp, fsdp=fsdp, per_process_batch=args.batch_size, steps=args.steps,
+        ddp=ddp,
+        fsdp=fsdp,
+        per_process_batch=args.batch_size,
+        steps=args.steps,
     )
 
 

@@ -17,14 +17,24 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from common import Result, compose, data_overrides, parse_args, run_train, train_command
 
-SEED = ["experiment=cifar", "model.net.pretrained=false", "datamodule.download=false",
-        "trainer.precision=bf16-mixed"]
-TINY = ["model.net.model_name=vit_tiny_patch16_224", "model.net.img_size=32", "model.net.patch_size=8",
-        "+model.net.embed_dim=32", "+model.net.depth=2", "+model.net.num_heads=2", "datamodule.batch_size=8",
-        "datamodule.val_size=16"]
+SEED = [
+    "experiment=cifar",
+    "model.net.pretrained=false",
+    "datamodule.download=false",
+    "trainer.precision=bf16-mixed",
+]
+TINY = [
+    "model.net.model_name=vit_tiny_patch16_224",
+    "model.net.img_size=32",
+    "model.net.patch_size=8",
+    "+model.net.embed_dim=32",
+    "+model.net.depth=2",
+    "+model.net.num_heads=2",
+    "datamodule.batch_size=8",
+    "datamodule.val_size=16",
+]
 
 
 def flops_per_image(net_cfg: dict[str, Any], img_size: int) -> float:
@@ -40,19 +50,31 @@ def flops_per_image(net_cfg: dict[str, Any], img_size: int) -> float:
 
 def timed_fit(args: Any, overrides: list[str], workdir: Path) -> dict[str, Any]:
     from omegaconf import OmegaConf, open_dict
-
     from probe import BenchProbe
+
     from vitrain.training import train
 
-    cfg = compose([*overrides, "trainer.max_epochs=1", f"trainer.limit_train_batches={args.warmup + args.steps + 1}",
-                   "trainer.limit_val_batches=1", "test=false", "extras.print_config=false"], workdir / "fit")
+    cfg = compose(
+        [
+            *overrides,
+            "trainer.max_epochs=1",
+            f"trainer.limit_train_batches={args.warmup + args.steps + 1}",
+            "trainer.limit_val_batches=1",
+            "test=false",
+            "extras.print_config=false",
+        ],
+        workdir / "fit",
+    )
     with open_dict(cfg):
-        cfg.callbacks["bench_probe"] = {"_target_": "probe.BenchProbe", "out": str(workdir / "probe.json"),
-                                        "warmup": args.warmup}
+        cfg.callbacks["bench_probe"] = {
+            "_target_": "probe.BenchProbe",
+            "out": str(workdir / "probe.json"),
+            "warmup": args.warmup,
+        }
     _, objects = train(cfg)
     probe = next(c for c in objects["trainer"].callbacks if isinstance(c, BenchProbe))
     rec = probe.record
-    ends = rec["step_ends"][args.warmup:]
+    ends = rec["step_ends"][args.warmup :]
     batch = int(cfg.datamodule.batch_size)
     net_cfg = OmegaConf.to_container(cfg.model.net, resolve=True)
     img = int(objects["model"].input_spec["img_size"])
@@ -60,7 +82,9 @@ def timed_fit(args: Any, overrides: list[str], workdir: Path) -> dict[str, Any]:
         "images_per_s": batch * (len(ends) - 1) / (ends[-1] - ends[0]),
         "flops_per_image": flops_per_image(net_cfg, img),
         "peak_memory_gb": (rec["peak_cuda_allocated"] / 1024**3) if "peak_cuda_allocated" in rec else None,
-        "batch_size": batch, "img_size": img, "model": net_cfg["model_name"],
+        "batch_size": batch,
+        "img_size": img,
+        "model": net_cfg["model_name"],
         "device": str(objects["trainer"].strategy.root_device),
     }
 
@@ -71,7 +95,11 @@ def largest_batch(args: Any, workdir: Path) -> dict[str, Any]:
     argv = [*SEED, *data_overrides(args), "trainer=gpu", "+tune=batch_size", f"hydra.run.dir={run_dir}"]
     run_train(argv, log=run_dir / "output.log", timeout=3600)
     found = json.loads((run_dir / "batch_size_search.json").read_text())
-    return {"per_device": found["per_device"], "stopped_by": found.get("stopped_by"), "command": train_command(argv)}
+    return {
+        "per_device": found["per_device"],
+        "stopped_by": found.get("stopped_by"),
+        "command": train_command(argv),
+    }
 
 
 def main() -> None:
@@ -90,8 +118,10 @@ def main() -> None:
             f"not measured: no CUDA device (the path ran on the CPU with a tiny ViT: "
             f"{fit['images_per_s']:.0f} images/s, {fit['flops_per_image'] / 1e6:.1f} MFLOPs per image)",
             figures={"images_per_s": None, "mfu": None, "peak_memory_gb": None, "largest_batch": None},
-            goal=None, met=None,
-            notes=["Run `make bench` on a CUDA machine for these figures."], cpu_smoke=fit,
+            goal=None,
+            met=None,
+            notes=["Run `make bench` on a CUDA machine for these figures."],
+            cpu_smoke=fit,
         )
         return
     from lightning.fabric.utilities.throughput import get_available_flops
@@ -101,14 +131,25 @@ def main() -> None:
     mfu = fit["flops_per_image"] * fit["images_per_s"] / peak if peak else None
     biggest = {"per_device": None} if args.smoke else largest_batch(args, workdir)
     gpu = torch.cuda.get_device_name(device)
-    line = (f"{gpu}: {fit['images_per_s']:.0f} images/s, MFU {100 * mfu:.1f} %, " if mfu is not None
-            else f"{gpu}: {fit['images_per_s']:.0f} images/s, MFU not known (no peak FLOPs for this GPU), ")
+    line = (
+        f"{gpu}: {fit['images_per_s']:.0f} images/s, MFU {100 * mfu:.1f} %, "
+        if mfu is not None
+        else f"{gpu}: {fit['images_per_s']:.0f} images/s, MFU not known (no peak FLOPs for this GPU), "
+    )
     line += f"peak {fit['peak_memory_gb']:.2f} GB at batch {fit['batch_size']}, largest batch {biggest['per_device']}"
     result.save(
         line,
-        figures={"images_per_s": round(fit["images_per_s"], 1), "mfu": None if mfu is None else round(mfu, 4),
-                 "peak_memory_gb": round(fit["peak_memory_gb"], 3), "largest_batch": biggest["per_device"]},
-        goal=None, met=None, fit=fit, largest_batch=biggest, peak_flops=peak,
+        figures={
+            "images_per_s": round(fit["images_per_s"], 1),
+            "mfu": None if mfu is None else round(mfu, 4),
+            "peak_memory_gb": round(fit["peak_memory_gb"], 3),
+            "largest_batch": biggest["per_device"],
+        },
+        goal=None,
+        met=None,
+        fit=fit,
+        largest_batch=biggest,
+        peak_flops=peak,
     )
 
 

@@ -17,18 +17,31 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-
 from common import SMALL_VIT, Result, compose, interleave, median, parse_args, ratio
 
-SMOKE = ["model.net.patch_size=8", "model.net.embed_dim=32", "model.net.depth=2", "model.net.num_heads=2",
-         "datamodule.batch_size=8"]
+SMOKE = [
+    "model.net.patch_size=8",
+    "model.net.embed_dim=32",
+    "model.net.depth=2",
+    "model.net.num_heads=2",
+    "datamodule.batch_size=8",
+]
 
 
 class Variant:
     """One network + optimizer, stepped on random images of the model's input size."""
 
-    def __init__(self, cfg: Any, x: torch.Tensor, y: torch.Tensor, *, fused_attn: bool | None,
-                 bf16: bool, fused_adamw: bool, compile: bool) -> None:
+    def __init__(
+        self,
+        cfg: Any,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        *,
+        fused_attn: bool | None,
+        bf16: bool,
+        fused_adamw: bool,
+        compile: bool,
+    ) -> None:
         import hydra
         from timm.optim import param_groups_weight_decay
 
@@ -41,7 +54,9 @@ class Variant:
         factory = hydra.utils.instantiate(cfg.model.optimizer)
         kwargs = {k: v for k, v in factory.keywords.items() if k not in ("fused", "foreach")}
         groups = param_groups_weight_decay(self.net, weight_decay=kwargs.get("weight_decay", 0.0))
-        self.optimizer = factory.func(groups, **kwargs, **({"fused": True} if fused_adamw else {"foreach": True}))
+        self.optimizer = factory.func(
+            groups, **kwargs, **({"fused": True} if fused_adamw else {"foreach": True})
+        )
         self.x, self.y, self.bf16 = x, y, bf16
         self.compile_s: float | None = None
         if compile:
@@ -67,13 +82,19 @@ class Variant:
 
 
 def main() -> None:
-    args = parse_args(__doc__, rounds=(int, 3, "rounds"), steps=(int, 6, "timed steps per segment"),
-                      compile=(int, 1, "1: include torch.compile (its compile time counts against the budget)"))
+    args = parse_args(
+        __doc__,
+        rounds=(int, 3, "rounds"),
+        steps=(int, 6, "timed steps per segment"),
+        compile=(int, 1, "1: include torch.compile (its compile time counts against the budget)"),
+    )
     if args.smoke:
-        args.rounds, args.steps = 1, 2
+        args.rounds, args.steps, args.compile = 1, 2, 0
     result = Result("levers", args)
-    cfg = compose([SMALL_VIT, "extras.print_config=false", *(SMOKE if args.smoke else [])],
-                  Path(tempfile.mkdtemp(prefix="bench-levers-")))
+    cfg = compose(
+        [SMALL_VIT, "extras.print_config=false", *(SMOKE if args.smoke else [])],
+        Path(tempfile.mkdtemp(prefix="bench-levers-")),
+    )
     shipped = {
         "fused_attn": cfg.model.get("fused_attn"),
         "bf16": str(cfg.trainer.precision).startswith("bf16"),
@@ -86,8 +107,9 @@ def main() -> None:
     changes = {
         "SDPA -> matmul attention" if sdpa else "matmul -> SDPA attention": {"fused_attn": not sdpa},
         "bf16 -> fp32" if shipped["bf16"] else "fp32 -> bf16": {"bf16": not shipped["bf16"]},
-        "fused -> foreach AdamW" if shipped["fused_adamw"] else "foreach -> fused AdamW":
-            {"fused_adamw": not shipped["fused_adamw"]},
+        "fused -> foreach AdamW" if shipped["fused_adamw"] else "foreach -> fused AdamW": {
+            "fused_adamw": not shipped["fused_adamw"]
+        },
     }
     if args.compile and not shipped["compile"]:
         changes["torch.compile"] = {"compile": True}
@@ -107,11 +129,25 @@ def main() -> None:
         figures["compile seconds"] = round(compiled.compile_s or 0.0, 1)
         if saved_per_step > 0:
             figures["steps to repay compile"] = round((compiled.compile_s or 0) / saved_per_step)
-        notes.append("torch.compile: worth it when the run is much longer than the compile time "
-                     "(`steps to repay compile` x the step time)")
-    line = "; ".join(f"{k}: {v:.2f}x" for k, v in rel.items()) + " (steps/s relative to the experiment as configured)"
-    result.save(line, figures=figures, goal=None, met=None, notes=notes, shipped=shipped,
-                rounds={k: [round(v, 3) for v in vs] for k, vs in runs.items()}, batch_size=batch, img_size=size)
+        notes.append(
+            "torch.compile: worth it when the run is much longer than the compile time "
+            "(`steps to repay compile` x the step time)"
+        )
+    line = (
+        "; ".join(f"{k}: {v:.2f}x" for k, v in rel.items())
+        + " (steps/s relative to the experiment as configured)"
+    )
+    result.save(
+        line,
+        figures=figures,
+        goal=None,
+        met=None,
+        notes=notes,
+        shipped=shipped,
+        rounds={k: [round(v, 3) for v in vs] for k, vs in runs.items()},
+        batch_size=batch,
+        img_size=size,
+    )
 
 
 if __name__ == "__main__":

@@ -17,21 +17,30 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-
 from common import SMALL_VIT, Result, compose, data_overrides, interleave, median, parse_args, ratio
 from probe import BenchProbe
 
 SMOKE = [
-    "model.net.patch_size=8", "model.net.embed_dim=32", "model.net.depth=2", "model.net.num_heads=2",
-    "datamodule.batch_size=8", "datamodule.val_size=16",
+    "model.net.patch_size=8",
+    "model.net.embed_dim=32",
+    "model.net.depth=2",
+    "model.net.num_heads=2",
+    "datamodule.batch_size=8",
+    "datamodule.val_size=16",
 ]
 
 
 def template_cfg(args: Any, workdir: Path, batches: int) -> Any:
     overrides = [
-        SMALL_VIT, *data_overrides(args), f"trainer.accelerator={args.accelerator}",
-        "trainer.max_epochs=1", f"trainer.limit_train_batches={batches}", "trainer.limit_val_batches=1",
-        "trainer.max_time=null", "test=false", "extras.print_config=false",
+        SMALL_VIT,
+        *data_overrides(args),
+        f"trainer.accelerator={args.accelerator}",
+        "trainer.max_epochs=1",
+        f"trainer.limit_train_batches={batches}",
+        "trainer.limit_val_batches=1",
+        "trainer.max_time=null",
+        "test=false",
+        "extras.print_config=false",
         *(SMOKE if args.smoke else []),
     ]
     return compose(overrides, workdir)
@@ -71,12 +80,16 @@ class PlainLoop:
         wd = opt_factory.keywords.get("weight_decay", 0.0)
         self.optimizer = opt_factory(params=param_groups_weight_decay(self.net, weight_decay=wd))
         steps = len(self.y) // self.batch
-        self.scheduler = hydra.utils.instantiate(cfg.model.scheduler)(optimizer=self.optimizer, total_steps=steps)
+        self.scheduler = hydra.utils.instantiate(cfg.model.scheduler)(
+            optimizer=self.optimizer, total_steps=steps
+        )
         self.label_smoothing = float(cfg.model.label_smoothing)
         precision = str(cfg.trainer.precision)
         self.autocast = (
-            (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if precision.startswith("bf16")
-            else (lambda: torch.autocast(device.type, dtype=torch.float16)) if precision.startswith("16")
+            (lambda: torch.autocast(device.type, dtype=torch.bfloat16))
+            if precision.startswith("bf16")
+            else (lambda: torch.autocast(device.type, dtype=torch.float16))
+            if precision.startswith("16")
             else contextlib.nullcontext
         )
         self.scaler = torch.amp.GradScaler(device.type, enabled=precision.startswith("16"))
@@ -89,7 +102,7 @@ class PlainLoop:
         for i in range(warmup + steps):
             if i == warmup:
                 t0 = _now(self.device)
-            idx = perm[i * self.batch:(i + 1) * self.batch]
+            idx = perm[i * self.batch : (i + 1) * self.batch]
             x, y = self.transform(self.x[idx], train=True), self.y[idx]
             with self.autocast():
                 logits = self.net(x)
@@ -111,8 +124,13 @@ def _now(device: torch.device) -> float:
 
 
 def main() -> None:
-    args = parse_args(__doc__, rounds=(int, 3, "A/B rounds"), steps=(int, 16, "timed steps per segment"),
-                      warmup=(int, 3, "untimed steps first"), accelerator=(str, "auto", "cpu | gpu | auto"))
+    args = parse_args(
+        __doc__,
+        rounds=(int, 3, "A/B rounds"),
+        steps=(int, 16, "timed steps per segment"),
+        warmup=(int, 3, "untimed steps first"),
+        accelerator=(str, "auto", "cpu | gpu | auto"),
+    )
     if args.smoke:
         args.rounds, args.steps, args.warmup = 1, 3, 1
     result = Result("overhead", args)
@@ -133,31 +151,40 @@ def main() -> None:
         probes.append(probe)
         return sps
 
-    runs = interleave({"template": template, "plain": lambda: plain.steps_per_s(args.steps, args.warmup)},
-                      args.rounds)
+    runs = interleave(
+        {"template": template, "plain": lambda: plain.steps_per_s(args.steps, args.warmup)}, args.rounds
+    )
     r = ratio(runs["template"], runs["plain"])
     t_ms = 1000 / median(runs["template"])
     p_ms = 1000 / median(runs["plain"])
     goal_met = r >= 0.97
-    line = (f"template/plain steps/s = {r:.3f} (goal >= 0.97: {'met' if goal_met else 'NOT met'}); "
-            f"{median(runs['template']):.2f} vs {median(runs['plain']):.2f} steps/s, "
-            f"{t_ms - p_ms:+.1f} ms per step")
+    line = (
+        f"template/plain steps/s = {r:.3f} (goal >= 0.97: {'met' if goal_met else 'NOT met'}); "
+        f"{median(runs['template']):.2f} vs {median(runs['plain']):.2f} steps/s, "
+        f"{t_ms - p_ms:+.1f} ms per step"
+    )
     net = cfg.model.net
     result.save(
         line,
-        figures={"ratio": round(r, 4), "template_steps_per_s": round(median(runs["template"]), 3),
-                 "plain_steps_per_s": round(median(runs["plain"]), 3),
-                 "overhead_ms_per_step": round(t_ms - p_ms, 2)},
+        figures={
+            "ratio": round(r, 4),
+            "template_steps_per_s": round(median(runs["template"]), 3),
+            "plain_steps_per_s": round(median(runs["plain"]), 3),
+            "overhead_ms_per_step": round(t_ms - p_ms, 2),
+        },
         goal="template/plain >= 0.97",
         met=goal_met,
         rounds={k: [round(v, 4) for v in vs] for k, vs in runs.items()},
         device=str(device),
-        model={k: net.get(k) for k in ("model_name", "img_size", "patch_size", "embed_dim", "depth", "num_heads")},
+        model={
+            k: net.get(k) for k in ("model_name", "img_size", "patch_size", "embed_dim", "depth", "num_heads")
+        },
         batch_size=int(cfg.datamodule.batch_size),
         precision=str(cfg.trainer.precision),
         callbacks=sorted(k for k in cfg.callbacks if k != "bench_probe"),
         loggers=sorted(cfg.logger or []),
-        steps=args.steps, warmup=args.warmup,
+        steps=args.steps,
+        warmup=args.warmup,
     )
 
 

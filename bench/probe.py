@@ -2,13 +2,14 @@
 
 `python src/train.py ... +callbacks.bench_probe._target_=probe.BenchProbe +callbacks.bench_probe.out=f.json`
 with `bench/` on PYTHONPATH. It changes nothing in the run: it only reads clocks and counters. Every rank
-writes `out` with `{rank}` replaced by its global rank (rank 0 writes `out` itself when there is no
-`{rank}`). Steps are timed on the host; on CUDA the clock is read after a synchronize only at the two ends
+writes `out` with `__RANK__` replaced by its global rank (rank 0 writes `out` itself when there is no
+`__RANK__`). Steps are timed on the host; on CUDA the clock is read after a synchronize only at the two ends
 of the measured window, so the step loop itself is not serialised.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import time
@@ -84,11 +85,14 @@ class BenchProbe(Callback):
         self._t_train_start = _sync(device)
         self.record["train_start_unix"] = time.time()
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         steps = self.record["step_ends"]
         device = trainer.strategy.root_device
-        if device.type == "cuda" and (len(steps) == self.warmup or batch_idx == trainer.num_training_batches - 1):
+        if device.type == "cuda" and (
+            len(steps) == self.warmup or batch_idx == trainer.num_training_batches - 1
+        ):
             torch.cuda.synchronize(device)
         if not steps:
             self.record["first_step_unix"] = time.time()
@@ -105,7 +109,9 @@ class BenchProbe(Callback):
             epochs=trainer.current_epoch,
             global_step=trainer.global_step,
             max_epochs=trainer.max_epochs,
-            stopped_early=bool(trainer.current_epoch < (trainer.max_epochs or 0)),
+            planned_steps=int(trainer.estimated_stepping_batches),
+            # max_time (or a signal) ended the fit before the steps its LR schedule was sized for
+            stopped_early=bool(trainer.global_step < trainer.estimated_stepping_batches),
             peak_rss_train=proc_status("VmHWM"),
         )
         if device.type == "cuda":
@@ -120,9 +126,9 @@ class BenchProbe(Callback):
 
     def _write(self) -> None:
         rank = self.record.get("rank", 0)
-        if "{rank}" not in self.out and rank != 0:
+        if "__RANK__" not in self.out and rank != 0:
             return
-        path = Path(self.out.replace("{rank}", str(rank)))
+        path = Path(self.out.replace("__RANK__", str(rank)))
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         tmp.write_text(json.dumps(self.record, indent=1))
@@ -142,4 +148,4 @@ def _floats(metrics: dict[str, Any]) -> dict[str, float]:
 def step_periods(step_ends: list[float], warmup: int) -> list[float]:
     """Seconds per step after `warmup` steps: differences of consecutive batch-end times."""
     ends = step_ends[warmup:]
-    return [b - a for a, b in zip(ends, ends[1:])]
+    return [b - a for a, b in itertools.pairwise(ends)]

@@ -7,6 +7,7 @@ wrote, and the header says when, on which machine and with which command.
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 from pathlib import Path
 from typing import Any
@@ -75,16 +76,25 @@ def render(run: dict[str, Any] | None, results: list[dict[str, Any]]) -> str:
         "variants measured alternately (A, B, A, B ...) in one run, the median of the per-round ratios. The "
         "load average at the start and end of each benchmark is listed with it.",
         "",
+        'Run it: `make bench` (about 20 minutes here; `BENCH_ARGS="--only overhead,startup"` for a subset, '
+        "`--wait-quiet 60` to wait for an idle machine first). On a CUDA machine the same command measures on "
+        "the GPU where a benchmark can (overhead, data pipeline, GPU figures); the CPU-only ones (DDP scaling "
+        "on CPU, the 10-minute CPU budget) stay what they are. Raw results: `bench/results/*.json`.",
+        "",
         "| benchmark | result | goal | |",
         "| --- | --- | --- | --- |",
     ]
     for r in results:
-        out.append(f"| [{TITLES.get(r['name'], r['name'])}](#{_anchor(TITLES.get(r['name'], r['name']))}) "
-                   f"| {r['line']} | {r.get('goal') or '—'} | {verdict(r)} |")
+        out.append(
+            f"| [{TITLES.get(r['name'], r['name'])}](#{_anchor(TITLES.get(r['name'], r['name']))}) "
+            f"| {r['line']} | {r.get('goal') or '—'} | {verdict(r)} |"
+        )
     out.append("")
     for r in results:
         title = TITLES.get(r["name"], r["name"])
-        out += [f"## {title}", "", r["line"], ""]
+        out += [f"## {title}", "", f"**{r['line']}**", ""]
+        if what_it_measures(r["name"]):
+            out += [f"*How:* {what_it_measures(r['name'])}", ""]
         out += [f"- `{k}`: {fmt(v)}" for k, v in r["figures"].items()]
         out += [
             "",
@@ -96,9 +106,26 @@ def render(run: dict[str, Any] | None, results: list[dict[str, Any]]) -> str:
             out += [f"> {note}", ""]
         extra = {k: v for k, v in (r.get("details") or {}).items()}
         if extra:
-            out += ["<details><summary>details</summary>", "", "```json",
-                    json.dumps(extra, indent=1, default=str), "```", "", "</details>", ""]
+            out += [
+                "<details><summary>details</summary>",
+                "",
+                "```json",
+                json.dumps(extra, indent=1, default=str),
+                "```",
+                "",
+                "</details>",
+                "",
+            ]
     return "\n".join(out)
+
+
+def what_it_measures(name: str) -> str:
+    """The benchmark script's own docstring: what it measures and how, next to the figures."""
+    path = ROOT / "bench" / f"{name}.py"
+    if not path.is_file():
+        return ""
+    doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+    return " ".join(line.strip() for line in doc.splitlines()).strip()
 
 
 def _anchor(title: str) -> str:

@@ -57,32 +57,54 @@ def main() -> int:
     started, load_before = time.perf_counter(), load_average()
     failed = []
     for name in names:
-        cmd = [PYTHON, str(BENCH / f"{name}.py"), "--out", str(args.out), *(["--smoke"] if args.smoke else []),
-               *args.passthrough]
+        cmd = [
+            PYTHON,
+            str(BENCH / f"{name}.py"),
+            "--out",
+            str(args.out),
+            *(["--smoke"] if args.smoke else []),
+            *args.passthrough,
+        ]
         t0 = time.perf_counter()
         with open(logs / f"{name}.log", "w") as log:
-            done = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                  env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            done = subprocess.run(
+                cmd,
+                cwd=ROOT,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
         took = time.perf_counter() - t0
         if done.returncode != 0:
             failed.append(name)
-            print(f"{name}: FAILED ({done.returncode}) after {took:.0f} s, see {logs / f'{name}.log'}", flush=True)
+            print(
+                f"{name}: FAILED ({done.returncode}) after {took:.0f} s, see {logs / f'{name}.log'}",
+                flush=True,
+            )
             continue
         result = json.loads((args.out / f"{name}.json").read_text())
         print(f"{name} ({took:.0f} s): {result['line']}", flush=True)
 
     seconds = time.perf_counter() - started
     run = {
-        "command": "make bench" if not args.only and not args.smoke else shlex.join(["python", "bench/run.py", *sys.argv[1:]]),
+        "command": "make bench"
+        if not args.only and not args.smoke
+        else shlex.join(["python", "bench/run.py", *sys.argv[1:]]),
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "seconds": round(seconds, 1), "benchmarks": names, "failed": failed,
-        "load_before": load_before, "load_after": load_average(), "smoke": args.smoke,
+        "seconds": round(seconds, 1),
+        "benchmarks": names,
+        "failed": failed,
+        "load_before": load_before,
+        "load_after": load_average(),
+        "smoke": args.smoke,
     }
     (args.out / "run.json").write_text(json.dumps(run, indent=2) + "\n")
     print(f"total {seconds / 60:.1f} min; {len(failed)} failed", flush=True)
     doc = args.doc or (None if args.smoke else ROOT / "docs" / "benchmarks.md")
     if doc is not None:
-        subprocess.run([PYTHON, str(BENCH / "render.py"), "--results", str(args.out), "--doc", str(doc)], check=True)
+        subprocess.run(
+            [PYTHON, str(BENCH / "render.py"), "--results", str(args.out), "--doc", str(doc)], check=True
+        )
     return 1 if failed else 0
 
 

@@ -31,16 +31,29 @@ from common import (
     train_env,
 )
 
-SMOKE = ["model.net.patch_size=8", "model.net.embed_dim=32", "model.net.depth=2", "model.net.num_heads=2",
-         "datamodule.batch_size=8", "datamodule.val_size=16"]
+SMOKE = [
+    "model.net.patch_size=8",
+    "model.net.embed_dim=32",
+    "model.net.depth=2",
+    "model.net.num_heads=2",
+    "datamodule.batch_size=8",
+    "datamodule.val_size=16",
+]
 IMPORTS = "import torch, lightning, timm"
 
 
 def to_first_step(args: Any, cache_dir: Path, workdir: Path, tag: str, commands: list[str]) -> float:
     run_dir = workdir / tag
     out = run_dir / "probe.json"
-    argv = [SMALL_VIT, f"datamodule.data_dir={args.data_dir}", f"datamodule.cache_dir={cache_dir}",
-            "trainer.max_steps=1", "test=false", f"hydra.run.dir={run_dir}", *(SMOKE if args.smoke else [])]
+    argv = [
+        SMALL_VIT,
+        f"datamodule.data_dir={args.data_dir}",
+        f"datamodule.cache_dir={cache_dir}",
+        "trainer.max_steps=1",
+        "test=false",
+        f"hydra.run.dir={run_dir}",
+        *(SMOKE if args.smoke else []),
+    ]
     t0 = time.time()
     run_train([*argv, *probe_overrides(out)], log=run_dir / "output.log")
     commands.append(train_command(argv))
@@ -54,7 +67,7 @@ def import_seconds() -> float:
 
 
 def main() -> None:
-    args = parse_args(__doc__, rounds=(int, 3, "warm-run / import rounds"))
+    args = parse_args(__doc__, rounds=(int, 2, "warm-run / import rounds"))
     if args.smoke:
         args.rounds = 1
     result = Result("startup", args)
@@ -64,18 +77,27 @@ def main() -> None:
     import_seconds()  # page cache: the first import of the session reads the libraries from disk
     cold = to_first_step(args, cold_cache, workdir, "cold", commands)
     counter = iter(range(1000))
-    runs = interleave({
-        "warm": lambda: to_first_step(args, cold_cache, workdir, f"warm{next(counter)}", commands),
-        "imports": import_seconds,
-    }, args.rounds)
+    runs = interleave(
+        {
+            "warm": lambda: to_first_step(args, cold_cache, workdir, f"warm{next(counter)}", commands),
+            "imports": import_seconds,
+        },
+        args.rounds,
+    )
     warm_ratio = ratio(runs["warm"], runs["imports"])
     met = warm_ratio <= 1.5
-    line = (f"to first step: cold cache {cold:.1f} s, warm {median(runs['warm']):.1f} s = {warm_ratio:.2f}x "
-            f"`{IMPORTS}` ({median(runs['imports']):.1f} s; goal <= 1.5x: {'met' if met else 'NOT met'})")
+    line = (
+        f"to first step: cold cache {cold:.1f} s, warm {median(runs['warm']):.1f} s = {warm_ratio:.2f}x "
+        f"`{IMPORTS}` ({median(runs['imports']):.1f} s; goal <= 1.5x: {'met' if met else 'NOT met'})"
+    )
     result.save(
         line,
-        figures={"warm_over_imports": round(warm_ratio, 3), "cold_s": round(cold, 2),
-                 "warm_s": round(median(runs["warm"]), 2), "imports_s": round(median(runs["imports"]), 2)},
+        figures={
+            "warm_over_imports": round(warm_ratio, 3),
+            "cold_s": round(cold, 2),
+            "warm_s": round(median(runs["warm"]), 2),
+            "imports_s": round(median(runs["imports"]), 2),
+        },
         goal="warm run <= 1.5x the bare imports",
         met=met,
         rounds={k: [round(v, 2) for v in vs] for k, vs in runs.items()},

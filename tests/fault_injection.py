@@ -38,3 +38,15 @@ class SigtermAt(Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
         if trainer.global_step == self.step and trainer.is_global_zero and not trainer.received_sigterm:
             os.killpg(os.getpgid(os.getpid()), signal.SIGTERM)
+
+
+class SignalRankAt(Callback):
+    """Send `signal_name` (KILL: a dead peer, STOP: a hung one) to this process if it is global rank `rank`
+    when it reaches `step`."""
+
+    def __init__(self, rank: int, step: int, signal_name: str = "KILL") -> None:
+        self.rank, self.step, self.signum = rank, step, getattr(signal, f"SIG{signal_name}")
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
+        if trainer.global_rank == self.rank and trainer.global_step == self.step:
+            os.kill(os.getpid(), self.signum)

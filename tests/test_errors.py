@@ -36,7 +36,8 @@ def test_unknown_model_name(tmp_path: Path, tiny_cifar: Path, data_cache: Path):
 
 def test_unknown_config_group_option(tmp_path: Path):
     done = run_cli("train.py", ["experiment=cifarr", f"hydra.run.dir={tmp_path}/run"])
-    _assert_clean_failure(done, "Could not find 'experiment/cifarr'", "cifar")
+    _assert_clean_failure(done, "unknown experiment=cifarr: choose one of cifar, cifar_cpu, smoke")
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1
 
 
 def test_pretrained_download_offline_says_how_to_go_on(tmp_path: Path, tiny_cifar: Path, data_cache: Path):
@@ -78,4 +79,32 @@ def test_wrong_type(tmp_path: Path, tiny_cifar: Path, data_cache: Path):
     overrides = [*tiny_overrides(tiny_cifar, data_cache), "datamodule.batch_size=abc", f"hydra.run.dir={tmp_path}/r"]
     done = run_cli("train.py", overrides)
     _assert_clean_failure(done, "datamodule.batch_size='abc' must be a whole number")
+    assert done.returncode == 2
+
+
+def _launch(tmp_path: Path, env: dict[str, str], *extra: str):
+    return run_cli("train.py", ["trainer=ddp", "trainer.devices=1", "trainer.num_nodes=2", "trainer.accelerator=cpu",
+                                *extra, f"hydra.run.dir={tmp_path}/run"], env={"MASTER_ADDR": "127.0.0.1", **env})
+
+
+def test_node_rank_past_the_last_node(tmp_path: Path):
+    done = _launch(tmp_path, {"NODE_RANK": "2", "MASTER_PORT": "29999", "WORLD_SIZE": "2"})
+    _assert_clean_failure(done, "NODE_RANK=2 with trainer.num_nodes=2: number the nodes 0..1")
+    assert done.returncode == 2
+
+
+def test_world_size_that_disagrees_with_the_trainer(tmp_path: Path):
+    done = _launch(tmp_path, {"NODE_RANK": "0", "MASTER_PORT": "29999", "WORLD_SIZE": "4"})
+    _assert_clean_failure(done, "WORLD_SIZE=4 but trainer.num_nodes x trainer.devices = 2 x 1 = 2")
+
+
+def test_master_port_in_use(tmp_path: Path):
+    import socket
+
+    with socket.socket() as holder:
+        holder.bind(("", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        done = _launch(tmp_path, {"NODE_RANK": "0", "MASTER_PORT": str(port), "WORLD_SIZE": "2"})
+    _assert_clean_failure(done, f"MASTER_PORT={port} is in use on this machine")
     assert done.returncode == 2

@@ -52,7 +52,9 @@ def test_report_figures_match_the_run_and_its_tensorboard_events(run_dir: Path):
     assert len(val_acc) == 2
     assert report["metrics"]["best"]["val/acc1"]["value"] == pytest.approx(max(val_acc))
     assert report["metrics"]["final"]["val/acc1"]["value"] == pytest.approx(val_acc[-1])
-    assert report["metrics"]["best"]["val/loss"]["value"] == pytest.approx(min(e.value for e in events["val/loss"]))
+    assert report["metrics"]["best"]["val/loss"]["value"] == pytest.approx(
+        min(e.value for e in events["val/loss"])
+    )
     assert report["metrics"]["test"]["test/acc1"] == pytest.approx(events["test/acc1"][-1].value)
     assert set(report["metrics"]["test"]) == {"test/acc1", "test/acc5", "test/loss"}  # no throughput figures
 
@@ -76,8 +78,18 @@ def test_report_figures_match_the_run_and_its_tensorboard_events(run_dir: Path):
     assert "datamodule.batch_size=16" in report["overrides"]
 
     md = (run_dir / "report.md").read_text()
-    for text in ("## Metrics", "val/acc1", "test/acc1", "SingleDeviceStrategy", "16 global, 16 per device",
-                 "images/s", "peak_rss_gb", "Not available: no GPU", "![loss](plots/loss.png)", ckpts["best"]):
+    for text in (
+        "## Metrics",
+        "val/acc1",
+        "test/acc1",
+        "SingleDeviceStrategy",
+        "16 global, 16 per device",
+        "images/s",
+        "peak_rss_gb",
+        "Not available: no GPU",
+        "![loss](plots/loss.png)",
+        ckpts["best"],
+    ):
         assert text in md, text
 
 
@@ -120,11 +132,20 @@ def test_report_is_rebuilt_from_the_run_dir(run_dir: Path, tmp_path: Path):
         (copy / name).unlink()
     shutil.rmtree(copy / "plots")
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    done = subprocess.run([PYTHON, "-m", "vitrain.report", str(copy)], env=env, capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run(
+        [PYTHON, "-m", "vitrain.report", str(copy)], env=env, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     after = json.loads((copy / "report.json").read_text())
-    for key in ("metrics", "memory", "batch_size", "throughput_images_per_s", "checkpoints", "overrides", "epochs"):
+    for key in (
+        "metrics",
+        "memory",
+        "batch_size",
+        "throughput_images_per_s",
+        "checkpoints",
+        "overrides",
+        "epochs",
+    ):
         assert after[key] == before[key], key
     assert (copy / "plots" / "loss.png").is_file() and (copy / "report.md").is_file()
 

@@ -45,11 +45,17 @@ def check_jobs(sweep_dir: Path, batch_sizes: list[int], world_size: int) -> None
     md = (sweep_dir / "summary.md").read_text()
     for row, batch in zip(rows, batch_sizes, strict=True):
         job = sweep_dir / row["job"]
-        assert (job / "checkpoints" / "last.ckpt").is_file() and list((job / "checkpoints").glob("epoch*.ckpt"))
+        assert (job / "checkpoints" / "last.ckpt").is_file() and list(
+            (job / "checkpoints").glob("epoch*.ckpt")
+        )
         assert (job / ".hydra" / "overrides.yaml").is_file()
         report = json.loads((job / "report.json").read_text())
-        assert report["batch_size"] == {"global": batch, "per_device": batch // world_size,
-                                        "per_device_observed": batch // world_size, "accumulate_grad_batches": 1}
+        assert report["batch_size"] == {
+            "global": batch,
+            "per_device": batch // world_size,
+            "per_device_observed": batch // world_size,
+            "accumulate_grad_batches": 1,
+        }
         assert report["world_size"] == world_size and len(report["memory"]["per_device"]) == world_size
         assert row["status"] == "done" and row["overrides"] == f"datamodule.batch_size={batch}"
         assert (int(row["global_batch"]), int(row["per_device_batch"])) == (batch, batch // world_size)
@@ -73,19 +79,23 @@ def test_batch_size_sweep_one_process_per_job(tmp_path: Path, tiny_cifar: Path, 
 def test_batch_size_sweep_with_ddp(tmp_path: Path, tiny_cifar: Path, data_cache: Path):
     """Each job starts its own second rank, which runs that job (not the sweep) in that job's dir."""
     sweep_dir = tmp_path / "sweep"
-    output = run_sweep(sweep_dir, tiny_cifar, data_cache,
-                       ["trainer=ddp", "trainer.devices=2", "datamodule.batch_size=16,32"])
+    output = run_sweep(
+        sweep_dir, tiny_cifar, data_cache, ["trainer=ddp", "trainer.devices=2", "datamodule.batch_size=16,32"]
+    )
     assert output.count("Launching 2 jobs locally") == 1, "a child process started its own sweep"
     assert output.count("GLOBAL_RANK: 1, MEMBER: 2/2") == 2, "every job must launch its own rank 1"
     check_jobs(sweep_dir, [16, 32], world_size=2)
 
 
 def test_child_command_runs_exactly_its_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr(sys.modules["__main__"], "__spec__", None)  # as `python src/train.py` (not `-m pytest`)
+    # as `python src/train.py` runs it (pytest itself runs as `python -m pytest`)
+    monkeypatch.setattr(sys.modules["__main__"], "__spec__", None)
     register_resolvers()
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
-        cfg = compose("train", overrides=["trainer=ddp", "datamodule.batch_size=32"], return_hydra_config=True)
+        cfg = compose(
+            "train", overrides=["trainer=ddp", "datamodule.batch_size=32"], return_hydra_config=True
+        )
     job_dir = tmp_path / "sweep" / "1"
     with open_dict(cfg):
         cfg.hydra.mode = RunMode.MULTIRUN
@@ -96,11 +106,16 @@ def test_child_command_runs_exactly_its_job(tmp_path: Path, monkeypatch: pytest.
     argv = ["src/train.py", "-m", "--config-name", "train", "trainer=ddp", "datamodule.batch_size=16,32"]
     command, cwd = job_command(local_rank=1, argv=argv)
     assert command == [
-        sys.executable, str(ROOT / "src" / "train.py"),
-        "--config-name", "train",
-        "trainer=ddp", "datamodule.batch_size=32",
+        sys.executable,
+        str(ROOT / "src" / "train.py"),
+        "--config-name",
+        "train",
+        "trainer=ddp",
+        "datamodule.batch_size=32",
         f"hydra.sweep.dir={tmp_path / 'sweep'}",
-        f'hydra.run.dir="{job_dir}"', "hydra.job.name=train_ddp_process_1", "hydra.output_subdir=null",
+        f'hydra.run.dir="{job_dir}"',
+        "hydra.job.name=train_ddp_process_1",
+        "hydra.output_subdir=null",
     ]
     assert cwd == str(ROOT)
 

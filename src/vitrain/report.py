@@ -77,8 +77,11 @@ def read_hydra(run_dir: Path) -> dict[str, Any] | None:
     choices: dict[str, Any] = {}
     if (hydra_dir / "hydra.yaml").is_file():
         runtime = (yaml.safe_load((hydra_dir / "hydra.yaml").read_text()) or {}).get("hydra", {})
-        choices = {k: v for k, v in (runtime.get("runtime", {}).get("choices") or {}).items()
-                   if not k.startswith("hydra/")}
+        choices = {
+            k: v
+            for k, v in (runtime.get("runtime", {}).get("choices") or {}).items()
+            if not k.startswith("hydra/")
+        }
     return {"overrides": overrides, "choices": choices}
 
 
@@ -159,7 +162,9 @@ def build_report(run_dir: Path, scalars: dict[str, list[tuple[int, float]]] | No
     mfu = _last(scalars, "train/device/mfu")
     monitor_ips = _last(scalars, "train/samples_per_sec") or (
         _last(scalars, "train/device/samples_per_sec") * (world or 1)
-        if _last(scalars, "train/device/samples_per_sec") else None)
+        if _last(scalars, "train/device/samples_per_sec")
+        else None
+    )
     report: dict[str, Any] = {
         "run_dir": str(run_dir.resolve()),
         "generated": datetime.now().astimezone().isoformat(timespec="seconds"),
@@ -172,8 +177,10 @@ def build_report(run_dir: Path, scalars: dict[str, list[tuple[int, float]]] | No
         "num_nodes": stats.get("num_nodes"),
         "devices_per_node": stats.get("devices_per_node"),
         "precision": stats.get("precision"),
-        "batch_size": {**(stats.get("batch_size") or {}),
-                       "accumulate_grad_batches": stats.get("accumulate_grad_batches")},
+        "batch_size": {
+            **(stats.get("batch_size") or {}),
+            "accumulate_grad_batches": stats.get("accumulate_grad_batches"),
+        },
         "epochs": len(epochs) or None,
         "global_step": fit.get("global_step"),
         "wall_time_s": fit.get("wall_time_s"),
@@ -183,17 +190,23 @@ def build_report(run_dir: Path, scalars: dict[str, list[tuple[int, float]]] | No
         "throughput_images_per_s": fit.get("images_per_s"),
         "throughput_monitor_images_per_s": monitor_ips,
         "mfu": mfu,
-        "mfu_note": None if mfu is not None else (
-            f"no peak FLOPs known for {flops.get('device') or 'this device'}" if flops
-            else "not measured (no ImageThroughputMonitor)"),
+        "mfu_note": None
+        if mfu is not None
+        else (
+            f"no peak FLOPs known for {flops.get('device') or 'this device'}"
+            if flops
+            else "not measured (no ImageThroughputMonitor)"
+        ),
         "flops": flops or None,
         "metrics": metric_summary(scalars, stats),
         "memory": memory or None,
         "peak_memory_gb": max((d.get(peak_key, 0.0) for d in per_device), default=None),
         "gpu_utilization": stats.get("gpu_utilization") or {"available": False, "reason": "not recorded"},
         "max_batch_size": search,
-        "checkpoints": {**_checkpoints_on_disk(run_dir),
-                        **{k: v for k, v in (stats.get("checkpoints") or {}).items() if v is not None}},
+        "checkpoints": {
+            **_checkpoints_on_disk(run_dir),
+            **{k: v for k, v in (stats.get("checkpoints") or {}).items() if v is not None},
+        },
         "s3": stats.get("s3"),
         "test_wall_time_s": (stats.get("test") or {}).get("wall_time_s"),
         "sources": {"tensorboard": bool(scalars), "run_stats": bool(stats), "hydra": bool(hydra)},
@@ -229,8 +242,14 @@ def plot_curves(scalars: dict[str, list[tuple[int, float]]], out_dir: Path) -> d
                 ax.plot(steps, values, "o", label=tag)
             else:
                 thin = tag.endswith("_step")
-                ax.plot(steps, values, label=tag, linewidth=0.8 if thin else 1.8, alpha=0.5 if thin else 1.0,
-                        marker=None if thin else ".")
+                ax.plot(
+                    steps,
+                    values,
+                    label=tag,
+                    linewidth=0.8 if thin else 1.8,
+                    alpha=0.5 if thin else 1.0,
+                    marker=None if thin else ".",
+                )
         ax.set(title=title, xlabel="step", ylabel=title.lower())
         ax.grid(alpha=0.3)
         ax.legend()
@@ -261,8 +280,12 @@ def _table(header: Iterable[str], rows: Iterable[Iterable[Any]]) -> list[str]:
 def render_markdown(report: dict[str, Any]) -> str:
     bs = report["batch_size"]
     procs = report["world_size"]
-    layout = (f"{procs} process{'es' if procs != 1 else ''} ({report['num_nodes']} node(s) x "
-              f"{report['devices_per_node']} device(s))" if procs else "-")
+    layout = (
+        f"{procs} process{'es' if procs != 1 else ''} ({report['num_nodes']} node(s) x "
+        f"{report['devices_per_node']} device(s))"
+        if procs
+        else "-"
+    )
     search = report["max_batch_size"]
     mfu = _fmt(report["mfu"]) if report["mfu"] is not None else f"n/a: {report['mfu_note']}"
     lines = [
@@ -271,35 +294,61 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"Run dir `{report['run_dir']}`; generated {report['generated']}. "
         "Rebuild with `python -m vitrain.report <run dir>`.",
         "",
-        *_table(["", ""], [
-            ["experiment", report["experiment"]],
-            ["overrides", " ".join(f"`{o}`" for o in report["overrides"]) or "-"],
-            ["model", report["config"].get("model.net.model_name")],
-            ["strategy", f"{_fmt(report['strategy'])} on {_fmt(report['accelerator'])}, {layout}"],
-            ["precision", report["precision"]],
-            ["batch size", f"{_fmt(bs.get('global'))} global, {_fmt(bs.get('per_device'))} per device"
-                           f" (accumulate {_fmt(bs.get('accumulate_grad_batches'))})"],
-            ["epochs", report["epochs"]],
-            ["training wall time", f"{_fmt(report['wall_time_s'])} s (fit), "
-                                   f"{_fmt(report['time_per_epoch_s'])} s per epoch"],
-            ["throughput", f"{_fmt(report['throughput_images_per_s'])} images/s (training batches, all devices)"],
-            ["MFU", mfu],
-            ["peak memory", f"{_fmt(report['peak_memory_gb'])} GB (largest device)"],
-            ["max batch size", f"{search['global']} global, {search['per_device']} per device"
-                               if search else "not searched (`+tune=batch_size`)"],
-        ]),
+        *_table(
+            ["", ""],
+            [
+                ["experiment", report["experiment"]],
+                ["overrides", " ".join(f"`{o}`" for o in report["overrides"]) or "-"],
+                ["model", report["config"].get("model.net.model_name")],
+                ["strategy", f"{_fmt(report['strategy'])} on {_fmt(report['accelerator'])}, {layout}"],
+                ["precision", report["precision"]],
+                [
+                    "batch size",
+                    f"{_fmt(bs.get('global'))} global, {_fmt(bs.get('per_device'))} per device"
+                    f" (accumulate {_fmt(bs.get('accumulate_grad_batches'))})",
+                ],
+                ["epochs", report["epochs"]],
+                [
+                    "training wall time",
+                    f"{_fmt(report['wall_time_s'])} s (fit), {_fmt(report['time_per_epoch_s'])} s per epoch",
+                ],
+                [
+                    "throughput",
+                    f"{_fmt(report['throughput_images_per_s'])} images/s (training batches, all devices)",
+                ],
+                ["MFU", mfu],
+                ["peak memory", f"{_fmt(report['peak_memory_gb'])} GB (largest device)"],
+                [
+                    "max batch size",
+                    f"{search['global']} global, {search['per_device']} per device"
+                    if search
+                    else "not searched (`+tune=batch_size`)",
+                ],
+            ],
+        ),
         "",
         "## Metrics",
         "",
     ]
     metrics = report["metrics"]
-    rows = [[tag, b["value"], b["step"], metrics["final"].get(tag, {}).get("value")]
-            for tag, b in sorted(metrics["best"].items())]
-    rows += [[tag, None, None, f["value"]] for tag, f in sorted(metrics["final"].items())
-             if tag not in metrics["best"]]
+    rows = [
+        [tag, b["value"], b["step"], metrics["final"].get(tag, {}).get("value")]
+        for tag, b in sorted(metrics["best"].items())
+    ]
+    rows += [
+        [tag, None, None, f["value"]]
+        for tag, f in sorted(metrics["final"].items())
+        if tag not in metrics["best"]
+    ]
     lines += _table(["metric", "best", "at step", "final"], rows) if rows else ["No validation metrics."]
-    lines += ["", *(_table(["test metric", "value"], sorted(metrics["test"].items()))
-                    if metrics["test"] else ["No test metrics."])]
+    lines += [
+        "",
+        *(
+            _table(["test metric", "value"], sorted(metrics["test"].items()))
+            if metrics["test"]
+            else ["No test metrics."]
+        ),
+    ]
 
     lines += ["", "## Memory (peak per device)", ""]
     memory = report["memory"] or {}
@@ -314,26 +363,51 @@ def render_markdown(report: dict[str, Any]) -> str:
     lines += ["", "## GPU utilisation", ""]
     util = report["gpu_utilization"]
     if util.get("available"):
-        lines += _table(["rank", "mean %", "max %", "samples"],
-                        [[d["rank"], d["mean_pct"], d["max_pct"], d["samples"]] for d in util["per_device"]])
+        lines += _table(
+            ["rank", "mean %", "max %", "samples"],
+            [[d["rank"], d["mean_pct"], d["max_pct"], d["samples"]] for d in util["per_device"]],
+        )
     else:
         lines.append(f"Not available: {util.get('reason')}.")
 
     if search:
-        lines += ["", "## Maximum batch size", "", *_table(["", ""], [
-            ["per device", search.get("per_device")],
-            ["global", f"{search.get('global')} ({search.get('world_size')} processes)"],
-            ["searched with", f"{search.get('accelerator')}, {search.get('precision')}, 1 device; "
-                              f"strategy of the run: {search.get('strategy')}"],
-            ["memory cap", f"{_fmt(search.get('max_memory_gb'))} GB"],
-            ["trials", ", ".join(f"{t['batch_size']}: {_fmt(t.get('peak_gb'))} GB" for t in search.get("trials", []))],
-            ["stopped by", search.get("stopped_by")],
-        ])]
+        lines += [
+            "",
+            "## Maximum batch size",
+            "",
+            *_table(
+                ["", ""],
+                [
+                    ["per device", search.get("per_device")],
+                    ["global", f"{search.get('global')} ({search.get('world_size')} processes)"],
+                    [
+                        "searched with",
+                        f"{search.get('accelerator')}, {search.get('precision')}, 1 device; "
+                        f"strategy of the run: {search.get('strategy')}",
+                    ],
+                    ["memory cap", f"{_fmt(search.get('max_memory_gb'))} GB"],
+                    [
+                        "trials",
+                        ", ".join(
+                            f"{t['batch_size']}: {_fmt(t.get('peak_gb'))} GB"
+                            for t in search.get("trials", [])
+                        ),
+                    ],
+                    ["stopped by", search.get("stopped_by")],
+                ],
+            ),
+        ]
 
     ckpts = report["checkpoints"] or {}
     lines += ["", "## Checkpoints", ""]
-    lines.append(f"- best: `{ckpts.get('best')}`" + (f" ({ckpts.get('monitor')} = {_fmt(ckpts.get('best_score'))})"
-                                                    if ckpts.get("best_score") is not None else ""))
+    lines.append(
+        f"- best: `{ckpts.get('best')}`"
+        + (
+            f" ({ckpts.get('monitor')} = {_fmt(ckpts.get('best_score'))})"
+            if ckpts.get("best_score") is not None
+            else ""
+        )
+    )
     lines.append(f"- last: `{ckpts.get('last')}`")
     s3 = report["s3"]
     if s3:
@@ -375,7 +449,9 @@ def finish_run(objects: dict[str, Any]) -> dict[str, Any] | None:
         stats = read_json(run_dir / STATS_FILE) or {}
         # recorded at the end of fit: testing the best checkpoint restores ModelCheckpoint's state from it
         stats["checkpoints"] = stats.get("checkpoints") or checkpoint_paths(trainer)
-        uploaders = [c for c in trainer.callbacks if hasattr(c, "upload_run_files") and hasattr(c, "uploaded")]
+        uploaders = [
+            c for c in trainer.callbacks if hasattr(c, "upload_run_files") and hasattr(c, "uploaded")
+        ]
         if uploaders:
             stats["s3"] = {"uploaded": uploaders[0].uploaded, "failures": uploaders[0].failures}
         run_dir.mkdir(parents=True, exist_ok=True)

@@ -51,8 +51,11 @@ def _memory(report: dict[str, Any]) -> str | None:
 
 def job_dirs(sweep_dir: Path) -> list[Path]:
     """The job dirs of a sweep (Hydra's `.hydra/` or our report inside), in job order."""
-    found = [p for p in Path(sweep_dir).iterdir()
-             if p.is_dir() and any((p / name).exists() for name in (".hydra", "report.json", "run_stats.json"))]
+    found = [
+        p
+        for p in Path(sweep_dir).iterdir()
+        if p.is_dir() and any((p / name).exists() for name in (".hydra", "report.json", "run_stats.json"))
+    ]
     return sorted(found, key=lambda p: (0, int(p.name), "") if p.name.isdigit() else (1, 0, p.name))
 
 
@@ -70,8 +73,11 @@ def summary_rows(sweep_dir: Path) -> list[dict[str, Any]]:
     shared = set.intersection(*(set(o) for o in overrides.values())) if overrides else set()
     for job, report in jobs:
         row: dict[str, Any] = dict.fromkeys(COLUMNS)
-        row.update(job=job.name, dir=str(job.resolve()),
-                   overrides=" ".join(o for o in overrides[job] if o not in shared))
+        row.update(
+            job=job.name,
+            dir=str(job.resolve()),
+            overrides=" ".join(o for o in overrides[job] if o not in shared),
+        )
         if report is None:
             row["status"] = "no report (failed or running)"
         else:
@@ -102,14 +108,20 @@ def _cell(value: Any) -> str:
 
 
 def render_markdown(sweep_dir: Path, rows: list[dict[str, Any]]) -> str:
-    lines = [f"# Sweep summary: `{Path(sweep_dir).name}`", "",
-             f"Sweep dir `{Path(sweep_dir).resolve()}`: {len(rows)} job(s). Images/s count training batches "
-             "of all devices; peak memory is per device (GPU: reserved; CPU: peak RSS of each process).", ""]
+    lines = [
+        f"# Sweep summary: `{Path(sweep_dir).name}`",
+        "",
+        f"Sweep dir `{Path(sweep_dir).resolve()}`: {len(rows)} job(s). Images/s count training batches "
+        "of all devices; peak memory is per device (GPU: reserved; CPU: peak RSS of each process).",
+        "",
+    ]
     header = [c for c in COLUMNS if c != "dir"]
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
-        cells = [f"[{row['report']}]({row['report']})" if c == "report" and row[c] else _cell(row[c])
-                 for c in header]
+        cells = [
+            f"[{row['report']}]({row['report']})" if c == "report" and row[c] else _cell(row[c])
+            for c in header
+        ]
         cells = [f"`{c}`" if name == "overrides" and c else c for name, c in zip(header, cells, strict=True)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

@@ -72,7 +72,9 @@ class PerDeviceBatch(L.LightningDataModule):
     checks the memory cap.
     """
 
-    def __init__(self, datamodule: L.LightningDataModule, device: torch.device, cap_bytes: float | None) -> None:
+    def __init__(
+        self, datamodule: L.LightningDataModule, device: torch.device, cap_bytes: float | None
+    ) -> None:
         super().__init__()
         self.datamodule, self.device, self.cap = datamodule, device, cap_bytes
         self.trials: list[tuple[int, int]] = []  # (batch size, peak bytes) of every trial that ran
@@ -162,8 +164,13 @@ def search_batch_size(cfg: DictConfig, objects: dict[str, Any]) -> dict[str, Any
     else:
         result = find_max_batch_size(objects["model"], objects["datamodule"], cfg, world, run_dir, options)
         (run_dir / SEARCH_FILE).write_text(json.dumps(result, indent=2) + "\n")
-        log.info("Largest batch size that fits: %d per device, %d global (%d processes); see %s",
-                 result["per_device"], result["global"], world, run_dir / SEARCH_FILE)
+        log.info(
+            "Largest batch size that fits: %d per device, %d global (%d processes); see %s",
+            result["per_device"],
+            result["global"],
+            world,
+            run_dir / SEARCH_FILE,
+        )
     if options.get("apply"):
         objects["datamodule"].hparams.batch_size = result["global"]
         with open_dict(cfg):
@@ -250,11 +257,15 @@ def find_max_batch_size(
     elif train_size is not None and per_device >= train_size:
         per_device, stopped_by = min(per_device, train_size), f"the training set's size ({train_size} images)"
     elif per_device >= max_val:
-        stopped_by = f"max_val={max_val}" + ("" if max_val in tried else " (Lightning stops there without trying it)")
+        stopped_by = f"max_val={max_val}" + (
+            "" if max_val in tried else " (Lightning stops there without trying it)"
+        )
     else:
         stopped_by = "out of memory" if device.type == "cuda" else "max_trials"
     if per_device < 1:
-        raise UserError("tune.batch_size: not even one image per device fits; lower the model size or precision")
+        raise UserError(
+            "tune.batch_size: not even one image per device fits; lower the model size or precision"
+        )
     return {
         "per_device": per_device,
         "global": per_device * world_size,

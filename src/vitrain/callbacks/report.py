@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import resource
 import socket
+import subprocess
 import threading
 import time
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -97,7 +100,8 @@ def device_memory(device: torch.device) -> dict[str, float]:
 
 
 class UtilisationSampler:
-    """Samples this process's GPU utilisation (NVML, through torch.cuda.utilization) in a thread."""
+    """Samples this process's GPU utilisation in a thread: NVML through `torch.cuda.utilization` (needs
+    nvidia-ml-py), else `nvidia-smi`."""
 
     def __init__(self, device: torch.device, interval: float) -> None:
         self.device, self.interval = device, interval
@@ -105,13 +109,36 @@ class UtilisationSampler:
         self.unavailable: str | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._read: Callable[[], float] | None = None
         if device.type != "cuda":
             self.unavailable = f"no GPU ({device.type})"
             return
-        try:
-            torch.cuda.utilization(device)
-        except Exception as err:  # no pynvml / nvidia-ml-py, or no NVML driver
-            self.unavailable = f"NVML not available: {err}"
+        problems = []
+        for read in (self._nvml, self._nvidia_smi):
+            try:
+                read()
+                self._read = read
+                return
+            except Exception as err:
+                problems.append(str(err))
+        self.unavailable = "neither NVML nor nvidia-smi answered: " + "; ".join(problems)
+
+    def _nvml(self) -> float:
+        return float(torch.cuda.utilization(self.device))
+
+    def _nvidia_smi(self) -> float:
+        # nvidia-smi numbers GPUs physically; CUDA_VISIBLE_DEVICES may renumber them for this process
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
+        index = self.device.index or 0
+        physical = visible[index].strip() if index < len(visible) and visible[index].strip() else str(index)
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits", "-i", physical],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        )
+        return float(out.stdout.strip().splitlines()[0])
 
     def start(self) -> None:
         if self.unavailable is None and self._thread is None:
@@ -128,14 +155,18 @@ class UtilisationSampler:
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
             try:
-                self.samples.append((round(time.monotonic() - self._t0, 1), float(torch.cuda.utilization(self.device))))
+                self.samples.append((round(time.monotonic() - self._t0, 1), self._read()))
             except Exception as err:
-                self.unavailable = f"NVML failed: {err}"
+                self.unavailable = f"GPU utilisation could not be read: {err}"
                 return
 
     def summary(self) -> list[float]:
         values = [u for _, u in self.samples]
-        return [sum(values) / len(values) if values else float("nan"), max(values, default=float("nan")), len(values)]
+        return [
+            sum(values) / len(values) if values else float("nan"),
+            max(values, default=float("nan")),
+            len(values),
+        ]
 
 
 # --- the callback ---------------------------------------------------------------------------------------
@@ -181,12 +212,15 @@ class RunReport(Callback):
         self._epoch = {"train_time": 0.0, "images": 0}
         self._stretch = None
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, *_: Any) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, *_: Any
+    ) -> None:
         if self._stretch is None:
             self._stretch = self._sync(trainer)
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                           *_: Any) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, *_: Any
+    ) -> None:
         now = self._sync(trainer)
         self._epoch["train_time"] += now - self._stretch
         self._stretch = now
@@ -208,13 +242,15 @@ class RunReport(Callback):
         wall = self._sync(trainer) - self._epoch_t0
         train_time, images = self._epoch["train_time"], self._epoch["images"]
         fit = self.stats["fit"]
-        fit["epochs"].append({
-            "epoch": trainer.current_epoch,
-            "wall_time_s": round(wall, 3),
-            "train_time_s": round(train_time, 3),
-            "images": images,
-            "images_per_s": round(images / train_time, 2) if train_time > 0 else None,
-        })
+        fit["epochs"].append(
+            {
+                "epoch": trainer.current_epoch,
+                "wall_time_s": round(wall, 3),
+                "train_time_s": round(train_time, 3),
+                "images": images,
+                "images_per_s": round(images / train_time, 2) if train_time > 0 else None,
+            }
+        )
         fit["images"] += images
         fit["train_time_s"] = round(fit["train_time_s"] + train_time, 3)
         self._stretch = None
@@ -267,31 +303,39 @@ class RunReport(Callback):
         device = trainer.strategy.root_device
         mine = device_memory(device)
         keys = list(mine)
-        gathered = trainer.strategy.all_gather(torch.tensor([mine[k] for k in keys], dtype=torch.float64,
-                                                            device=device))
+        gathered = trainer.strategy.all_gather(
+            torch.tensor([mine[k] for k in keys], dtype=torch.float64, device=device)
+        )
         rows = gathered.reshape(trainer.world_size, len(keys)).cpu().tolist()
         return {
             "device_type": device.type,
             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "peak_window": "since the start of this run" if self._memory_reset else "process lifetime",
-            "per_device": [{"rank": rank, **{k: round(v, 4) for k, v in zip(keys, row, strict=True)}}
-                           for rank, row in enumerate(rows)],
+            "per_device": [
+                {"rank": rank, **{k: round(v, 4) for k, v in zip(keys, row, strict=True)}}
+                for rank, row in enumerate(rows)
+            ],
         }
 
     def _gather_utilisation(self, trainer: L.Trainer) -> dict[str, Any]:
         sampler = self._sampler
         assert sampler is not None
         # every rank takes part in the collective, whatever it has to say
-        summary = torch.tensor(sampler.summary() if sampler.unavailable is None else [float("nan")] * 3,
-                               dtype=torch.float64, device=trainer.strategy.root_device)
+        summary = torch.tensor(
+            sampler.summary() if sampler.unavailable is None else [float("nan")] * 3,
+            dtype=torch.float64,
+            device=trainer.strategy.root_device,
+        )
         rows = trainer.strategy.all_gather(summary).reshape(trainer.world_size, 3).cpu().tolist()
         if sampler.unavailable is not None:
             return {"available": False, "reason": sampler.unavailable}
         return {
             "available": True,
             "interval_s": sampler.interval,
-            "per_device": [{"rank": r, "mean_pct": round(m, 1), "max_pct": mx, "samples": int(n)}
-                           for r, (m, mx, n) in enumerate(rows)],
+            "per_device": [
+                {"rank": r, "mean_pct": round(m, 1), "max_pct": mx, "samples": int(n)}
+                for r, (m, mx, n) in enumerate(rows)
+            ],
             "rank0_samples": sampler.samples,
         }
 
@@ -313,7 +357,8 @@ def checkpoint_paths(trainer: L.Trainer) -> dict[str, Any]:
     callbacks = trainer.checkpoint_callbacks
     best = next((c for c in callbacks if c.monitor), None)
     last = next((c.last_model_path for c in callbacks if c.last_model_path), None) or next(
-        (c.best_model_path for c in callbacks if not c.monitor and c.best_model_path), None)
+        (c.best_model_path for c in callbacks if not c.monitor and c.best_model_path), None
+    )
     if best is None and last is None:
         return {}
     score = best.best_model_score if best is not None else None

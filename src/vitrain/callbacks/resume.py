@@ -1,10 +1,15 @@
 """What Lightning leaves out of a checkpoint for an exact resume, and a checkpoint on SIGTERM."""
 
 import logging
+import signal
+import threading
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import lightning as L
+import torch
+import torch.distributed
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
@@ -46,15 +51,42 @@ class ExactResume(Callback):
 class CheckpointOnSigterm(Callback):
     """On SIGTERM (spot reclaim, `kill`, SLURM), every rank stops at the same step and `last` is saved.
 
-    Lightning already catches SIGTERM, agrees across ranks and raises SIGTERMException at a step boundary;
-    it does not save. We save through the trainer (a collective: all ranks take part, as FSDP needs) into
-    the ModelCheckpoint's `last` path, so `ckpt_path=last` resumes from it mid-epoch.
+    Lightning's own handling is not safe across ranks: its handler runs a broadcast inside the signal
+    handler, and after each batch every rank that has seen the signal raises at once, without asking the
+    others. A rank that got the signal a moment later trains on and waits in the next collective forever
+    (seen on gloo). So we take SIGTERM over: the handler only notes it (and forwards it to the local child
+    ranks, as Lightning's does); every `check_every_n_steps` the ranks agree with one all-reduce (MAX)
+    before a batch, and all stop together. The save goes through the trainer (a collective: all ranks take
+    part, as FSDP needs) into the `last` path, so `ckpt_path=last` resumes from it mid-epoch.
     """
 
+    def __init__(self, check_every_n_steps: int = 1) -> None:
+        self.check_every_n_steps = max(int(check_every_n_steps), 1)
+        self._requested = False
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can only be set from the main thread
+
+        def note_sigterm(signum: int, frame: FrameType | None) -> None:
+            if not self._requested and trainer.strategy.launcher is not None:
+                trainer.strategy.launcher.kill(signum)
+            self._requested = True
+
+        signal.signal(signal.SIGTERM, note_sigterm)
+        # restart system calls the signal interrupts instead of failing them: gloo does not retry on EINTR
+        signal.siginterrupt(signal.SIGTERM, False)
+
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-        # with several processes Lightning stops at this point itself (after agreeing across ranks); alone,
-        # it would train on to the end of the epoch first
-        if trainer.received_sigterm and trainer.world_size == 1:
+        if trainer.world_size == 1:
+            stop = self._requested
+        elif trainer.global_step % self.check_every_n_steps == 0:
+            flag = torch.tensor([int(self._requested)], device=trainer.strategy.root_device)
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+            stop = bool(flag.item())
+        else:
+            stop = False
+        if stop:
             raise SIGTERMException
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:

@@ -90,13 +90,18 @@ class ImageThroughputMonitor(ThroughputMonitor):
         self.device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
         if self.available_flops is None:
             dtype = _plugin_to_compute_dtype(trainer.precision_plugin)
-            peak = self.peak_flops or (alias_peak_flops(self.device_name, dtype) if device.type == "cuda" else None)
+            peak = self.peak_flops or (
+                alias_peak_flops(self.device_name, dtype) if device.type == "cuda" else None
+            )
             self.available_flops = int(peak) if peak else None
             for throughput in self._throughputs.values():
                 throughput.available_flops = self.available_flops
         if self.available_flops is None and self.train_flops is None and trainer.is_global_zero:
-            log.info("No peak FLOPs known for %s: images/s are logged, MFU is not "
-                     "(set callbacks.throughput.peak_flops to add it)", self.device_name)
+            log.info(
+                "No peak FLOPs known for %s: images/s are logged, MFU is not "
+                "(set callbacks.throughput.peak_flops to add it)",
+                self.device_name,
+            )
         if self.train_flops is None:
             self.train_flops = flops_per_image(pl_module, training=True)
             self.eval_flops = flops_per_image(pl_module, training=False)
@@ -104,13 +109,17 @@ class ImageThroughputMonitor(ThroughputMonitor):
     def _set_flops(self, pl_module: L.LightningModule, per_image: float | None, batch: Any) -> None:
         pl_module.flops_per_batch = per_image * batch_size(batch) if per_image else None
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, *_: Any) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, *_: Any
+    ) -> None:
         self._set_flops(pl_module, self.train_flops, batch)
 
-    def on_validation_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
-                                  *_: Any, **__: Any) -> None:
+    def on_validation_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, *_: Any, **__: Any
+    ) -> None:
         self._set_flops(pl_module, self.eval_flops, batch)
 
-    def on_test_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
-                            *_: Any, **__: Any) -> None:
+    def on_test_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, *_: Any, **__: Any
+    ) -> None:
         self._set_flops(pl_module, self.eval_flops, batch)

@@ -15,15 +15,14 @@ def random_crop(x: Tensor, padding: int) -> Tensor:
     """Zero-pad by `padding` and cut a random HxW window per sample (torchvision RandomCrop(padding=p) per image)."""
     if padding <= 0:
         return x
-    b, c, h, w = x.shape
+    b, _, h, w = x.shape
     padded = F.pad(x, (padding, padding, padding, padding))
     dy = torch.randint(0, 2 * padding + 1, (b,), device=x.device)
     dx = torch.randint(0, 2 * padding + 1, (b,), device=x.device)
-    rows = dy[:, None] + torch.arange(h, device=x.device)  # [B,H]
-    cols = dx[:, None] + torch.arange(w, device=x.device)  # [B,W]
-    batch = torch.arange(b, device=x.device)[:, None, None, None]
-    chan = torch.arange(c, device=x.device)[None, :, None, None]
-    return padded[batch, chan, rows[:, None, :, None], cols[:, None, None, :]]
+    # every HxW window of every sample, as a view [B,C,2p+1,2p+1,H,W]; picking one per sample copies only
+    # the output (3 indices per sample instead of 4 per pixel: ~6x faster on CPU, docs/benchmarks.md)
+    windows = padded.unfold(2, h, 1).unfold(3, w, 1)
+    return windows[torch.arange(b, device=x.device), :, dy, dx]
 
 
 def random_hflip(x: Tensor, p: float = 0.5) -> Tensor:
@@ -33,16 +32,21 @@ def random_hflip(x: Tensor, p: float = 0.5) -> Tensor:
 
 
 def to_model_input(x: Tensor, img_size: int, mean: Sequence[float], std: Sequence[float]) -> Tensor:
-    """uint8 [B,3,H,W] -> normalised float32 [B,3,img_size,img_size]."""
+    """uint8 [B,3,H,W] -> normalised float32 [B,3,img_size,img_size].
+
+    Normalised before resizing: both are linear per channel (bilinear weights sum to 1), so the result is
+    the same, and upsampling 32 px to 224 px makes the normalisation 49x cheaper at the small size.
+    """
     out = x.float().div_(255.0)
+    m = torch.tensor(mean, dtype=out.dtype, device=out.device).view(1, -1, 1, 1)
+    s = torch.tensor(std, dtype=out.dtype, device=out.device).view(1, -1, 1, 1)
+    out = out.sub_(m).div_(s)
     if out.shape[-1] != img_size or out.shape[-2] != img_size:
         shrink = img_size < max(out.shape[-2:])  # antialias only matters (and only costs) when downsampling
         out = F.interpolate(
             out, size=(img_size, img_size), mode="bilinear", align_corners=False, antialias=shrink
         )
-    m = torch.tensor(mean, dtype=out.dtype, device=out.device).view(1, -1, 1, 1)
-    s = torch.tensor(std, dtype=out.dtype, device=out.device).view(1, -1, 1, 1)
-    return out.sub_(m).div_(s)
+    return out
 
 
 @dataclass

@@ -6,13 +6,21 @@ prints the config tree and writes rank-zero files a second time. `setup_rank` fi
 environment at start-up and tags every log record of the other ranks with their rank.
 """
 
+import errno
 import logging
 import os
+import socket
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_only
+
+from vitrain.errors import UserError
+
+
+class LaunchError(UserError):
+    """The launch environment (NODE_RANK, WORLD_SIZE, MASTER_PORT) contradicts the trainer config."""
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +59,47 @@ def global_rank_from_env(num_devices: int = 1, env: Mapping[str, str] = os.envir
 def is_global_zero_from_env(env: Mapping[str, str] = os.environ) -> bool:
     """Global rank zero, without knowing the devices per node (rank 0 is node 0's local rank 0 anyway)."""
     return global_rank_from_env(1, env) == 0
+
+
+def check_launch_env(trainer_cfg: Mapping[str, Any] | None, env: Mapping[str, str] = os.environ) -> None:
+    """Fail in one line, before any process group exists, on launch variables that cannot work.
+
+    Left alone, a NODE_RANK past the last node or a WORLD_SIZE that disagrees with the trainer makes every
+    node wait for peers that never come; a taken MASTER_PORT ends in a traceback from the TCP store.
+    """
+    trainer_cfg = trainer_cfg or {}
+    num_nodes = int(trainer_cfg.get("num_nodes", 1) or 1)
+    devices = devices_per_node(trainer_cfg.get("devices", 1), trainer_cfg.get("accelerator", "auto"))
+    if "TORCHELASTIC_RUN_ID" in env or "SLURM_JOB_ID" in env:
+        return  # torchrun / srun own these variables and check them themselves
+    if "NODE_RANK" in env:
+        node_rank = int(env["NODE_RANK"])
+        if not 0 <= node_rank < num_nodes:
+            raise LaunchError(
+                f"NODE_RANK={node_rank} with trainer.num_nodes={num_nodes}: number the nodes 0..{num_nodes - 1}"
+            )
+    world = num_nodes * devices
+    if "WORLD_SIZE" in env and "LOCAL_RANK" not in env and int(env["WORLD_SIZE"]) != world:
+        raise LaunchError(
+            f"WORLD_SIZE={env['WORLD_SIZE']} but trainer.num_nodes x trainer.devices = {num_nodes} x {devices}"
+            f" = {world}: set WORLD_SIZE={world} or change trainer.num_nodes / trainer.devices"
+        )
+    if world > 1 and "MASTER_PORT" in env and global_rank_from_env(devices, env) == 0 and "LOCAL_RANK" not in env:
+        _check_port_free(int(env["MASTER_PORT"]))
+
+
+def _check_port_free(port: int) -> None:
+    """Rank zero will listen on MASTER_PORT: is it free on this machine?"""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind(("", port))
+        except OSError as err:
+            if err.errno != errno.EADDRINUSE:
+                raise
+            raise LaunchError(
+                f"MASTER_PORT={port} is in use on this machine (node 0): pick a free port, the same on every "
+                "node, or stop the process that holds it"
+            ) from err
 
 
 def setup_rank(trainer_cfg: Mapping[str, Any] | None = None) -> int:

@@ -8,12 +8,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch.distributed
 from dotenv import load_dotenv
 from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig
 
-from vitrain.distributed.ranks import setup_rank
+from vitrain.distributed.ranks import check_launch_env, setup_rank
 from vitrain.errors import UserError
 from vitrain.utils.config import print_config_tree
 from vitrain.utils.secrets import install_secret_filter
@@ -32,6 +33,23 @@ def user_error(err: BaseException) -> UserError | None:
     return None
 
 
+# what gloo and NCCL say when a peer died (connection reset) or hangs (the collective timed out)
+PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Application timeout caused pair closure",
+             "Timed out waiting", "timed out",
+             "NCCL communicator was aborted", "Watchdog caught collective operation timeout")
+
+
+def peer_lost(err: BaseException) -> bool:
+    """True when `err` (or what caused it) says another rank of the process group is gone."""
+    while err is not None:
+        if isinstance(err, torch.distributed.DistError):
+            return True
+        if isinstance(err, RuntimeError) and any(s in str(err) for s in PEER_LOST):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
 def run_task(task: Task, cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     """Run `task(cfg)`; a UserError ends the process with its one-line message and exit code 2.
 
@@ -48,11 +66,20 @@ def run_task(task: Task, cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any
     if extras.get("print_config"):
         print_config_tree(cfg, save_to=output_dir / "config_tree.log")
     try:
+        check_launch_env(cfg.get("trainer"))
         return task(cfg)
     except SIGTERMException:
         # stopped on request after saving `last` (CheckpointOnSigterm); 128 + SIGTERM, as a shell reports it
         sys.exit(143)
     except Exception as err:
+        if peer_lost(err) and os.environ.get("HYDRA_FULL_ERROR") != "1":
+            detail = next((ln.strip() for ln in str(err).splitlines() if ln.strip()), type(err).__name__)
+            print(
+                f"error: lost contact with another process of this run ({detail[:300]}); check the other "
+                "ranks' logs. A hung peer is waited for at most trainer.strategy.timeout",
+                file=sys.stderr, flush=True,
+            )
+            sys.exit(3)
         problem = user_error(err)
         if problem is None or os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise

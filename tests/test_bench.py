@@ -1,0 +1,112 @@
+"""Every benchmark script runs in its `--smoke` mode on the tiny generated data set and writes well-formed
+JSON; the renderer turns such JSON into the Markdown table. No timing is asserted: smoke runs measure
+nothing (`met` stays null)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "bench"
+sys.path.insert(0, str(BENCH))
+
+from run import SUITE  # noqa: E402
+
+MULTI_PROCESS = {"ddp_scaling", "fsdp_memory"}
+
+
+def _smoke(name: str, out: Path, data: Path, cache: Path) -> dict:
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH / f"{name}.py"),
+            "--smoke",
+            "--out",
+            str(out),
+            "--data-dir",
+            str(data),
+            "--cache-dir",
+            str(cache),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1].startswith(f"{name}: "), done.stdout[-500:]
+    return json.loads((out / f"{name}.json").read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.distributed) if n in MULTI_PROCESS else n for n in SUITE]
+)
+def test_benchmark_smoke_writes_json(name: str, tmp_path: Path, tiny_cifar: Path, data_cache: Path):
+    result = _smoke(name, tmp_path, tiny_cifar, data_cache)
+    assert result["name"] == name and result["smoke"] is True and result["met"] is None
+    assert isinstance(result["line"], str) and result["line"]
+    assert isinstance(result["figures"], dict)
+    for key in ("date", "command", "seconds", "load_before", "load_after"):
+        assert key in result, key
+    assert {"cpu", "cores", "torch", "lightning", "timm"} <= set(result["machine"])
+    json.dumps(result)  # plain JSON all the way down
+
+
+def test_render_writes_a_table(tmp_path: Path):
+    from render import load, render
+
+    machine = {
+        "cpu": "Test CPU",
+        "cores": 2,
+        "avx512_bf16": True,
+        "memory_gb": 1.0,
+        "gpu": None,
+        "gpus": 0,
+        "python": "3",
+        "torch": "t",
+        "lightning": "l",
+        "timm": "m",
+    }
+    for name, met in (("overhead", True), ("accuracy", False)):
+        (tmp_path / f"{name}.json").write_text(
+            json.dumps(
+                {
+                    "name": name,
+                    "smoke": False,
+                    "date": "2026-01-01 00:00 UTC",
+                    "command": f"python bench/{name}.py",
+                    "load_before": 0.1,
+                    "load_after": 0.2,
+                    "line": f"{name} figure",
+                    "figures": {"x": 1.5, "y": None},
+                    "goal": "a goal",
+                    "met": met,
+                    "notes": ["a note"],
+                    "details": {"k": [1, 2]},
+                    "seconds": 3.0,
+                    "machine": machine,
+                }
+            )
+        )
+    (tmp_path / "run.json").write_text(
+        json.dumps(
+            {
+                "command": "make bench",
+                "date": "2026-01-01 00:00 UTC",
+                "seconds": 600.0,
+                "load_before": 0.1,
+                "load_after": 0.3,
+            }
+        )
+    )
+    doc = render(*load(tmp_path))
+    assert "GENERATED" in doc and "make bench" in doc and "Test CPU, 2 cores" in doc
+    assert "| overhead figure | a goal | met |" in doc
+    assert "**not met**" in doc and "not measured" in doc and "> a note" in doc
+    assert doc.index("1. Framework overhead") < doc.index("6. Accuracy")
