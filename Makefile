@@ -2,7 +2,7 @@
 PY ?= .venv/bin/python
 RUN ?=
 
-.PHONY: install test test-fast lint format train train-smoke eval report clean
+.PHONY: install test test-fast lint format train train-smoke eval report clean bench bench-smoke
 
 install:  ## create .venv and install everything (the README's first command)
 	python3 -m venv .venv && .venv/bin/pip install -r requirements.txt

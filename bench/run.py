@@ -87,9 +87,8 @@ def main() -> int:
 
     seconds = time.perf_counter() - started
     run = {
-        "command": "make bench"
-        if not args.only and not args.smoke
-        else shlex.join(["python", "bench/run.py", *sys.argv[1:]]),
+        # what was typed: `make bench` passes BENCH_ARGS through to this script
+        "command": "make bench" + (f' BENCH_ARGS="{shlex.join(sys.argv[1:])}"' if sys.argv[1:] else ""),
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "seconds": round(seconds, 1),
         "benchmarks": names,

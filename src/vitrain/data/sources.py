@@ -141,7 +141,8 @@ def unpack_archive(archive: Path, unpack_root: Path) -> Path:
     except (tarfile.TarError, EOFError, zlib.error, OSError) as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise DataError(
-            f"cannot unpack {archive} ({type(e).__name__}: {e}): the archive is truncated or corrupted, copy or download it again"
+            f"cannot unpack {archive} ({type(e).__name__}: {str(e).splitlines()[0].rstrip(':')}): "
+            "the archive is truncated or corrupted, copy or download it again"
         ) from e
     try:
         tmp.rename(target)
