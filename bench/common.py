@@ -95,15 +95,17 @@ def load_average() -> float:
 
 
 def interleave(variants: dict[str, Callable[[], float]], rounds: int) -> dict[str, list[float]]:
-    """Run A, B, A, B, ... `rounds` times; each call measures one segment and returns its figure.
+    """Run A, B, B, A, A, B, ... for `rounds` rounds; each call measures one segment and returns its figure.
 
     Other jobs on the machine slow every variant alike only when the segments alternate quickly, so a
-    ratio of two figures measured this way holds where absolute numbers do not.
+    ratio of two figures measured this way holds where absolute numbers do not. Every other round runs
+    in reverse order, so no variant always comes first (warm-up) or last.
     """
     results: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(rounds):
-        for name, run in variants.items():
-            results[name].append(float(run()))
+    names = list(variants)
+    for i in range(rounds):
+        for name in names if i % 2 == 0 else names[::-1]:
+            results[name].append(float(variants[name]()))
     return results
 
 
