@@ -16,7 +16,7 @@ from tensorboard.backend.event_processing.event_accumulator import SCALARS, Even
 from helpers import PYTHON, ROOT, compose_cfg, tiny_overrides
 from vitrain.callbacks.throughput import alias_peak_flops
 from vitrain.training import train
-from vitrain.tuning import GB, MemoryCapExceeded, PerDeviceBatch, extrapolate
+from vitrain.tuning import GB, MemoryCapExceeded, PerDeviceBatch, extrapolate, peak_bytes
 
 SECRET = "vitrain-report-secret-0123456789"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -180,9 +180,11 @@ def test_memory_cap_stops_growth_before_a_trial_would_exceed_it():
     assert extrapolate([(4, 1 * GB), (8, int(1.5 * GB))], 16) == pytest.approx(2.5 * GB)
     assert extrapolate([(8, GB)], 16) is None  # one point: no slope yet
     fake = SimpleNamespace(hparams=SimpleNamespace(batch_size=16))
-    scaled = PerDeviceBatch(fake, torch.device("cpu"), cap_bytes=2 * GB)
-    scaled.trials = [(4, 1 * GB), (8, int(1.5 * GB))]
+    # on top of what this (test) process already holds, so only the extrapolation can trip the cap
+    base = peak_bytes(torch.device("cpu"))
+    scaled = PerDeviceBatch(fake, torch.device("cpu"), cap_bytes=base + 2 * GB)
+    scaled.trials = [(4, base + 1 * GB), (8, base + int(1.5 * GB))]
     with pytest.raises(MemoryCapExceeded) as caught:
         scaled._check_cap()
     assert is_oom_error(caught.value)  # Lightning's finder halves and stops, as after a real OOM
-    assert "would need about 2.50 GB" in scaled.stopped_by
+    assert f"would need about {(base + 2.5 * GB) / GB:.2f} GB" in scaled.stopped_by
