@@ -66,6 +66,18 @@ def render(run: dict[str, Any] | None, results: list[dict[str, Any]]) -> str:
             f"1-minute load average {run['load_before']} before the run, {run['load_after']} after it.",
             "",
         ]
+        for rerun in run.get("reruns", []):
+            out += [
+                f"Re-run afterwards: {', '.join(rerun['benchmarks'])} by `{rerun['command']}` on {rerun['date']} "
+                f"({rerun['seconds'] / 60:.1f} minutes; load {rerun['load_before']} -> {rerun['load_after']}). "
+                "The results it replaced:",
+                "",
+                *[
+                    f"- {r['name']} ({r['date']}, load {r['load_before']} -> {r['load_after']}): {r['line']}"
+                    for r in rerun.get("replaced", [])
+                ],
+                "",
+            ]
     gpu = f"{m['gpus']} x {m['gpu']}" if m.get("gpu") else "none"
     out += [
         f"**Machine:** {m['cpu']}, {m['cores']} cores{' (AVX-512 BF16)' if m.get('avx512_bf16') else ''}, "

@@ -57,7 +57,11 @@ def main() -> int:
     logs.mkdir(parents=True, exist_ok=True)
     started, load_before = time.perf_counter(), load_average()
     failed = []
+    replaced = []  # a subset re-run replaces results: keep what they said, for the record
     for name in names:
+        if args.only and (args.out / f"{name}.json").is_file():
+            old = json.loads((args.out / f"{name}.json").read_text())
+            replaced.append({k: old.get(k) for k in ("name", "line", "date", "load_before", "load_after")})
         cmd = [
             PYTHON,
             str(BENCH / f"{name}.py"),
@@ -98,7 +102,13 @@ def main() -> int:
         "load_after": load_average(),
         "smoke": args.smoke,
     }
-    (args.out / "run.json").write_text(json.dumps(run, indent=2) + "\n")
+    path = args.out / "run.json"
+    previous = json.loads(path.read_text()) if args.only and path.is_file() else None
+    if previous and not previous.get("smoke") and not args.smoke:
+        # a subset re-run: the full run stays the record, the re-run is listed under it
+        previous.setdefault("reruns", []).append({**run, "replaced": replaced})
+        run = previous
+    path.write_text(json.dumps(run, indent=2) + "\n")
     print(f"total {seconds / 60:.1f} min; {len(failed)} failed", flush=True)
     doc = args.doc or (None if args.smoke else ROOT / "docs" / "benchmarks.md")
     if doc is not None:
