@@ -76,7 +76,7 @@ def test_every_experiment_runs_fast_dev_run(experiment: str, tmp_path: Path, tin
     ]
     metrics, objects = train(compose_cfg("train", overrides, tmp_path))
     assert objects["trainer"].global_step == 1
-    assert {"train/loss", "val/acc1", "test/acc1"} <= metrics.keys()
+    assert {"train/loss_epoch", "val/acc1", "test/acc1"} <= metrics.keys()
 
 
 def test_tiny_vit_overrides_are_timm_kwargs(tmp_path: Path):

@@ -29,11 +29,11 @@ def test_train_writes_checkpoints_and_tensorboard(tmp_path: Path, tiny_cifar: Pa
     assert (ckpt_dir / "last.ckpt").is_file()
     best = Path(objects["best_model_path"])
     assert best.is_file() and best.parent == ckpt_dir
-    for name in ("train/loss", "train/acc1", "train/acc5", "val/loss", "val/acc1", "val/acc5", "test/acc1"):
+    for name in ("train/loss_epoch", "train/acc1", "train/acc5", "val/loss", "val/acc1", "val/acc5", "test/acc1"):
         assert name in metrics and 0 <= metrics[name] < 100, name
 
     scalars = set(_events(tmp_path).Tags()["scalars"])
-    assert {"train/loss_step", "val/acc1", "val/acc5", "train/acc1", "lr"} <= scalars, scalars
+    assert {"train/loss_step", "train/loss_epoch", "val/acc1", "val/acc5", "train/acc1", "lr"} <= scalars, scalars
     lrs = [e.value for e in _events(tmp_path).Scalars("lr")]
     assert lrs[0] < max(lrs), "warm-up: the learning rate rises first"
 

@@ -201,11 +201,19 @@ class RunReport(Callback):
             self._sampler.start()
 
     # -- timing: training batches only (validation and checkpoint saving excluded) --
+    # A stretch of training batches is timed from its first batch's start to the validation (or epoch end)
+    # that closes it. On CUDA the clock is read after a synchronize only there, a few times per epoch: a
+    # synchronize per batch would stall the host every step and the GPU would wait for the next launch.
 
     def _sync(self, trainer: L.Trainer) -> float:
         if trainer.strategy.root_device.type == "cuda":
             torch.cuda.synchronize(trainer.strategy.root_device)
         return time.perf_counter()
+
+    def _close_stretch(self, trainer: L.Trainer) -> None:
+        if self._stretch is not None:
+            self._epoch["train_time"] += self._sync(trainer) - self._stretch
+            self._stretch = None
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._epoch_t0 = self._sync(trainer)
@@ -221,15 +229,12 @@ class RunReport(Callback):
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, *_: Any
     ) -> None:
-        now = self._sync(trainer)
-        self._epoch["train_time"] += now - self._stretch
-        self._stretch = now
         images = batch_size(batch)
         self.stats["batch_size"].setdefault("per_device_observed", images)
         self._epoch["images"] += images * trainer.world_size  # equal shards on every rank (drop_last)
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._stretch = None
+        self._close_stretch(trainer)
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.sanity_checking or trainer.state.fn != "fit":
@@ -239,6 +244,7 @@ class RunReport(Callback):
         )
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._close_stretch(trainer)
         wall = self._sync(trainer) - self._epoch_t0
         train_time, images = self._epoch["train_time"], self._epoch["images"]
         fit = self.stats["fit"]

@@ -32,12 +32,22 @@ class ExactResume(Callback):
     def __init__(self) -> None:
         self._pending: dict[str, Any] | None = None
         self._after_last_batch: dict[str, Any] | None = None
+        self._cuda: bool | None = None
+
+    def _collect(self) -> dict[str, Any]:
+        # Lightning's collector asks torch.cuda.is_available() each time, which on a CUDA build without a
+        # GPU loads NVML anew: more than the states themselves. Asked once here.
+        if self._cuda is None:
+            self._cuda = torch.cuda.is_available()
+        states = _collect_rng_states(include_cuda=False)
+        states["torch.cuda"] = torch.cuda.get_rng_state_all() if self._cuda else []
+        return states
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-        self._after_last_batch = _collect_rng_states()  # a few KB copied: microseconds a step
+        self._after_last_batch = self._collect()  # a few KB copied: microseconds a step
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
-        checkpoint["rng_states"] = self._after_last_batch or _collect_rng_states()
+        checkpoint["rng_states"] = self._after_last_batch or self._collect()
 
     def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
         self._pending = checkpoint.get("rng_states")
@@ -58,11 +68,17 @@ class CheckpointOnSigterm(Callback):
     ranks, as Lightning's does); every `check_every_n_steps` the ranks agree with one all-reduce (MAX)
     before a batch, and all stop together. The save goes through the trainer (a collective: all ranks take
     part, as FSDP needs) into the `last` path, so `ckpt_path=last` resumes from it mid-epoch.
+
+    Lightning 2.6 also broadcasts its own SIGTERM flag before every batch under DDP/FSDP: a second collective
+    (a host sync on GPUs) per step, which after the take-over only ever says "no". The agreement runs in
+    its place, so a step has one such collective, not two.
     """
 
     def __init__(self, check_every_n_steps: int = 1) -> None:
         self.check_every_n_steps = max(int(check_every_n_steps), 1)
         self._requested = False
+        self._replaced_lightning_check = False
+        self._agreed_at: tuple[int, int] | None = None
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -76,8 +92,25 @@ class CheckpointOnSigterm(Callback):
         signal.signal(signal.SIGTERM, note_sigterm)
         # restart system calls the signal interrupts instead of failing them: gloo does not retry on EINTR
         signal.siginterrupt(signal.SIGTERM, False)
+        epoch_loop = trainer.fit_loop.epoch_loop
+        if trainer.world_size > 1 and hasattr(epoch_loop, "_broadcast_sigterm_tensor"):
+            # called by Lightning before each batch when world_size > 1; an instance attribute: this
+            # trainer only. Should an upgrade stop calling it, on_train_batch_start still agrees.
+            epoch_loop._broadcast_sigterm_tensor = lambda: self._agree(trainer)
+            self._replaced_lightning_check = True
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        if self._agreed_at != (trainer.current_epoch, trainer.fit_loop.epoch_loop.batch_idx):
+            self._agree(trainer)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._replaced_lightning_check:
+            del trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor  # Lightning's own method again
+            self._replaced_lightning_check = False
+
+    def _agree(self, trainer: L.Trainer) -> None:
+        # Lightning's call comes before the batch index advances: the batch about to start is batch_idx + 1
+        self._agreed_at = (trainer.current_epoch, trainer.fit_loop.epoch_loop.batch_idx + 1)
         if trainer.world_size == 1:
             stop = self._requested
         elif trainer.global_step % self.check_every_n_steps == 0:

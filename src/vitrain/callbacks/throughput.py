@@ -10,6 +10,7 @@ still unknown, images/s are logged and MFU is not.
 from __future__ import annotations
 
 import logging
+import time
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -19,6 +20,7 @@ import torch
 from lightning.fabric.utilities.throughput import _CUDA_FLOPS, measure_flops
 from lightning.pytorch.callbacks import ThroughputMonitor
 from lightning.pytorch.callbacks.throughput_monitor import _plugin_to_compute_dtype
+from lightning.pytorch.trainer.states import RunningStage
 
 log = logging.getLogger(__name__)
 
@@ -123,3 +125,29 @@ class ImageThroughputMonitor(ThroughputMonitor):
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, *_: Any, **__: Any
     ) -> None:
         self._set_flops(pl_module, self.eval_flops, batch)
+
+    @torch.inference_mode()
+    def _update(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, iter_num: int) -> None:
+        """Lightning's `_update` without its `torch.cuda.synchronize()` on every batch.
+
+        A synchronize per step stalls the host until the GPU is idle, so the next step's kernels are queued
+        late: the monitor itself slows the training it measures. The logged figures are rates over a window
+        of `window_size` batches ending at a logged step, so the clock needs to be exact there only: we
+        synchronise on those steps (every `log_every_n_steps`) and outside training, as Lightning does.
+        """
+        stage = trainer.state.stage
+        exact = stage != RunningStage.TRAINING or trainer._logger_connector.should_update_logs
+        if trainer.strategy.root_device.type == "cuda" and exact:
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - self._t0s[stage]
+        if self.length_fn is not None:
+            self._lengths[stage] += self.length_fn(batch)
+        self._samples[stage] += self.batch_size_fn(batch)
+        self._batches[stage] += 1
+        self._throughputs[stage].update(
+            time=elapsed,
+            batches=self._batches[stage],
+            samples=self._samples[stage],
+            lengths=None if self.length_fn is None else self._lengths[stage],
+            flops=getattr(pl_module, "flops_per_batch", None),
+        )

@@ -16,11 +16,12 @@ from vitrain.distributed.fsdp import apply_fsdp
 from vitrain.models.timm_net import create_net, input_spec
 
 
-def _metrics(num_classes: int, prefix: str) -> MetricCollection:
+def _metrics(num_classes: int, prefix: str, validate_args: bool = True) -> MetricCollection:
     # "micro" = plain accuracy; torchmetrics' default "macro" would average per-class accuracies.
-    metrics = {"acc1": MulticlassAccuracy(num_classes, top_k=1, average="micro")}
+    kwargs = {"num_classes": num_classes, "average": "micro", "validate_args": validate_args}
+    metrics = {"acc1": MulticlassAccuracy(top_k=1, **kwargs)}
     if num_classes >= 5:
-        metrics["acc5"] = MulticlassAccuracy(num_classes, top_k=5, average="micro")
+        metrics["acc5"] = MulticlassAccuracy(top_k=5, **kwargs)
     return MetricCollection(metrics, prefix=prefix)
 
 
@@ -60,10 +61,15 @@ class ImageClassifier(L.LightningModule):
             set_fused_attn(self.net, fused_attn)
         self.input_spec = input_spec(self.net, bool(net.get("pretrained") or weights_file), net.get("img_size"))
         num_classes = int(self.net.num_classes)
-        self.train_metrics = _metrics(num_classes, "train/")
+        # no argument checks per training step: they scan the labels (torch.unique: a host sync on GPU), and
+        # a bad label already fails in the loss
+        self.train_metrics = _metrics(num_classes, "train/", validate_args=False)
         self.val_metrics = _metrics(num_classes, "val/")
         self.test_metrics = _metrics(num_classes, "test/")
         self.val_loss, self.test_loss = MeanMetric(), MeanMetric()
+        # not a buffer: DDP would broadcast rank zero's every step
+        self._train_loss_sum = torch.zeros(())
+        self._train_loss_steps = 0
         # the composed Hydra config of the run, stored in every checkpoint so eval.py can rebuild it
         self.run_config: dict[str, Any] | None = None
 
@@ -86,11 +92,26 @@ class ImageClassifier(L.LightningModule):
         logits = self(x)
         loss = F.cross_entropy(logits, y, label_smoothing=self.hparams.label_smoothing)
         self.train_metrics.update(logits.detach(), y)
-        self.log("train/loss", loss, on_step=True, on_epoch=True, prog_bar=True)
-        self.log_dict(self.train_metrics, on_step=False, on_epoch=True)
-        # one `lr` curve: LearningRateMonitor logs one per param group (lr/decay, lr/no_decay)
-        self.log("lr", self.trainer.optimizers[0].param_groups[0]["lr"], on_step=True, on_epoch=False)
+        self._train_loss_sum += loss.detach()  # the epoch mean, on the device: no host sync per step
+        self._train_loss_steps += 1
+        # Logged only on the steps the logger writes (the test LearningRateMonitor uses): a logged tensor
+        # is read on the host by the logger and the progress bar, a GPU sync each time it is read.
+        if self.trainer._logger_connector.should_update_logs:
+            self.log("train/loss_step", loss, prog_bar=True)
+            # one `lr` curve (LearningRateMonitor logs one per param group: lr/decay, lr/no_decay)
+            self.log("lr", self.trainer.optimizers[0].param_groups[0]["lr"])
         return loss
+
+    def on_train_epoch_start(self) -> None:
+        self._train_loss_sum = torch.zeros((), device=self.device)
+        self._train_loss_steps = 0
+
+    def on_train_epoch_end(self) -> None:
+        if self._train_loss_steps:
+            # every rank has run the same number of steps (drop_last): the mean of means is the mean
+            self.log("train/loss_epoch", self._train_loss_sum / self._train_loss_steps, sync_dist=True)
+        # Lightning computes the metric objects, syncs them across ranks and resets them
+        self.log_dict(self.train_metrics)
 
     def _eval_step(self, batch: tuple[torch.Tensor, torch.Tensor], metrics: MetricCollection, loss: MeanMetric):
         x, y = batch

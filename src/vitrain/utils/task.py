@@ -17,6 +17,7 @@ from omegaconf import DictConfig
 from vitrain.distributed.ranks import check_launch_env, setup_rank
 from vitrain.errors import UserError
 from vitrain.utils.config import print_config_tree
+from vitrain.utils.host_memory import retain_freed_memory
 from vitrain.utils.secrets import install_secret_filter
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,8 @@ def run_task(task: Task, cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any
     extras = cfg.get("extras") or {}
     if extras.get("ignore_warnings"):
         warnings.filterwarnings("ignore")
+    if extras.get("retain_freed_memory", True):
+        retain_freed_memory()
     output_dir = Path(cfg.paths.output_dir)
     if extras.get("print_config"):
         print_config_tree(cfg, save_to=output_dir / "config_tree.log")
