@@ -139,14 +139,16 @@ class Result:
         goal: str | None = None,
         met: bool | None = None,
         notes: Sequence[str] = (),
+        verdict: str | None = None,
         **details: Any,
     ) -> Path:
-        """Print the one-line summary and write `<out>/<name>.json`."""
+        """Print the one-line summary and write `<out>/<name>.json`; `verdict` words a partial result."""
         self.data.update(
             line=line,
             figures=figures,
             goal=goal,
             met=None if self.args.smoke else met,
+            verdict=None if self.args.smoke else verdict,
             notes=list(notes),
             details=details,
             seconds=round(time.perf_counter() - self.started, 1),

@@ -38,6 +38,8 @@ def load(results: Path) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
 def verdict(result: dict[str, Any]) -> str:
     if result.get("smoke"):
         return "smoke run"
+    if result.get("verdict"):
+        return result["verdict"]
     met = result.get("met")
     return "—" if met is None else ("met" if met else "**not met**")
 

@@ -17,7 +17,7 @@ from data_factory import (
     make_targz,
     pattern_image,
 )
-from vitrain.data.augment import BatchTransform, random_crop, random_hflip, to_model_input
+from vitrain.data.augment import BatchTransform, random_crop_flip, to_model_input
 from vitrain.data.cifar10 import (
     CIFAR10_MEAN,
     CIFAR10_STD,
@@ -296,28 +296,50 @@ def _coordinates(b: int, h: int = 32) -> torch.Tensor:
     return x.expand(b, 3, h, h).clone()
 
 
+def _crop_shift(sample: torch.Tensor) -> tuple[int, int]:
+    """Where a cropped sample's centre pixel came from, as (dy, dx) relative to the centre."""
+    return int(sample[0, 16, 16]) - 17, int(sample[1, 16, 16]) - 17
+
+
 def test_random_crop_shifts_content():
     torch.manual_seed(0)
     x = _coordinates(64)
-    out = random_crop(x, padding=4)
+    out = random_crop_flip(x, padding=4, flip_p=0.0)
     assert out.shape == x.shape and out.dtype == torch.uint8
     padded = torch.nn.functional.pad(x, (4, 4, 4, 4))
     shifts = set()
     for b in range(64):
-        dy, dx = int(out[b, 0, 16, 16]) - 17, int(out[b, 1, 16, 16]) - 17  # where the centre came from
+        dy, dx = _crop_shift(out[b])
         assert -4 <= dy <= 4 and -4 <= dx <= 4
         assert torch.equal(out[b], padded[b, :, 4 + dy : 4 + dy + 32, 4 + dx : 4 + dx + 32])
         shifts.add((dy, dx))
-    assert len(shifts) > 10
+    assert len(shifts) > 10 and any(dy == -4 for dy, _ in shifts) and any(dx == 4 for _, dx in shifts)
 
 
 def test_random_hflip_some_not_all():
     torch.manual_seed(0)
     x = _coordinates(64)
-    out = random_hflip(x)
+    out = random_crop_flip(x, padding=0, flip_p=0.5)
     flipped = torch.tensor([torch.equal(o, i.flip(-1)) for o, i in zip(out, x, strict=True)])
     kept = torch.tensor([torch.equal(o, i) for o, i in zip(out, x, strict=True)])
     assert torch.all(flipped ^ kept) and 10 < int(flipped.sum()) < 54
+
+
+def test_crop_then_flip_matches_torchvision_order():
+    """Each sample equals torchvision's RandomCrop(padding) then RandomHorizontalFlip on that image."""
+    torch.manual_seed(1)
+    x = _coordinates(64)
+    x[:, 2] = torch.randint(1, 255, (64, 32, 32), dtype=torch.uint8)  # content that a wrong flip would show
+    out = random_crop_flip(x, padding=3, flip_p=0.5)
+    padded = torch.nn.functional.pad(x, (3, 3, 3, 3))
+    flips = 0
+    for b in range(64):
+        flipped = int(out[b, 1, 16, 15]) > int(out[b, 1, 16, 16])  # columns count down: mirrored
+        centre = out[b].flip(-1) if flipped else out[b]
+        dy, dx = _crop_shift(centre)
+        assert torch.equal(centre, padded[b, :, 3 + dy : 3 + dy + 32, 3 + dx : 3 + dx + 32]), b
+        flips += flipped
+    assert 10 < flips < 54
 
 
 def test_normalise_and_resize():
