@@ -12,13 +12,19 @@ import json
 import tempfile
 from pathlib import Path
 
-from common import SMALL_VIT, Result, data_overrides, parse_args, probe_overrides, run_train, train_command
+from common import (
+    SMALL_VIT,
+    SMOKE_NET,
+    Result,
+    data_overrides,
+    parse_args,
+    probe_overrides,
+    run_train,
+    train_command,
+)
 
 SMOKE = [
-    "model.net.patch_size=8",
-    "model.net.embed_dim=32",
-    "model.net.depth=2",
-    "model.net.num_heads=2",
+    *SMOKE_NET,
     "datamodule.batch_size=16",
     "datamodule.val_size=32",
     "datamodule.train_subset=64",

@@ -33,6 +33,8 @@ CACHE_DIR = Path(os.environ.get("VITRAIN_BENCH_CACHE", Path.home() / ".cache" / 
 
 # the CPU experiment's model, for benchmarks that need "a small ViT"
 SMALL_VIT = "experiment=cifar_cpu"
+# --smoke: that network shrunk to run in seconds
+SMOKE_NET = ["model.net.patch_size=8", "model.net.embed_dim=32", "model.net.depth=2", "model.net.num_heads=2"]
 
 
 def parse_args(doc: str | None, **extra: tuple[type, Any, str]) -> argparse.Namespace:
@@ -169,6 +171,21 @@ def command_line() -> str:
 
 
 # --- Hydra configs and the template's own objects -------------------------------------------------------
+
+
+def short_run(train_batches: int, val_batches: int = 0, bare: bool = False) -> list[str]:
+    """Overrides for a measured run: `train_batches` steps of one epoch, `val_batches` of validation (no
+    sanity check when 0), no time limit, no test; `bare`: without callbacks and logger (the step alone)."""
+    return [
+        "trainer.max_epochs=1",
+        "trainer.max_time=null",
+        f"trainer.limit_train_batches={train_batches}",
+        f"trainer.limit_val_batches={val_batches}",
+        *(["trainer.num_sanity_val_steps=0"] if val_batches == 0 else []),
+        *(["callbacks=none", "logger=none"] if bare else []),
+        "test=false",
+        "extras.print_config=false",
+    ]
 
 
 def data_overrides(args: argparse.Namespace) -> list[str]:

@@ -20,7 +20,17 @@ from typing import Any
 
 import numpy as np
 import torch
-from common import SMALL_VIT, Result, compose, data_overrides, interleave, median, parse_args, ratio
+from common import (
+    SMALL_VIT,
+    Result,
+    compose,
+    data_overrides,
+    interleave,
+    median,
+    parse_args,
+    ratio,
+    short_run,
+)
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
@@ -130,13 +140,8 @@ def data_wait(args: Any, workdir: Path) -> dict[str, Any]:
     overrides = [
         SMALL_VIT,
         *data_overrides(args),
-        "trainer.max_epochs=1",
-        "trainer.max_time=null",
-        f"trainer.limit_train_batches={warmup + steps + 1}",
-        "trainer.limit_val_batches=1",
+        *short_run(warmup + steps + 1, val_batches=1),
         "trainer.num_sanity_val_steps=0",
-        "test=false",
-        "extras.print_config=false",
     ]
     if args.smoke:
         overrides += [

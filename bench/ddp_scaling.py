@@ -18,6 +18,7 @@ from typing import Any
 
 from common import (
     SMALL_VIT,
+    SMOKE_NET,
     Result,
     data_overrides,
     interleave,
@@ -26,14 +27,12 @@ from common import (
     probe_overrides,
     ratio,
     run_train,
+    short_run,
     train_command,
 )
 
 SMOKE = [
-    "model.net.patch_size=8",
-    "model.net.embed_dim=32",
-    "model.net.depth=2",
-    "model.net.num_heads=2",
+    *SMOKE_NET,
     "datamodule.val_size=16",
 ]
 
@@ -42,15 +41,7 @@ def overrides(args: Any, processes: int, run_dir: Path) -> list[str]:
     common = [
         SMALL_VIT,
         *data_overrides(args),
-        "trainer.max_epochs=1",
-        "trainer.max_time=null",
-        f"trainer.limit_train_batches={args.warmup + args.steps + 1}",
-        "trainer.limit_val_batches=0",
-        "trainer.num_sanity_val_steps=0",
-        "callbacks=none",
-        "logger=none",
-        "test=false",
-        "extras.print_config=false",
+        *short_run(args.warmup + args.steps + 1, bare=True),
         f"datamodule.batch_size={args.batch_size * processes}",
         f"hydra.run.dir={run_dir}",
         *(SMOKE if args.smoke else []),

@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from common import Result, data_overrides, parse_args, probe_overrides, run_train, train_command
+from common import Result, data_overrides, parse_args, probe_overrides, run_train, short_run, train_command
 from probe import GB
 
 MODEL = [
@@ -46,14 +46,9 @@ def measure(args: Any, strategy: str, workdir: Path) -> dict[str, Any]:
         f"trainer={strategy}",
         "trainer.devices=2",
         "trainer.accelerator=cpu",
-        "trainer.max_epochs=1",
-        f"trainer.limit_train_batches={args.steps}",
-        "trainer.limit_val_batches=0",
-        "trainer.num_sanity_val_steps=0",
-        "callbacks=none",
-        "logger=none",
-        "test=false",
-        "extras.print_config=false",
+        *short_run(args.steps, bare=True),
+        # glibc's own malloc (and ENV's low mmap threshold): RSS follows the live tensors
+        "extras.retain_freed_memory=false",
         f"datamodule.batch_size={2 * args.batch_size}",
         f"hydra.run.dir={run_dir}",
     ]

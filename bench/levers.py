@@ -3,7 +3,9 @@ against the experiment as configured, interleaved in one run (a plain loop: no f
 
 Variants: SDPA attention instead of timm's matmul-softmax attention (`model.fused_attn`), fp32 instead of
 bf16 autocast (`trainer.precision`), AdamW `foreach` instead of `fused` (`model.optimizer.fused`),
-`torch.compile` (`model.compile`, whose compile time is reported against the time it saves).
+`torch.compile` (`model.compile`, whose compile time is reported against the time it saves). And one
+lever outside the network, measured on whole `src/train.py` runs since it is set when a process starts:
+glibc malloc's defaults instead of `extras.retain_freed_memory` (vitrain/utils/host_memory.py).
 """
 
 from __future__ import annotations
@@ -16,21 +18,36 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="bench-
 
 import contextlib
 import copy
+import json
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from common import SMALL_VIT, Result, compose, interleave, median, parse_args, ratio
+from common import (
+    SMALL_VIT,
+    SMOKE_NET,
+    Result,
+    compose,
+    data_overrides,
+    interleave,
+    median,
+    parse_args,
+    probe_overrides,
+    ratio,
+    run_train,
+    short_run,
+)
 
 SMOKE = [
-    "model.net.patch_size=8",
-    "model.net.embed_dim=32",
-    "model.net.depth=2",
-    "model.net.num_heads=2",
+    *SMOKE_NET,
     "datamodule.batch_size=8",
+    "datamodule.val_size=16",
 ]
+
+
+MALLOC = "retained -> glibc default malloc (whole runs)"
 
 
 class Variant:
@@ -88,16 +105,37 @@ class Variant:
         return steps / (time.perf_counter() - t0)
 
 
+def train_steps_per_s(args: Any, workdir: Path, retain: bool, steps: int, warmup: int = 5) -> float:
+    """Steps/s of one `src/train.py experiment=cifar_cpu` run (no callbacks or logger: the step alone)."""
+    run_dir = Path(tempfile.mkdtemp(dir=workdir))
+    overrides = [
+        SMALL_VIT,
+        *data_overrides(args),
+        *short_run(warmup + steps + 1, bare=True),
+        f"extras.retain_freed_memory={str(retain).lower()}",
+        f"hydra.run.dir={run_dir}",
+        *(SMOKE if args.smoke else []),
+    ]
+    run_train([*overrides, *probe_overrides(run_dir / "probe.json")], log=run_dir / "output.log")
+    ends = json.loads((run_dir / "probe.json").read_text())["step_ends"][warmup:]
+    return (len(ends) - 1) / (ends[-1] - ends[0])
+
+
 def main() -> None:
     args = parse_args(
         __doc__,
         rounds=(int, 3, "rounds"),
         steps=(int, 6, "timed steps per segment"),
         compile=(int, 1, "1: include torch.compile (its compile time counts against the budget)"),
+        train_steps=(int, 40, "timed steps of each whole run (the malloc lever)"),
     )
     if args.smoke:
         args.rounds, args.steps, args.compile = 1, 2, 0
     result = Result("levers", args)
+    # as src/train.py does (extras.retain_freed_memory): the in-process loops run with the template's malloc
+    from vitrain.utils.host_memory import retain_freed_memory
+
+    retain_freed_memory()
     cfg = compose(
         [SMALL_VIT, "extras.print_config=false", *(SMOKE if args.smoke else [])],
         Path(tempfile.mkdtemp(prefix="bench-levers-")),
@@ -124,8 +162,19 @@ def main() -> None:
     for name, change in changes.items():
         variants[name] = Variant(cfg, x, y, **{**copy.deepcopy(shipped), **change})
     runs = interleave({k: (lambda v=v: v.steps_per_s(args.steps)) for k, v in variants.items()}, args.rounds)
+    # whole runs, as configured vs glibc's defaults: the "as configured" figures above stay the in-process ones
+    workdir = Path(tempfile.mkdtemp(prefix="bench-levers-malloc-"))
+    train_steps = 2 if args.smoke else args.train_steps
+    malloc = interleave(
+        {
+            "retain": lambda: train_steps_per_s(args, workdir, True, train_steps),
+            "defaults": lambda: train_steps_per_s(args, workdir, False, train_steps),
+        },
+        1 if args.smoke else 2,
+    )
     base = runs["as configured"]
-    rel = {k: round(ratio(v, base), 3) for k, v in runs.items() if k != "as configured"}
+    rel = {k: round(ratio(v, base), 3) for k, v in runs.items() if k not in ("as configured", MALLOC)}
+    rel[MALLOC] = round(ratio(malloc["defaults"], malloc["retain"]), 3)
     figures: dict[str, Any] = {f"{k} (x steps/s)": v for k, v in rel.items()}
     figures["as configured (steps/s)"] = round(median(base), 3)
     compiled = variants.get("torch.compile")
@@ -152,6 +201,7 @@ def main() -> None:
         notes=notes,
         shipped=shipped,
         rounds={k: [round(v, 3) for v in vs] for k, vs in runs.items()},
+        malloc_rounds={k: [round(v, 3) for v in vs] for k, vs in malloc.items()},
         batch_size=batch,
         img_size=size,
     )

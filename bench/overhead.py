@@ -20,14 +20,11 @@ from typing import Any
 import lightning as L
 import torch
 import torch.nn.functional as F
-from common import SMALL_VIT, Result, compose, data_overrides, median, parse_args
+from common import SMALL_VIT, SMOKE_NET, Result, compose, data_overrides, median, parse_args, short_run
 from lightning.pytorch.callbacks import Callback
 
 SMOKE = [
-    "model.net.patch_size=8",
-    "model.net.embed_dim=32",
-    "model.net.depth=2",
-    "model.net.num_heads=2",
+    *SMOKE_NET,
     "datamodule.batch_size=8",
     "datamodule.val_size=16",
 ]
@@ -38,12 +35,7 @@ def template_cfg(args: Any, workdir: Path, batches: int) -> Any:
         SMALL_VIT,
         *data_overrides(args),
         f"trainer.accelerator={args.accelerator}",
-        "trainer.max_epochs=1",
-        f"trainer.limit_train_batches={batches}",
-        "trainer.limit_val_batches=1",
-        "trainer.max_time=null",
-        "test=false",
-        "extras.print_config=false",
+        *short_run(batches, val_batches=1),
         *(SMOKE if args.smoke else []),
     ]
     return compose(overrides, workdir)
@@ -169,6 +161,10 @@ def main() -> None:
     if args.smoke:
         args.blocks, args.block, args.warmup = 2, 2, 1
     result = Result("overhead", args)
+    # as src/train.py does (extras.retain_freed_memory): the in-process loops run with the template's malloc
+    from vitrain.utils.host_memory import retain_freed_memory
+
+    retain_freed_memory()
     workdir = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
     cfg = template_cfg(args, workdir / "run", args.warmup + args.blocks * args.block + 1)
     device = torch.device("cuda" if torch.cuda.is_available() and args.accelerator != "cpu" else "cpu")

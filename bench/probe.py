@@ -20,27 +20,9 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from vitrain.callbacks.report import proc_status, reset_peak_rss
+
 GB = 1024**3
-
-
-def proc_status(field: str) -> int | None:
-    """A /proc/self/status field in bytes (VmRSS, VmHWM); None off Linux."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(f"{field}:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def reset_peak_rss() -> bool:
-    """Restart the VmHWM window (Linux): the peak then covers what follows, not the start-up."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        return True
-    except OSError:
-        return False
 
 
 def _sync(device: torch.device) -> float:

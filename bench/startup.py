@@ -20,6 +20,7 @@ from common import (
     PYTHON,
     ROOT,
     SMALL_VIT,
+    SMOKE_NET,
     Result,
     interleave,
     median,
@@ -32,10 +33,7 @@ from common import (
 )
 
 SMOKE = [
-    "model.net.patch_size=8",
-    "model.net.embed_dim=32",
-    "model.net.depth=2",
-    "model.net.num_heads=2",
+    *SMOKE_NET,
     "datamodule.batch_size=8",
     "datamodule.val_size=16",
 ]

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from helpers import PYTHON, ROOT, compose_cfg, run_cli, tiny_overrides
+from helpers import PYTHON, ROOT, TINY_VIT, compose_cfg, run_cli, tiny_overrides
 from vitrain import checkpoints
 from vitrain.distributed.ddp import DDPStrategy
 from vitrain.distributed.ranks import devices_per_node, global_rank_from_env
@@ -252,13 +252,7 @@ SEED_COMMAND = [
 @pytest.mark.timeout(RUN_TIMEOUT + 30)
 def test_two_nodes_by_env_vars_share_one_run(tmp_path: Path, tiny_cifar: Path, data_cache: Path):
     tiny = [
-        "model.net.pretrained=false",
-        "model.net.img_size=32",
-        "model.net.patch_size=8",
-        "+model.net.embed_dim=32",
-        "+model.net.depth=2",
-        "+model.net.num_heads=2",
-        "model.net.drop_path_rate=0.0",
+        *TINY_VIT,
         f"datamodule.data_dir={tiny_cifar}",
         f"datamodule.cache_dir={data_cache}",
         "datamodule.batch_size=16",

@@ -53,7 +53,8 @@ CONFIG_KEYS = (
 # --- memory ---------------------------------------------------------------------------------------------
 
 
-def _proc_status(field: str) -> int | None:
+def proc_status(field: str) -> int | None:
+    """A /proc/self/status field in bytes (VmRSS, VmHWM); None off Linux."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith(f"{field}:"):
@@ -65,7 +66,7 @@ def _proc_status(field: str) -> int | None:
 
 def peak_rss_bytes() -> int:
     """The process's peak resident memory since the last `reset_peak_rss` (Linux VmHWM), else since start."""
-    peak = _proc_status("VmHWM")
+    peak = proc_status("VmHWM")
     if peak is not None:
         return peak
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kB on Linux
