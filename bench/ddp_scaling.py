@@ -75,9 +75,10 @@ def independent_pair(args: Any, workdir: Path, runs: list[str]) -> float:
 def main() -> None:
     args = parse_args(
         __doc__,
-        rounds=(int, 2, "A/B rounds"),
+        rounds=(int, 3, "A/B rounds"),
         batch_size=(int, 128, "images per process"),
-        steps=(int, 12, "timed steps"),
+        # long enough that one slow second (other jobs on a shared machine) does not decide the figure
+        steps=(int, 40, "timed steps"),
         warmup=(int, 3, "untimed steps first"),
     )
     if args.smoke:

@@ -74,5 +74,10 @@ def run_cli(
             full_env.pop(var, None)
     return subprocess.run(
         [PYTHON, str(ROOT / "src" / script), *overrides],
-        cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout, **popen,
+        cwd=cwd,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        **popen,
     )

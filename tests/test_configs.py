@@ -46,7 +46,9 @@ def test_every_group_option_instantiates(group: str, tmp_path: Path, tiny_cifar:
             node.accelerator = "cpu"
             assert isinstance(hydra.utils.instantiate(node), L.Trainer)
         else:
-            assert isinstance(hydra.utils.instantiate(node), L.Trainer | L.LightningModule | L.LightningDataModule)
+            assert isinstance(
+                hydra.utils.instantiate(node), L.Trainer | L.LightningModule | L.LightningDataModule
+            )
 
 
 def test_seed_command_keys_exist(tmp_path: Path):
@@ -62,7 +64,9 @@ def test_seed_command_keys_exist(tmp_path: Path):
 
 
 @pytest.mark.parametrize("experiment", options("experiment"))
-def test_every_experiment_runs_fast_dev_run(experiment: str, tmp_path: Path, tiny_cifar: Path, data_cache: Path):
+def test_every_experiment_runs_fast_dev_run(
+    experiment: str, tmp_path: Path, tiny_cifar: Path, data_cache: Path
+):
     overrides = [
         f"experiment={experiment}",
         f"datamodule.data_dir={tiny_cifar}",

@@ -21,7 +21,9 @@ def _assert_clean_failure(done, *needles: str) -> None:
 
 
 def test_missing_data_folder(tmp_path: Path, data_cache: Path):
-    done = run_cli("train.py", [*tiny_overrides(tmp_path / "nowhere", data_cache), f"hydra.run.dir={tmp_path}/run"])
+    done = run_cli(
+        "train.py", [*tiny_overrides(tmp_path / "nowhere", data_cache), f"hydra.run.dir={tmp_path}/run"]
+    )
     _assert_clean_failure(done, "error: ", "nowhere", "datamodule.data_dir")
     assert done.returncode == 2
     assert _last_line(done.stderr).startswith("error: ")
@@ -30,7 +32,9 @@ def test_missing_data_folder(tmp_path: Path, data_cache: Path):
 def test_unknown_model_name(tmp_path: Path, tiny_cifar: Path, data_cache: Path):
     overrides = [*tiny_overrides(tiny_cifar, data_cache), "model.net.model_name=vit_tinny_patch16_224"]
     done = run_cli("train.py", [*overrides, f"hydra.run.dir={tmp_path}/run"])
-    _assert_clean_failure(done, "unknown timm model", "vit_tinny_patch16_224", "did you mean vit_tiny_patch16_224")
+    _assert_clean_failure(
+        done, "unknown timm model", "vit_tinny_patch16_224", "did you mean vit_tiny_patch16_224"
+    )
     assert done.returncode == 2
 
 
@@ -49,8 +53,9 @@ def test_pretrained_download_offline_says_how_to_go_on(tmp_path: Path, tiny_cifa
         f"hydra.run.dir={tmp_path}/run",
     ]
     done = run_cli("train.py", overrides, env={"HF_HUB_OFFLINE": "1"})
-    _assert_clean_failure(done, "could not download pretrained weights", "model.net.pretrained=false",
-                          "model.weights_file=")
+    _assert_clean_failure(
+        done, "could not download pretrained weights", "model.net.pretrained=false", "model.weights_file="
+    )
     assert done.returncode == 2
 
 
@@ -62,29 +67,49 @@ def test_eval_checkpoint_that_does_not_exist(tmp_path: Path):
 
 @pytest.mark.distributed
 def test_batch_size_not_divisible_by_world_size(tmp_path: Path, tiny_cifar: Path, data_cache: Path):
-    overrides = [*tiny_overrides(tiny_cifar, data_cache, batch_size=9), "trainer=ddp", "trainer.devices=2",
-                 f"hydra.run.dir={tmp_path}/run"]
+    overrides = [
+        *tiny_overrides(tiny_cifar, data_cache, batch_size=9),
+        "trainer=ddp",
+        "trainer.devices=2",
+        f"hydra.run.dir={tmp_path}/run",
+    ]
     done = run_cli("train.py", overrides, timeout=180)
     _assert_clean_failure(done, "datamodule.batch_size=9", "2")
 
 
 def test_misspelled_override_key_suggests_the_right_one(tmp_path: Path):
     done = run_cli("train.py", ["datamodule.batchsize=64", f"hydra.run.dir={tmp_path}/run"])
-    _assert_clean_failure(done, "unknown config key datamodule.batchsize", "did you mean datamodule.batch_size?")
+    _assert_clean_failure(
+        done, "unknown config key datamodule.batchsize", "did you mean datamodule.batch_size?"
+    )
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "run").exists(), "nothing is created for a command that cannot run"
 
 
 def test_wrong_type(tmp_path: Path, tiny_cifar: Path, data_cache: Path):
-    overrides = [*tiny_overrides(tiny_cifar, data_cache), "datamodule.batch_size=abc", f"hydra.run.dir={tmp_path}/r"]
+    overrides = [
+        *tiny_overrides(tiny_cifar, data_cache),
+        "datamodule.batch_size=abc",
+        f"hydra.run.dir={tmp_path}/r",
+    ]
     done = run_cli("train.py", overrides)
     _assert_clean_failure(done, "datamodule.batch_size='abc' must be a whole number")
     assert done.returncode == 2
 
 
 def _launch(tmp_path: Path, env: dict[str, str], *extra: str):
-    return run_cli("train.py", ["trainer=ddp", "trainer.devices=1", "trainer.num_nodes=2", "trainer.accelerator=cpu",
-                                *extra, f"hydra.run.dir={tmp_path}/run"], env={"MASTER_ADDR": "127.0.0.1", **env})
+    return run_cli(
+        "train.py",
+        [
+            "trainer=ddp",
+            "trainer.devices=1",
+            "trainer.num_nodes=2",
+            "trainer.accelerator=cpu",
+            *extra,
+            f"hydra.run.dir={tmp_path}/run",
+        ],
+        env={"MASTER_ADDR": "127.0.0.1", **env},
+    )
 
 
 def test_node_rank_past_the_last_node(tmp_path: Path):

@@ -17,14 +17,25 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 
 
 def _ddp(tiny_cifar: Path, data_cache: Path, run_dir: Path) -> list[str]:
-    return [*tiny_overrides(tiny_cifar, data_cache), "trainer=ddp", "trainer.devices=2", "trainer.accelerator=cpu",
-            "trainer.max_epochs=2", "logger=csv", f"hydra.run.dir={run_dir}"]
+    return [
+        *tiny_overrides(tiny_cifar, data_cache),
+        "trainer=ddp",
+        "trainer.devices=2",
+        "trainer.accelerator=cpu",
+        "trainer.max_epochs=2",
+        "logger=csv",
+        f"hydra.run.dir={run_dir}",
+    ]
 
 
 def test_sigterm_two_process_ddp_saves_last_then_resumes(tmp_path: Path, tiny_cifar: Path, data_cache: Path):
     overrides = _ddp(tiny_cifar, data_cache, tmp_path)
-    stopped = run_cli("train.py", [*overrides, "+callbacks.fault._target_=fault_injection.SigtermAt",
-                                   "+callbacks.fault.step=5"], env={"PYTHONPATH": TESTS}, start_new_session=True)
+    stopped = run_cli(
+        "train.py",
+        [*overrides, "+callbacks.fault._target_=fault_injection.SigtermAt", "+callbacks.fault.step=5"],
+        env={"PYTHONPATH": TESTS},
+        start_new_session=True,
+    )
     assert stopped.returncode == 143, stopped.stderr[-3000:]
     saved = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)
     assert saved["global_step"] == 5
@@ -36,18 +47,31 @@ def test_sigterm_two_process_ddp_saves_last_then_resumes(tmp_path: Path, tiny_ci
 
 
 @pytest.mark.parametrize("fault", ["KILL", "STOP"])
-def test_lost_peer_ends_the_run_within_the_timeout(fault: str, tmp_path: Path, tiny_cifar: Path, data_cache: Path):
+def test_lost_peer_ends_the_run_within_the_timeout(
+    fault: str, tmp_path: Path, tiny_cifar: Path, data_cache: Path
+):
     """Rank 1 dies (KILL) or hangs (STOP) at step 3: rank 0 exits with a clear error, within the timeout."""
     timeout_s = 15
-    overrides = [*_ddp(tiny_cifar, data_cache, tmp_path), f"trainer.strategy.timeout.minutes={timeout_s / 60}",
-                 "+callbacks.fault._target_=fault_injection.SignalRankAt", "+callbacks.fault.rank=1",
-                 "+callbacks.fault.step=3", f"+callbacks.fault.signal_name={fault}"]
+    overrides = [
+        *_ddp(tiny_cifar, data_cache, tmp_path),
+        f"trainer.strategy.timeout.minutes={timeout_s / 60}",
+        "+callbacks.fault._target_=fault_injection.SignalRankAt",
+        "+callbacks.fault.rank=1",
+        "+callbacks.fault.step=3",
+        f"+callbacks.fault.signal_name={fault}",
+    ]
     env = {**os.environ, "PYTHONPATH": TESTS, "HF_HUB_OFFLINE": "1"}
     started = time.monotonic()
     # output to a file, not a pipe: the stopped rank 1 keeps inherited pipes open after rank 0 has exited
     with (tmp_path / "stderr.txt").open("w") as err_file:
-        proc = subprocess.Popen([PYTHON, str(ROOT / "src" / "train.py"), *overrides], cwd=ROOT, env=env,
-                                stdout=subprocess.DEVNULL, stderr=err_file, start_new_session=True)
+        proc = subprocess.Popen(
+            [PYTHON, str(ROOT / "src" / "train.py"), *overrides],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=err_file,
+            start_new_session=True,
+        )
         try:
             proc.wait(timeout=240)
         finally:

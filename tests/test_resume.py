@@ -54,7 +54,9 @@ def test_sigkill_at_epoch_boundary_then_resume_is_bitwise_identical(
     tmp_path: Path, tiny_cifar: Path, data_cache: Path, uninterrupted
 ):
     overrides = _overrides(tiny_cifar, data_cache, tmp_path)
-    killed = _run([*overrides, "+callbacks.fault._target_=fault_injection.KillAt", "+callbacks.fault.epoch=1"])
+    killed = _run(
+        [*overrides, "+callbacks.fault._target_=fault_injection.KillAt", "+callbacks.fault.epoch=1"]
+    )
     assert killed.returncode == -signal.SIGKILL
     assert torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)["epoch"] == 0
 
@@ -85,8 +87,10 @@ def test_sigterm_mid_epoch_saves_last_and_resumes_exactly(
 def test_truncated_checkpoint_gives_a_clear_error(tmp_path: Path, tiny_cifar: Path, data_cache: Path):
     bad = tmp_path / "last.ckpt"
     bad.write_bytes(b"PK\x03\x04 truncated")
-    for script, args in (("eval.py", [f"ckpt_path={bad}"]),
-                         ("train.py", [*tiny_overrides(tiny_cifar, data_cache), f"ckpt_path={bad}"])):
+    for script, args in (
+        ("eval.py", [f"ckpt_path={bad}"]),
+        ("train.py", [*tiny_overrides(tiny_cifar, data_cache), f"ckpt_path={bad}"]),
+    ):
         done = run_cli(script, [*args, f"hydra.run.dir={tmp_path / script}"])
         assert done.returncode == 2, done.stderr[-3000:]
         assert "Traceback" not in done.stderr
@@ -105,15 +109,19 @@ def _no_bigger_files_than(limit: int):
     return apply
 
 
-def test_disk_full_while_saving_keeps_the_previous_checkpoint(tmp_path: Path, tiny_cifar: Path, data_cache: Path):
+def test_disk_full_while_saving_keeps_the_previous_checkpoint(
+    tmp_path: Path, tiny_cifar: Path, data_cache: Path
+):
     overrides = [*tiny_overrides(tiny_cifar, data_cache), "logger=csv", f"hydra.run.dir={tmp_path}"]
     first = _run(overrides)
     assert first.returncode == 0, first.stderr[-3000:]
     last = tmp_path / "checkpoints" / "last.ckpt"
     before = last.read_bytes()
 
-    full = _run([*overrides, "ckpt_path=last", "trainer.max_epochs=2"],
-                preexec_fn=_no_bigger_files_than(len(before) // 2))
+    full = _run(
+        [*overrides, "ckpt_path=last", "trainer.max_epochs=2"],
+        preexec_fn=_no_bigger_files_than(len(before) // 2),
+    )
     assert full.returncode == 2, full.stderr[-3000:]
     assert "Traceback" not in full.stderr
     assert "no space left to save checkpoint" in full.stderr and "the previous one is intact" in full.stderr
@@ -152,10 +160,23 @@ def test_torchrun_restart_resumes_in_the_same_run_dir(tmp_path: Path, tiny_cifar
     env = {**os.environ, "PYTHONPATH": TESTS, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     for var in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
-                "--max-restarts=1", "--monitor-interval=0.5"]
-    done = subprocess.run([*torchrun, str(ROOT / "src" / "train.py"), *overrides], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=1",
+        "--max-restarts=1",
+        "--monitor-interval=0.5",
+    ]
+    done = subprocess.run(
+        [*torchrun, str(ROOT / "src" / "train.py"), *overrides],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert marker.exists(), "the first attempt was killed"
     run_dirs = list((tmp_path / "logs" / "train" / "runs").iterdir())

@@ -29,11 +29,21 @@ def test_train_writes_checkpoints_and_tensorboard(tmp_path: Path, tiny_cifar: Pa
     assert (ckpt_dir / "last.ckpt").is_file()
     best = Path(objects["best_model_path"])
     assert best.is_file() and best.parent == ckpt_dir
-    for name in ("train/loss_epoch", "train/acc1", "train/acc5", "val/loss", "val/acc1", "val/acc5", "test/acc1"):
+    for name in (
+        "train/loss_epoch",
+        "train/acc1",
+        "train/acc5",
+        "val/loss",
+        "val/acc1",
+        "val/acc5",
+        "test/acc1",
+    ):
         assert name in metrics and 0 <= metrics[name] < 100, name
 
     scalars = set(_events(tmp_path).Tags()["scalars"])
-    assert {"train/loss_step", "train/loss_epoch", "val/acc1", "val/acc5", "train/acc1", "lr"} <= scalars, scalars
+    assert {"train/loss_step", "train/loss_epoch", "val/acc1", "val/acc5", "train/acc1", "lr"} <= scalars, (
+        scalars
+    )
     lrs = [e.value for e in _events(tmp_path).Scalars("lr")]
     assert lrs[0] < max(lrs), "warm-up: the learning rate rises first"
 
@@ -43,8 +53,15 @@ def test_train_writes_checkpoints_and_tensorboard(tmp_path: Path, tiny_cifar: Pa
 
 
 def test_local_weights_file_is_loaded_with_resized_head(tmp_path: Path):
-    source = timm.create_model("vit_tiny_patch16_224", num_classes=1000, img_size=32, patch_size=8,
-                               embed_dim=32, depth=2, num_heads=2)
+    source = timm.create_model(
+        "vit_tiny_patch16_224",
+        num_classes=1000,
+        img_size=32,
+        patch_size=8,
+        embed_dim=32,
+        depth=2,
+        num_heads=2,
+    )
     weights = tmp_path / "imagenet.pth"
     torch.save(source.state_dict(), weights)
     cfg = compose_cfg("train", [*TINY_VIT, f"model.weights_file={weights}"], tmp_path)
@@ -60,7 +77,9 @@ def test_train_and_eval_cli(tmp_path: Path, tiny_cifar: Path, data_cache: Path):
     run_dir = tmp_path / "run"
     done = run_cli("train.py", [*overrides, "trainer.max_epochs=2", f"hydra.run.dir={run_dir}"])
     assert done.returncode == 0, done.stderr[-3000:]
-    assert (run_dir / "config_tree.log").is_file() and "model_name" in (run_dir / "config_tree.log").read_text()
+    assert (run_dir / "config_tree.log").is_file() and "model_name" in (
+        run_dir / "config_tree.log"
+    ).read_text()
     assert (run_dir / ".hydra" / "config.yaml").is_file()
     best = next((run_dir / "checkpoints").glob("epoch*.ckpt"))
     best_score = torch.load(best, weights_only=False)["callbacks"]

@@ -27,8 +27,14 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     if not loggers:  # LearningRateMonitor refuses to run without a logger
         callbacks = [c for c in callbacks if not isinstance(c, LearningRateMonitor)]
     trainer: L.Trainer = hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
-    return {"cfg": cfg, "datamodule": datamodule, "model": model, "callbacks": callbacks,
-            "loggers": loggers, "trainer": trainer}
+    return {
+        "cfg": cfg,
+        "datamodule": datamodule,
+        "model": model,
+        "callbacks": callbacks,
+        "loggers": loggers,
+        "trainer": trainer,
+    }
 
 
 def _scalars(metrics: dict[str, Any]) -> dict[str, float]:
@@ -47,7 +53,9 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
     if cfg.get("train"):
         # weights_only=False: our checkpoints hold the optimizer/scheduler partials of the model's hparams
         try:
-            trainer.fit(model=model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"), weights_only=False)
+            trainer.fit(
+                model=model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"), weights_only=False
+            )
         except RuntimeError as err:
             if "Error(s) in loading state_dict" not in str(err):
                 raise

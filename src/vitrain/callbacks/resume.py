@@ -122,7 +122,9 @@ class CheckpointOnSigterm(Callback):
         if stop:
             raise SIGTERMException
 
-    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+    def on_exception(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
+    ) -> None:
         if not isinstance(exception, SIGTERMException) or trainer.state.fn != TrainerFn.FITTING:
             return
         checkpoint = trainer.checkpoint_callback

@@ -139,9 +139,15 @@ class CIFAR10DataModule(LightningDataModule):
     ) -> None:
         super().__init__()
         _check_ints(
-            batch_size=batch_size, val_size=val_size, split_seed=split_seed, shuffle_seed=shuffle_seed,
-            num_workers=num_workers, crop_padding=crop_padding, eval_batch_size=eval_batch_size,
-            img_size=img_size, train_subset=train_subset,
+            batch_size=batch_size,
+            val_size=val_size,
+            split_seed=split_seed,
+            shuffle_seed=shuffle_seed,
+            num_workers=num_workers,
+            crop_padding=crop_padding,
+            eval_batch_size=eval_batch_size,
+            img_size=img_size,
+            train_subset=train_subset,
         )
         self.save_hyperparameters()
         self.classes: list[str] = list(CIFAR10_CLASSES)

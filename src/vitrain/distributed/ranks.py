@@ -22,6 +22,7 @@ from vitrain.errors import UserError
 class LaunchError(UserError):
     """The launch environment (NODE_RANK, WORLD_SIZE, MASTER_PORT) contradicts the trainer config."""
 
+
 log = logging.getLogger(__name__)
 
 
@@ -84,7 +85,12 @@ def check_launch_env(trainer_cfg: Mapping[str, Any] | None, env: Mapping[str, st
             f"WORLD_SIZE={env['WORLD_SIZE']} but trainer.num_nodes x trainer.devices = {num_nodes} x {devices}"
             f" = {world}: set WORLD_SIZE={world} or change trainer.num_nodes / trainer.devices"
         )
-    if world > 1 and "MASTER_PORT" in env and global_rank_from_env(devices, env) == 0 and "LOCAL_RANK" not in env:
+    if (
+        world > 1
+        and "MASTER_PORT" in env
+        and global_rank_from_env(devices, env) == 0
+        and "LOCAL_RANK" not in env
+    ):
         _check_port_free(int(env["MASTER_PORT"]))
 
 

@@ -59,7 +59,9 @@ class ImageClassifier(L.LightningModule):
         self.net: nn.Module = create_net(net, weights_file)
         if fused_attn is not None:
             set_fused_attn(self.net, fused_attn)
-        self.input_spec = input_spec(self.net, bool(net.get("pretrained") or weights_file), net.get("img_size"))
+        self.input_spec = input_spec(
+            self.net, bool(net.get("pretrained") or weights_file), net.get("img_size")
+        )
         num_classes = int(self.net.num_classes)
         # no argument checks per training step: they scan the labels (torch.unique: a host sync on GPU), and
         # a bad label already fails in the loss
@@ -113,7 +115,9 @@ class ImageClassifier(L.LightningModule):
         # Lightning computes the metric objects, syncs them across ranks and resets them
         self.log_dict(self.train_metrics)
 
-    def _eval_step(self, batch: tuple[torch.Tensor, torch.Tensor], metrics: MetricCollection, loss: MeanMetric):
+    def _eval_step(
+        self, batch: tuple[torch.Tensor, torch.Tensor], metrics: MetricCollection, loss: MeanMetric
+    ):
         x, y = batch
         logits = self(x)
         loss.update(F.cross_entropy(logits, y), weight=y.numel())
@@ -141,7 +145,9 @@ class ImageClassifier(L.LightningModule):
         optimizer = optimizer_factory(params=groups)
         if self.hparams.scheduler is None:
             return {"optimizer": optimizer}
-        scheduler = self.hparams.scheduler(optimizer=optimizer, total_steps=self.trainer.estimated_stepping_batches)
+        scheduler = self.hparams.scheduler(
+            optimizer=optimizer, total_steps=self.trainer.estimated_stepping_batches
+        )
         return {
             "optimizer": optimizer,
             "lr_scheduler": {"scheduler": scheduler, "interval": "step", "name": "lr"},

@@ -39,7 +39,10 @@ def create_net(net: Mapping[str, Any], weights_file: str | None = None) -> nn.Mo
         # (most ViTs) to an .npz reader; a state dict goes through its filter (pos-embed resize) instead.
         state_dict = _read_state_dict(path)
         kwargs["pretrained"] = True
-        kwargs["pretrained_cfg_overlay"] = {**kwargs.get("pretrained_cfg_overlay", {}), "state_dict": state_dict}
+        kwargs["pretrained_cfg_overlay"] = {
+            **kwargs.get("pretrained_cfg_overlay", {}),
+            "state_dict": state_dict,
+        }
     try:
         return timm.create_model(name, **kwargs)
     except (OSError, ConnectionError) as err:

@@ -16,9 +16,28 @@ from omegaconf import OmegaConf
 
 CONFIG_DIR = Path(__file__).resolve().parents[3] / "configs"
 # flags after which Hydra does something other than run the task: leave those to Hydra
-HYDRA_FLAGS = ("-m", "--multirun", "-h", "--help", "--hydra-help", "-i", "--info", "-c", "--cfg",
-               "--shell-completion", "-sc", "-p", "--package", "-cp", "--config-path", "-cn",
-               "--config-name", "-cd", "--config-dir", "--experimental-rerun")
+HYDRA_FLAGS = (
+    "-m",
+    "--multirun",
+    "-h",
+    "--help",
+    "--hydra-help",
+    "-i",
+    "--info",
+    "-c",
+    "--cfg",
+    "--shell-completion",
+    "-sc",
+    "-p",
+    "--package",
+    "-cp",
+    "--config-path",
+    "-cn",
+    "--config-name",
+    "-cd",
+    "--config-dir",
+    "--experimental-rerun",
+)
 
 
 def _keys(node: dict, prefix: str = "") -> list[str]:
@@ -50,7 +69,11 @@ def describe(err: Exception, config_name: str, overrides: Sequence[str]) -> str:
         group, choice = ("/".join(missing[:-1]), missing[-1]) if len(missing) > 1 else ("", missing[0])
         options = ", ".join(sorted(err.options or []))
         if group:
-            return f"unknown {group}={choice}: choose one of {options}" if options else f"unknown {group}={choice}"
+            return (
+                f"unknown {group}={choice}: choose one of {options}"
+                if options
+                else f"unknown {group}={choice}"
+            )
         return str(err).splitlines()[0]
     if isinstance(err, OverrideParseException):
         return f"cannot parse the override: {str(err).splitlines()[0]}"

@@ -16,7 +16,9 @@ PRINT_ORDER = ("datamodule", "model", "callbacks", "logger", "trainer", "paths",
 
 
 @rank_zero_only
-def print_config_tree(cfg: DictConfig, save_to: Path | None = None, order: Sequence[str] = PRINT_ORDER) -> None:
+def print_config_tree(
+    cfg: DictConfig, save_to: Path | None = None, order: Sequence[str] = PRINT_ORDER
+) -> None:
     """Rich tree of the config on rank zero; also written to `save_to` (the run dir's config_tree.log)."""
     cfg = redact(cfg, resolve=True)  # a key named like a secret, or a secret's value, never reaches the tree
     tree = rich.tree.Tree("CONFIG", style="dim", guide_style="dim")
@@ -37,7 +39,11 @@ def instantiate_dict(cfg: DictConfig | None) -> list[Any]:
     """Instantiate every `_target_` node of a group such as `callbacks` or `logger` (None-valued: skipped)."""
     if not cfg:
         return []
-    return [hydra.utils.instantiate(node) for node in cfg.values() if isinstance(node, DictConfig) and "_target_" in node]
+    return [
+        hydra.utils.instantiate(node)
+        for node in cfg.values()
+        if isinstance(node, DictConfig) and "_target_" in node
+    ]
 
 
 def to_container(cfg: DictConfig) -> dict[str, Any]:

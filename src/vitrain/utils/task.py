@@ -35,9 +35,15 @@ def user_error(err: BaseException) -> UserError | None:
 
 
 # what gloo and NCCL say when a peer died (connection reset) or hangs (the collective timed out)
-PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Application timeout caused pair closure",
-             "Timed out waiting", "timed out",
-             "NCCL communicator was aborted", "Watchdog caught collective operation timeout")
+PEER_LOST = (
+    "Connection reset by peer",
+    "Connection closed by peer",
+    "Application timeout caused pair closure",
+    "Timed out waiting",
+    "timed out",
+    "NCCL communicator was aborted",
+    "Watchdog caught collective operation timeout",
+)
 
 
 def peer_lost(err: BaseException) -> bool:
@@ -80,7 +86,8 @@ def run_task(task: Task, cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any
             print(
                 f"error: lost contact with another process of this run ({detail[:300]}); check the other "
                 "ranks' logs. A hung peer is waited for at most trainer.strategy.timeout",
-                file=sys.stderr, flush=True,
+                file=sys.stderr,
+                flush=True,
             )
             sys.exit(3)
         problem = user_error(err)
