@@ -3,8 +3,9 @@ thread (`trainer=cpu`), the same per-process batch, the small ViT of experiment=
 and, as the reference for what the machine allows, two independent 1-process runs at the same time
 (no communication: any shortfall from 2.0x there is the hardware's, shared caches, memory bandwidth, SMT).
 
-Each side is a real `src/train.py` run; bench/probe.py times the training steps of global rank 0 (every
-step ends with the gradient all-reduce, so rank 0's step time is the job's). The first `warmup` steps are
+Each side is a real `src/train.py` run with the default callbacks and logger; bench/probe.py times the
+training steps of global rank 0 (every step ends with the gradient all-reduce, so rank 0's step time is
+the job's). The first `warmup` steps are
 not timed; start-up, validation and checkpointing are outside the window.
 """
 
@@ -41,7 +42,8 @@ def overrides(args: Any, processes: int, run_dir: Path) -> list[str]:
     common = [
         SMALL_VIT,
         *data_overrides(args),
-        *short_run(args.warmup + args.steps + 1, bare=True),
+        # callbacks and logger as configured by default: the template as a user runs it
+        *short_run(args.warmup + args.steps + 1),
         f"datamodule.batch_size={args.batch_size * processes}",
         f"hydra.run.dir={run_dir}",
         *(SMOKE if args.smoke else []),

@@ -74,7 +74,7 @@ class CheckpointOnSigterm(Callback):
     its place, so a step has one such collective, not two.
     """
 
-    def __init__(self, check_every_n_steps: int = 1) -> None:
+    def __init__(self, check_every_n_steps: int = 10) -> None:
         self.check_every_n_steps = max(int(check_every_n_steps), 1)
         self._requested = False
         self._replaced_lightning_check = False
