@@ -111,6 +111,15 @@ def interleave(variants: dict[str, Callable[[], float]], rounds: int) -> dict[st
     return results
 
 
+def synced_clock(device: Any) -> float:
+    """perf_counter after the device has finished its queued work (CUDA runs asynchronously)."""
+    if getattr(device, "type", None) == "cuda":
+        import torch
+
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 def median(values: Sequence[float]) -> float:
     return float(statistics.median(values))
 

@@ -30,6 +30,7 @@ from common import (
     parse_args,
     ratio,
     short_run,
+    synced_clock,
 )
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
@@ -75,18 +76,12 @@ def images_per_s(batches: Any, warmup: int, count: int, prepare: Any, device: to
         x, _ = next(it)
         out = prepare(x)
         if i == warmup - 1 or (warmup == 0 and i == 0):
-            _sync(device)
-            t0 = time.perf_counter()
+            t0 = synced_clock(device)
         elif i >= warmup:
             n += out.shape[0]
-    _sync(device)
-    del it  # workers of a fresh iterator stop here, so they do not run during the next segment
-    return n / (time.perf_counter() - t0)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    end = synced_clock(device)
+    del it  # workers of a fresh iterator stop here (outside the clock), not during the next segment
+    return n / (end - t0)
 
 
 def pipeline_rates(args: Any, workdir: Path, device: torch.device) -> dict[str, Any]:

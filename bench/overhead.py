@@ -13,14 +13,23 @@ from __future__ import annotations
 import contextlib
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
 import torch.nn.functional as F
-from common import SMALL_VIT, SMOKE_NET, Result, compose, data_overrides, median, parse_args, short_run
+from common import (
+    SMALL_VIT,
+    SMOKE_NET,
+    Result,
+    compose,
+    data_overrides,
+    median,
+    parse_args,
+    short_run,
+    synced_clock,
+)
 from lightning.pytorch.callbacks import Callback
 
 SMOKE = [
@@ -84,7 +93,7 @@ class PlainLoop:
 
     def block(self, steps: int) -> float:
         """Seconds per step over `steps` training steps (continuing through shuffled epochs)."""
-        t0 = _now(self.device)
+        t0 = synced_clock(self.device)
         for _ in range(steps):
             if self.cursor + self.batch > len(self.perm):
                 self.perm, self.cursor = torch.randperm(len(self.y), device=self.device), 0
@@ -101,7 +110,7 @@ class PlainLoop:
             self.scheduler.step()
             self.loss_sum += loss.detach()  # running figures stay on the device: no sync per step
             self.correct += (logits.argmax(-1) == y).sum()
-        return (_now(self.device) - t0) / steps
+        return (synced_clock(self.device) - t0) / steps
 
 
 class Interleave(Callback):
@@ -122,17 +131,19 @@ class Interleave(Callback):
         self._t0 = 0.0
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-        now = _now(self.plain.device)
+        # the clock (a synchronize on CUDA) is read only at block ends, as in the plain loop's blocks
         if trainer.global_step <= self.warmup:
-            self._t0 = now
+            if trainer.global_step == self.warmup:
+                self._t0 = synced_clock(self.plain.device)
             return
         self._since += 1
         if self._since < self.block or len(self.template) >= self.blocks:
             return
+        now = synced_clock(self.plain.device)
         self.template.append((now - self._t0) / self.block)
         self.plain_times.append(self.plain.block(self.block))
         self._since = 0
-        self._t0 = _now(self.plain.device)
+        self._t0 = synced_clock(self.plain.device)
 
 
 INTERLEAVER: Interleave | None = None
@@ -142,12 +153,6 @@ def interleaver() -> Interleave:
     """The config's handle on the live callback (it holds the plain loop, which a config cannot)."""
     assert INTERLEAVER is not None
     return INTERLEAVER
-
-
-def _now(device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
 
 
 def main() -> None:

@@ -18,17 +18,12 @@ from typing import Any
 
 import lightning as L
 import torch
+from common import synced_clock
 from lightning.pytorch.callbacks import Callback
 
 from vitrain.callbacks.report import proc_status, reset_peak_rss
 
 GB = 1024**3
-
-
-def _sync(device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
 
 
 class BenchProbe(Callback):
@@ -64,7 +59,7 @@ class BenchProbe(Callback):
             torch.cuda.reset_peak_memory_stats(device)
         self.record["rss_train_start"] = proc_status("VmRSS")
         self.record["peak_reset"] = reset_peak_rss()
-        self._t_train_start = _sync(device)
+        self._t_train_start = synced_clock(device)
         self.record["train_start_unix"] = time.time()
 
     def on_train_batch_end(
@@ -85,7 +80,7 @@ class BenchProbe(Callback):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         device = trainer.strategy.root_device
-        end = _sync(device)
+        end = synced_clock(device)
         self.record.update(
             fit_seconds=end - (self._t_train_start or end),
             epochs=trainer.current_epoch,

@@ -78,7 +78,6 @@ class CheckpointOnSigterm(Callback):
         self.check_every_n_steps = max(int(check_every_n_steps), 1)
         self._requested = False
         self._replaced_lightning_check = False
-        self._agreed_at: tuple[int, int] | None = None
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -94,23 +93,16 @@ class CheckpointOnSigterm(Callback):
         signal.siginterrupt(signal.SIGTERM, False)
         epoch_loop = trainer.fit_loop.epoch_loop
         if trainer.world_size > 1 and hasattr(epoch_loop, "_broadcast_sigterm_tensor"):
-            # called by Lightning before each batch when world_size > 1; an instance attribute: this
-            # trainer only. Should an upgrade stop calling it, on_train_batch_start still agrees.
+            # Lightning calls it before each batch when world_size > 1 (an instance attribute: this trainer
+            # only); tests/test_faults_distributed.py fails should an upgrade stop calling it
             epoch_loop._broadcast_sigterm_tensor = lambda: self._agree(trainer)
             self._replaced_lightning_check = True
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-        if self._agreed_at != (trainer.current_epoch, trainer.fit_loop.epoch_loop.batch_idx):
+        if not self._replaced_lightning_check:
             self._agree(trainer)
 
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self._replaced_lightning_check:
-            del trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor  # Lightning's own method again
-            self._replaced_lightning_check = False
-
     def _agree(self, trainer: L.Trainer) -> None:
-        # Lightning's call comes before the batch index advances: the batch about to start is batch_idx + 1
-        self._agreed_at = (trainer.current_epoch, trainer.fit_loop.epoch_loop.batch_idx + 1)
         if trainer.world_size == 1:
             stop = self._requested
         elif trainer.global_step % self.check_every_n_steps == 0:

@@ -69,9 +69,9 @@ class ImageClassifier(L.LightningModule):
         self.val_metrics = _metrics(num_classes, "val/")
         self.test_metrics = _metrics(num_classes, "test/")
         self.val_loss, self.test_loss = MeanMetric(), MeanMetric()
-        # not a buffer: DDP would broadcast rank zero's every step
-        self._train_loss_sum = torch.zeros(())
-        self._train_loss_steps = 0
+        # the epoch's mean training loss, accumulated on the device; no NaN check (torch.isnan(...).any() is
+        # a host sync per step on GPU; a NaN loss still shows in train/loss_step and the epoch mean)
+        self.train_loss = MeanMetric(nan_strategy="disable")
         # the composed Hydra config of the run, stored in every checkpoint so eval.py can rebuild it
         self.run_config: dict[str, Any] | None = None
 
@@ -94,8 +94,7 @@ class ImageClassifier(L.LightningModule):
         logits = self(x)
         loss = F.cross_entropy(logits, y, label_smoothing=self.hparams.label_smoothing)
         self.train_metrics.update(logits.detach(), y)
-        self._train_loss_sum += loss.detach()  # the epoch mean, on the device: no host sync per step
-        self._train_loss_steps += 1
+        self.train_loss.update(loss.detach())
         # Logged only on the steps the logger writes (the test LearningRateMonitor uses): a logged tensor
         # is read on the host by the logger and the progress bar, a GPU sync each time it is read.
         if self.trainer._logger_connector.should_update_logs:
@@ -104,15 +103,9 @@ class ImageClassifier(L.LightningModule):
             self.log("lr", self.trainer.optimizers[0].param_groups[0]["lr"])
         return loss
 
-    def on_train_epoch_start(self) -> None:
-        self._train_loss_sum = torch.zeros((), device=self.device)
-        self._train_loss_steps = 0
-
     def on_train_epoch_end(self) -> None:
-        if self._train_loss_steps:
-            # every rank has run the same number of steps (drop_last): the mean of means is the mean
-            self.log("train/loss_epoch", self._train_loss_sum / self._train_loss_steps, sync_dist=True)
-        # Lightning computes the metric objects, syncs them across ranks and resets them
+        # logged once per epoch: Lightning computes the metric objects, syncs them across ranks, resets them
+        self.log("train/loss_epoch", self.train_loss)
         self.log_dict(self.train_metrics)
 
     def _eval_step(
