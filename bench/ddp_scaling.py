@@ -7,6 +7,11 @@ Each side is a real `src/train.py` run with the default callbacks and logger; be
 training steps of global rank 0 (every step ends with the gradient all-reduce, so rank 0's step time is
 the job's). The first `warmup` steps are
 not timed; start-up, validation and checkpointing are outside the window.
+
+Where a DDP step's time goes, per variant (`one`, `two`, `independent`; medians over ranks and rounds):
+`cpu_ms_per_step` is the CPU time of a process's main thread per step, `off_cpu_share` the part of the
+step it was not on the CPU. On 2 DDP ranks the latter is the wait for the other rank and the all-reduce; a
+higher CPU time than the independent pair's means the same kernels ran slower in DDP.
 """
 
 from __future__ import annotations
@@ -53,25 +58,37 @@ def overrides(args: Any, processes: int, run_dir: Path) -> list[str]:
     return [*common, "trainer=ddp", f"trainer.devices={processes}", "trainer.accelerator=cpu"]
 
 
-def images_per_s(args: Any, processes: int, workdir: Path, runs: list[str], tag: str = "") -> float:
-    run_dir = workdir / (tag or f"p{processes}-{len(runs)}")
-    out = run_dir / "probe.json"
+def images_per_s(
+    args: Any, processes: int, workdir: Path, runs: list[str], tag: str, anatomy: list[dict[str, float]]
+) -> float:
+    """Images/s of one run, timed on rank 0. Appends to `anatomy` what a step of each rank was made of: CPU
+    milliseconds of its main thread, and the share of the step it was off the CPU (on 2 ranks: waiting for
+    the other rank and the all-reduce)."""
+    run_dir = workdir / tag
+    out = run_dir / "probe-__RANK__.json"
     argv = [*overrides(args, processes, run_dir), *probe_overrides(out)]
     run_train(argv, env={"OMP_NUM_THREADS": "1"}, log=run_dir / "output.log")
     runs.append(train_command(argv, {"OMP_NUM_THREADS": "1"}))
-    record = json.loads(out.read_text())
-    ends = record["step_ends"][args.warmup :]
+    records = [json.loads((run_dir / f"probe-{rank}.json").read_text()) for rank in range(processes)]
+    record = records[0]
     assert record["world_size"] == processes and record["threads"] == 1, record
+    anatomy.extend(step_anatomy(rec, args.warmup) for rec in records)
+    ends = record["step_ends"][args.warmup :]
     return processes * args.batch_size * (len(ends) - 1) / (ends[-1] - ends[0])
 
 
-def independent_pair(args: Any, workdir: Path, runs: list[str]) -> float:
+def step_anatomy(record: dict[str, Any], warmup: int) -> dict[str, float]:
+    ends, cpu = record["step_ends"][warmup:], record["step_cpu"][warmup:]
+    wall, busy = ends[-1] - ends[0], cpu[-1] - cpu[0]
+    return {"cpu_ms": 1000 * busy / (len(ends) - 1), "wait": 1 - busy / wall}
+
+
+def independent_pair(args: Any, workdir: Path, runs: list[str], anatomy: list[dict[str, float]]) -> float:
     """Two 1-process runs at once, no communication: how far this machine itself scales to 2 processes."""
+    tag = f"pair{len(runs)}"
     with ThreadPoolExecutor(2) as pool:
-        rates = list(
-            pool.map(lambda i: images_per_s(args, 1, workdir, runs, f"pair{len(runs)}-{i}"), range(2))
-        )
-    return sum(rates)
+        rates = pool.map(lambda i: images_per_s(args, 1, workdir, runs, f"{tag}-{i}", anatomy), range(2))
+        return sum(rates)
 
 
 def main() -> None:
@@ -88,21 +105,29 @@ def main() -> None:
     result = Result("ddp_scaling", args)
     workdir = Path(tempfile.mkdtemp(prefix="bench-ddp-"))
     commands: list[str] = []
+    anatomy: dict[str, list[dict[str, float]]] = {"one": [], "two": [], "independent": []}
     runs = interleave(
         {
-            "one": lambda: images_per_s(args, 1, workdir, commands),
-            "two": lambda: images_per_s(args, 2, workdir, commands),
-            "independent": lambda: independent_pair(args, workdir, commands),
+            "one": lambda: images_per_s(args, 1, workdir, commands, f"one{len(commands)}", anatomy["one"]),
+            "two": lambda: images_per_s(args, 2, workdir, commands, f"two{len(commands)}", anatomy["two"]),
+            "independent": lambda: independent_pair(args, workdir, commands, anatomy["independent"]),
         },
         args.rounds,
     )
     speedup = ratio(runs["two"], runs["one"])
     machine_limit = ratio(runs["independent"], runs["one"])
     met = speedup >= 1.8
+    # where a DDP step's time goes: more CPU per step than one process alone (what the independent pair
+    # shows of shared caches and memory), and time off the CPU waiting for the other rank and the all-reduce
+    cpu_ms = {k: median([a["cpu_ms"] for a in v]) for k, v in anatomy.items()}
+    wait = {k: median([a["wait"] for a in v]) for k, v in anatomy.items()}
     line = (
         f"2 processes x 1 thread / 1 x 1 = {speedup:.2f}x images/s (goal >= 1.8x: "
         f"{'met' if met else 'NOT met'}); {median(runs['two']):.0f} vs {median(runs['one']):.0f} images/s; "
-        f"two independent 1-process runs at once reach {machine_limit:.2f}x (this machine's own limit)"
+        f"two independent 1-process runs at once reach {machine_limit:.2f}x (this machine's own limit); "
+        f"a DDP rank waits {100 * wait['two']:.1f} % of its step, and computes for "
+        f"{cpu_ms['two'] / cpu_ms['one']:.2f}x the CPU time of a lone process (independent pair: "
+        f"{cpu_ms['independent'] / cpu_ms['one']:.2f}x)"
     )
     result.save(
         line,
@@ -113,10 +138,13 @@ def main() -> None:
             "efficiency": round(speedup / 2, 3),
             "independent_pair_speedup": round(machine_limit, 3),
             "ddp_over_independent": round(ratio(runs["two"], runs["independent"]), 3),
+            **{f"cpu_ms_per_step_{k}": round(v, 1) for k, v in cpu_ms.items()},
+            **{f"off_cpu_share_{k}": round(v, 4) for k, v in wait.items()},
         },
         goal="2x1 / 1x1 >= 1.8 (2.0 is the limit)",
         met=met,
         rounds={k: [round(v, 1) for v in vs] for k, vs in runs.items()},
+        anatomy={k: [{m: round(x, 4) for m, x in a.items()} for a in v] for k, v in anatomy.items()},
         per_process_batch=args.batch_size,
         steps=args.steps,
         warmup=args.warmup,

@@ -31,6 +31,8 @@ class BenchProbe(Callback):
 
     - `first_step_unix`: wall-clock time (time.time) when the first optimizer step has finished;
     - `step_ends`: perf_counter at the end of every training batch of the first epoch (up to `max_steps`);
+    - `step_cpu`: the main thread's CPU time (thread_time) at the same moments: wall time beyond it is time
+      the step waited (for other ranks, communication, the OS);
     - `fit_seconds`, `epochs`, `global_step`, `stopped_early`: how the fit went (max_time, max_epochs);
     - `rss_setup`, `param_bytes`, `peak_rss_train`: this process's memory at setup and its peak during
       training (VmHWM reset at train start); on CUDA `peak_cuda_allocated` instead;
@@ -41,7 +43,7 @@ class BenchProbe(Callback):
         self.out = out
         self.max_steps = int(max_steps)
         self.warmup = int(warmup)  # on CUDA: synchronise after this batch and after the epoch's last one
-        self.record: dict[str, Any] = {"step_ends": [], "metrics": {}}
+        self.record: dict[str, Any] = {"step_ends": [], "step_cpu": [], "metrics": {}}
         self._t_train_start: float | None = None
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -75,6 +77,7 @@ class BenchProbe(Callback):
             self.record["first_step_unix"] = time.time()
         if len(steps) < self.max_steps:
             steps.append(time.perf_counter())
+            self.record["step_cpu"].append(time.thread_time())
         if len(steps) in (1, 2) or len(steps) % 8 == 0:  # peak RSS so far (cheap; on every 8th batch)
             self.record["peak_rss_train"] = proc_status("VmHWM")
 

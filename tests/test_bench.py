@@ -56,6 +56,11 @@ def test_benchmark_smoke_writes_json(name: str, tmp_path: Path, tiny_cifar: Path
         assert key in result, key
     assert {"cpu", "cores", "torch", "lightning", "timm"} <= set(result["machine"])
     json.dumps(result)  # plain JSON all the way down
+    if name == "ddp_scaling":  # the step anatomy of both DDP ranks came from their own probes
+        assert len(result["details"]["anatomy"]["two"]) == 2
+        for variant in ("one", "two", "independent"):
+            assert result["figures"][f"cpu_ms_per_step_{variant}"] > 0
+            assert 0 <= result["figures"][f"off_cpu_share_{variant}"] < 1
 
 
 def test_render_writes_a_table(tmp_path: Path):
