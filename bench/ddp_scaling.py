@@ -80,7 +80,12 @@ def images_per_s(
 def step_anatomy(record: dict[str, Any], warmup: int) -> dict[str, float]:
     ends, cpu = record["step_ends"][warmup:], record["step_cpu"][warmup:]
     wall, busy = ends[-1] - ends[0], cpu[-1] - cpu[0]
-    return {"cpu_ms": 1000 * busy / (len(ends) - 1), "wait": 1 - busy / wall}
+    return {
+        "rank": record["rank"],
+        "cpu_ms": 1000 * busy / (len(ends) - 1),
+        "wait": 1 - busy / wall,
+        "grad_mb": record["param_bytes"] / 1e6,  # fp32 parameters: the bytes all-reduced per step
+    }
 
 
 def independent_pair(args: Any, workdir: Path, runs: list[str], anatomy: list[dict[str, float]]) -> float:
@@ -121,6 +126,24 @@ def main() -> None:
     # shows of shared caches and memory), and time off the CPU waiting for the other rank and the all-reduce
     cpu_ms = {k: median([a["cpu_ms"] for a in v]) for k, v in anatomy.items()}
     wait = {k: median([a["wait"] for a in v]) for k, v in anatomy.items()}
+    notes = []
+    if not met:
+        per_rank = [median([a["wait"] for a in anatomy["two"] if a["rank"] == r]) for r in (0, 1)]
+        notes.append(
+            f"Why: a DDP rank spends {wait['two']:.1%} of each step off the CPU (rank 0 {per_rank[0]:.1%}, "
+            f"rank 1 {per_rank[1]:.1%}; independent processes {wait['independent']:.1%}): waiting for the "
+            f"all-reduce of {anatomy['two'][0]['grad_mb']:.1f} MB of gradients and for the other rank, "
+            "which every step of synchronous data parallelism does and independent processes do not"
+            + (
+                " (rank 1 longer: rank 0 also runs the progress bar, logger and checkpoint callbacks). "
+                if per_rank[1] > per_rank[0]
+                else ". "
+            )
+            + "Each rank's own CPU time per step is "
+            f"{cpu_ms['two'] / cpu_ms['independent']:.2f}x an independent process's. On a shared "
+            "2-core machine the ranks also drift apart within a step whenever one core is slowed, "
+            "and the faster one waits: the round-to-round spread of this figure is in `rounds`."
+        )
     line = (
         f"2 processes x 1 thread / 1 x 1 = {speedup:.2f}x images/s (goal >= 1.8x: "
         f"{'met' if met else 'NOT met'}); {median(runs['two']):.0f} vs {median(runs['one']):.0f} images/s; "
@@ -131,6 +154,7 @@ def main() -> None:
     )
     result.save(
         line,
+        notes=notes,
         figures={
             "speedup": round(speedup, 3),
             "images_per_s_2x1": round(median(runs["two"]), 1),
