@@ -18,14 +18,8 @@ from data_factory import (
     pattern_image,
 )
 from vitrain.data.augment import BatchTransform, random_crop_flip, to_model_input
-from vitrain.data.cifar10 import (
-    CIFAR10_MEAN,
-    CIFAR10_STD,
-    CIFAR10DataModule,
-    make_sampler,
-    per_process_batch,
-    split_indices,
-)
+from vitrain.data.base import make_sampler, per_process_batch, split_indices
+from vitrain.data.cifar10 import CIFAR10_MEAN, CIFAR10_STD, CIFAR10DataModule
 from vitrain.data.sources import load_cifar10
 from vitrain.errors import DataError
 

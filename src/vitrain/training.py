@@ -6,9 +6,10 @@ from typing import Any
 import hydra
 import lightning as L
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
-from omegaconf import DictConfig
+from omegaconf import DictConfig, open_dict
 
 from vitrain.checkpoints import CheckpointError
+from vitrain.errors import DataError
 from vitrain.report import finish_run
 from vitrain.tuning import search_batch_size
 from vitrain.utils.config import instantiate_dict, to_container
@@ -19,8 +20,7 @@ log = logging.getLogger(__name__)
 def build(cfg: DictConfig) -> dict[str, Any]:
     """Datamodule, model, callbacks, loggers and trainer, exactly as the config says."""
     datamodule: L.LightningDataModule = hydra.utils.instantiate(cfg.datamodule)
-    model: L.LightningModule = hydra.utils.instantiate(cfg.model)
-    datamodule.set_input_spec(**model.input_spec)
+    model: L.LightningModule = build_model(cfg, datamodule)
     model.run_config = to_container(cfg)
     callbacks = instantiate_dict(cfg.get("callbacks"))
     loggers = instantiate_dict(cfg.get("logger"))
@@ -35,6 +35,32 @@ def build(cfg: DictConfig) -> dict[str, Any]:
         "loggers": loggers,
         "trainer": trainer,
     }
+
+
+def build_model(cfg: DictConfig, datamodule: L.LightningDataModule) -> L.LightningModule:
+    """The model with its head sized to the classes the datamodule found (written into `cfg`, so the config
+    a checkpoint stores has the number); the datamodule learns the model's input spec in return."""
+    with open_dict(cfg):
+        cfg.model.net.num_classes = head_size(cfg.model.net.get("num_classes"), datamodule)
+    model: L.LightningModule = hydra.utils.instantiate(cfg.model)
+    model.class_names = list(datamodule.classes)
+    datamodule.set_input_spec(**model.input_spec)
+    return model
+
+
+def head_size(configured: int | None, datamodule: L.LightningDataModule) -> int:
+    """`model.net.num_classes` when given (it must match the data), else the data's class count."""
+    found = datamodule.num_classes
+    if configured is not None and int(configured) != found:
+        raise DataError(
+            f"model.net.num_classes={configured} but the data has {found} classes "
+            f"({_preview(datamodule.classes)}): leave model.net.num_classes=null to follow the data"
+        )
+    return found
+
+
+def _preview(names: list[str], n: int = 5) -> str:
+    return ", ".join(names[:n]) + (f", ... ({len(names) - n} more)" if len(names) > n else "")
 
 
 def _scalars(metrics: dict[str, Any]) -> dict[str, float]:

@@ -12,6 +12,7 @@ from torch import nn
 from torchmetrics import MeanMetric, MetricCollection
 from torchmetrics.classification import MulticlassAccuracy
 
+from vitrain.checkpoints import CheckpointError
 from vitrain.distributed.fsdp import apply_fsdp
 from vitrain.models.timm_net import create_net, input_spec
 
@@ -74,6 +75,8 @@ class ImageClassifier(L.LightningModule):
         self.train_loss = MeanMetric(nan_strategy="disable")
         # the composed Hydra config of the run, stored in every checkpoint so eval.py can rebuild it
         self.run_config: dict[str, Any] | None = None
+        # the data's class names in label order (set by training.build_model), stored in every checkpoint
+        self.class_names: list[str] | None = None
 
     def configure_model(self) -> None:
         strategy = self._trainer.strategy if self._trainer is not None else None
@@ -149,3 +152,25 @@ class ImageClassifier(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if self.run_config is not None:
             checkpoint["run_config"] = self.run_config
+        if self.class_names is not None:
+            checkpoint["class_names"] = list(self.class_names)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Refuse, in one line, a checkpoint trained on other classes than the data now given (runs before
+        the weights are loaded, which would fail on the head's shape with a long message)."""
+        check_classes(checkpoint.get("class_names"), self.class_names, "ckpt_path")
+
+
+def check_classes(saved: list[str] | None, found: list[str] | None, what: str) -> None:
+    """The classes a checkpoint was trained on must be the data's, in the same label order."""
+    if saved is None or found is None or list(saved) == list(found):
+        return
+    if len(saved) != len(found):
+        detail = f"{len(saved)} classes, the data has {len(found)}"
+    else:
+        i = next(i for i, (a, b) in enumerate(zip(saved, found, strict=True)) if a != b)
+        detail = f"class {i} is {saved[i]!r}, the data's is {found[i]!r}"
+    raise CheckpointError(
+        f"{what}: the checkpoint was trained on other classes ({detail}): evaluate or resume it on the same "
+        "class folders, or fine-tune from its weights with model.weights_file=... instead"
+    )
