@@ -5,6 +5,7 @@ from typing import Any
 
 import hydra
 import lightning as L
+import torch
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from omegaconf import DictConfig
 
@@ -37,6 +38,15 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     }
 
 
+def use_tensor_cores_for_fp32(trainer: L.Trainer) -> None:
+    """On GPUs, fp32 matmuls (32-true runs, fp32 parts of mixed precision) run as TF32 on tensor cores:
+    about 8x the fp32 peak on an A100/H100, a 10-bit mantissa for the products, fp32 accumulation. An
+    explicit `torch.set_float32_matmul_precision` in the environment's code wins (only "highest" is
+    replaced)."""
+    if trainer.strategy.root_device.type == "cuda" and torch.get_float32_matmul_precision() == "highest":
+        torch.set_float32_matmul_precision("high")
+
+
 def _scalars(metrics: dict[str, Any]) -> dict[str, float]:
     return {k: float(v) for k, v in metrics.items()}
 
@@ -48,6 +58,7 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
         L.seed_everything(cfg.seed, workers=True)
     objects = build(cfg)
     trainer, model, datamodule = objects["trainer"], objects["model"], objects["datamodule"]
+    use_tensor_cores_for_fp32(trainer)
     search_batch_size(cfg, objects)  # only with `+tune=batch_size`
 
     if cfg.get("train"):

@@ -1,6 +1,7 @@
 """What Lightning leaves out of a checkpoint for an exact resume, and a checkpoint on SIGTERM."""
 
 import logging
+import random
 import signal
 import threading
 from pathlib import Path
@@ -8,6 +9,7 @@ from types import FrameType
 from typing import Any
 
 import lightning as L
+import numpy as np
 import torch
 import torch.distributed
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
@@ -19,7 +21,8 @@ log = logging.getLogger(__name__)
 
 
 class ExactResume(Callback):
-    """Saves the random number generators with each checkpoint and restores them on resume.
+    """Saves every rank's random number generators with each checkpoint and restores them on resume; gives
+    each rank its own augmentation stream.
 
     Lightning restores weights, optimizer, schedule and loop counters but not the global RNGs that drive
     our on-device augmentation and drop-path: without them a resumed run draws other crops than the run it
@@ -27,6 +30,12 @@ class ExactResume(Callback):
     the last completed batch is the one to continue from — also for a SIGTERM save, which happens after
     the next batch was already fetched and augmented. Restored when training starts (Lightning does not call
     `on_train_epoch_start` again for an epoch it resumes in the middle).
+
+    Ranks: every rank is seeded alike so that the model starts identical everywhere; when training starts,
+    rank r > 0 re-seeds its generators from (seed, r), so ranks draw different crops and drop-path masks
+    (rank 0 draws as a single process does). Only rank 0 writes the checkpoint file, so the states of all
+    ranks are gathered into it (`rng_states_per_rank`, a few KB each; one collective per save), and each rank
+    restores its own. A checkpoint from another world size restores rank 0's state, offset by rank.
     """
 
     def __init__(self) -> None:
@@ -40,6 +49,7 @@ class ExactResume(Callback):
         if self._cuda is None:
             self._cuda = torch.cuda.is_available()
         states = _collect_rng_states(include_cuda=False)
+        # this process's devices' generators (CPU byte tensors: no device tensor reaches the checkpoint)
         states["torch.cuda"] = torch.cuda.get_rng_state_all() if self._cuda else []
         return states
 
@@ -47,15 +57,49 @@ class ExactResume(Callback):
         self._after_last_batch = self._collect()  # a few KB copied: microseconds a step
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
-        checkpoint["rng_states"] = self._after_last_batch or self._collect()
+        mine = self._after_last_batch or self._collect()
+        per_rank = gather_from_ranks(mine, trainer.world_size)
+        checkpoint["rng_states"] = per_rank[0]
+        checkpoint["rng_states_per_rank"] = per_rank
 
     def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
-        self._pending = checkpoint.get("rng_states")
+        per_rank = checkpoint.get("rng_states_per_rank")
+        if per_rank and len(per_rank) == trainer.world_size:
+            self._pending = per_rank[trainer.global_rank]
+        elif checkpoint.get("rng_states") is not None:
+            self._pending = {**checkpoint["rng_states"], "offset_by_rank": True}
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._pending is not None:
+            offset = self._pending.pop("offset_by_rank", False)
+            if not torch.cuda.is_available():
+                self._pending.pop("torch.cuda", None)  # saved on GPUs, resumed on a CPU: nothing to restore
             _set_rng_states(self._pending)
             self._pending = None
+            if offset:
+                offset_by_rank(trainer.global_rank)
+        else:
+            offset_by_rank(trainer.global_rank)
+
+
+def offset_by_rank(rank: int) -> None:
+    """Re-seed this rank's global generators (torch CPU and CUDA, numpy, random) from (its seed, rank):
+    each rank its own augmentation stream. Rank 0 keeps its stream."""
+    if rank == 0:
+        return
+    seed = (torch.initial_seed() + 1_000_003 * rank) % 2**32
+    torch.manual_seed(seed)  # also every CUDA device's generator
+    random.seed(seed)
+    np.random.seed(seed)
+
+
+def gather_from_ranks(obj: Any, world_size: int) -> list[Any]:
+    """`obj` of every rank, in rank order, on every rank (a list of one without a process group)."""
+    if world_size <= 1 or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return [obj]
+    gathered: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, obj)
+    return gathered
 
 
 class CheckpointOnSigterm(Callback):
