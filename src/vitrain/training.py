@@ -9,6 +9,7 @@ from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from omegaconf import DictConfig
 
 from vitrain.checkpoints import CheckpointError
+from vitrain.loggers import finish_runs, log_run_config
 from vitrain.report import finish_run
 from vitrain.tuning import search_batch_size
 from vitrain.utils.config import instantiate_dict, to_container
@@ -48,6 +49,7 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
         L.seed_everything(cfg.seed, workers=True)
     objects = build(cfg)
     trainer, model, datamodule = objects["trainer"], objects["model"], objects["datamodule"]
+    log_run_config(objects["loggers"], model.run_config)  # rank zero: W&B / MLflow start their run here
     search_batch_size(cfg, objects)  # only with `+tune=batch_size`
 
     if cfg.get("train"):
@@ -79,4 +81,5 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
             trainer.test(model=model, datamodule=datamodule)
         metrics.update(_scalars(trainer.callback_metrics))
     finish_run(objects)  # rank zero: report.md/json and plots in the run dir
+    finish_runs()  # W&B's run is process-wide: the next job of a sweep needs its own
     return metrics, objects
