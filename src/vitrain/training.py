@@ -42,6 +42,18 @@ def _scalars(metrics: dict[str, Any]) -> dict[str, float]:
     return {k: float(v) for k, v in metrics.items()}
 
 
+def best_value(metric: str, metrics: dict[str, float], trainer: L.Trainer) -> float | None:
+    """The best value of `metric` in the run: the score of the ModelCheckpoint that monitors it (the same on
+    every rank), else, with a warning, its last value. What a sweeper optimises (`optimized_metric`)."""
+    for callback in trainer.checkpoint_callbacks:
+        score = callback.best_model_score if isinstance(callback, ModelCheckpoint) else None
+        if score is not None and callback.monitor == metric:
+            return float(score)
+    if metric in metrics:
+        log.warning(f"No ModelCheckpoint monitors {metric}: its last value stands for the run")
+    return metrics.get(metric)
+
+
 def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
     """Fit (optionally resuming from `cfg.ckpt_path`), then test the best checkpoint; returns metrics."""
     if cfg.get("seed") is not None:
