@@ -22,7 +22,9 @@ SCALARS = {"train/loss_step", "train/loss_epoch", "train/acc1", "val/loss", "val
 
 
 @pytest.fixture
-def wandb_offline(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+def wandb_offline(
+    monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[None]:
     """W&B offline, its settings and caches in a temp dir, no login anywhere."""
     home = tmp_path_factory.mktemp("wandb_home")
     for var, value in {
