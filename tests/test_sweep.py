@@ -7,17 +7,21 @@ import sys
 import uuid
 from pathlib import Path
 
+import lightning as L
 import pytest
+import torch
 import yaml
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
+from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import open_dict
 
 from helpers import CONFIGS, ROOT, run_cli, tiny_overrides
 from vitrain.distributed.multirun import DistributedMultirun, job_command
 from vitrain.sweep import write_summary
+from vitrain.training import best_value
 from vitrain.utils.run_id import register_resolvers
 
 SWEEP_TIMEOUT = 240  # seconds; normally 30-60 s on 2 slow cores
@@ -216,3 +220,14 @@ def test_optuna_search_with_ddp(tmp_path: Path, tiny_cifar: Path, data_cache: Pa
         if o.startswith("model.optimizer.lr=")
     )
     assert lrs == pytest.approx(sampled)
+
+
+def test_objective_is_the_best_value_of_the_run_not_the_last(tmp_path: Path):
+    """What a sweeper optimises: the monitored metric's best score (ModelCheckpoint's), not its last value."""
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, monitor="val/acc1", mode="max")
+    trainer = L.Trainer(callbacks=[checkpoint], logger=False, accelerator="cpu", default_root_dir=tmp_path)
+    checkpoint.best_model_score = torch.tensor(0.75)  # what fit leaves there after its best epoch
+    last = {"val/acc1": 0.5, "val/loss": 1.25}
+    assert best_value("val/acc1", last, trainer) == 0.75
+    assert best_value("val/loss", last, trainer) == 1.25  # no checkpoint monitors it: its last value
+    assert best_value("val/acc5", last, trainer) is None
