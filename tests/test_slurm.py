@@ -210,6 +210,7 @@ def test_submitit_sweep_runs_one_slurm_job_per_point(
     (sweep,) = (logs / "train" / "multiruns").iterdir()
     for point in ("0", "1"):
         assert (sweep / point / "checkpoints" / "last.ckpt").is_file(), sorted(sweep.rglob("*"))
+    assert (sweep / "summary.md").is_file(), "the launching process writes the sweep's summary"
     job_logs = sorted(p.name for p in (tmp_path / "submitit").rglob("*_log.out"))
     assert len(job_logs) == 2, job_logs  # one SLURM (array) job per sweep point
     points = {(sweep / p / ".hydra" / "overrides.yaml").read_text().count("seed=") for p in ("0", "1")}
