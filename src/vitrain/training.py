@@ -1,6 +1,7 @@
 """The training task: build everything from the config, fit, test the best checkpoint."""
 
 import logging
+import os
 from typing import Any
 
 import hydra
@@ -13,6 +14,7 @@ from vitrain.checkpoints import CheckpointError
 from vitrain.loggers import finish_runs, log_run_config
 from vitrain.precision import resolve_precision
 from vitrain.report import finish_run
+from vitrain.resume import DECIDED_ENV, checkpoint_to_resume
 from vitrain.tuning import search_batch_size
 from vitrain.utils.config import instantiate_dict, to_container
 
@@ -79,11 +81,12 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
     search_batch_size(cfg, objects)  # only with `+tune=batch_size`
 
     if cfg.get("train"):
+        ckpt_path = checkpoint_to_resume(cfg, trainer)
+        decided = os.environ.get(DECIDED_ENV)
+        os.environ[DECIDED_ENV] = ckpt_path or ""  # the local ranks Lightning starts follow this decision
         # weights_only=False: our checkpoints hold the optimizer/scheduler partials of the model's hparams
         try:
-            trainer.fit(
-                model=model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"), weights_only=False
-            )
+            trainer.fit(model=model, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=False)
         except RuntimeError as err:
             if "Error(s) in loading state_dict" not in str(err):
                 raise
@@ -91,6 +94,9 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
             raise CheckpointError(
                 f"ckpt_path={cfg.ckpt_path} does not fit model {cfg.model.net.model_name}: {detail}"
             ) from err
+        finally:
+            if decided is None:
+                os.environ.pop(DECIDED_ENV, None)
     metrics = _scalars(trainer.callback_metrics)
 
     checkpoint = trainer.checkpoint_callback

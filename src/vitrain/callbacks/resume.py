@@ -1,8 +1,10 @@
 """What Lightning leaves out of a checkpoint for an exact resume, and a checkpoint on SIGTERM."""
 
 import logging
+import os
 import random
 import signal
+import subprocess
 import threading
 from pathlib import Path
 from types import FrameType
@@ -12,6 +14,7 @@ import lightning as L
 import numpy as np
 import torch
 import torch.distributed
+from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
@@ -116,25 +119,39 @@ class CheckpointOnSigterm(Callback):
     Lightning 2.6 also broadcasts its own SIGTERM flag before every batch under DDP/FSDP: a second collective
     (a host sync on GPUs) per step, which after the take-over only ever says "no". The agreement runs in
     its place, so a step has one such collective, not two.
+
+    Under SLURM with auto-requeue (Lightning's default `SLURMEnvironment`), the requeue signal
+    (`#SBATCH --signal=USR1@90`) takes the same path, and then global rank zero runs `scontrol requeue` once
+    every rank has saved; the requeued job resumes from `last` in the same run directory (`resume=auto`).
+    Lightning's own handler would save `hpc_ckpt_N.ckpt` from rank zero alone inside the signal handler
+    (incomplete for FSDP, and another checkpoint than `last`) and requeue while the others train on.
     """
+
+    # what the ranks agree on (MAX): nothing, stop and save, stop, save and requeue the SLURM job
+    _NONE, _STOP, _REQUEUE = 0, 1, 2
 
     def __init__(self, check_every_n_steps: int = 10) -> None:
         self.check_every_n_steps = max(int(check_every_n_steps), 1)
-        self._requested = False
+        self._requested = self._NONE
+        self._agreed = self._NONE
         self._replaced_lightning_check = False
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if threading.current_thread() is not threading.main_thread():
             return  # signal handlers can only be set from the main thread
 
-        def note_sigterm(signum: int, frame: FrameType | None) -> None:
+        def note(signum: int, frame: FrameType | None) -> None:
             if not self._requested and trainer.strategy.launcher is not None:
                 trainer.strategy.launcher.kill(signum)
-            self._requested = True
+            wanted = self._REQUEUE if signum == requeue_signal else self._STOP
+            self._requested = max(self._requested, wanted)
 
-        signal.signal(signal.SIGTERM, note_sigterm)
-        # restart system calls the signal interrupts instead of failing them: gloo does not retry on EINTR
-        signal.siginterrupt(signal.SIGTERM, False)
+        requeue_signal = slurm_requeue_signal(trainer)
+        for signum in (signal.SIGTERM, requeue_signal):
+            if signum is not None:
+                signal.signal(signum, note)  # replaces Lightning's handlers (restored when fit ends)
+                # restart system calls the signal interrupts instead of failing them: gloo does not retry
+                signal.siginterrupt(signum, False)
         epoch_loop = trainer.fit_loop.epoch_loop
         if trainer.world_size > 1 and hasattr(epoch_loop, "_broadcast_sigterm_tensor"):
             # Lightning calls it before each batch when world_size > 1 (an instance attribute: this trainer
@@ -148,14 +165,12 @@ class CheckpointOnSigterm(Callback):
 
     def _agree(self, trainer: L.Trainer) -> None:
         if trainer.world_size == 1:
-            stop = self._requested
+            self._agreed = self._requested
         elif trainer.global_step % self.check_every_n_steps == 0:
-            flag = torch.tensor([int(self._requested)], device=trainer.strategy.root_device)
+            flag = torch.tensor([self._requested], device=trainer.strategy.root_device)
             torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-            stop = bool(flag.item())
-        else:
-            stop = False
-        if stop:
+            self._agreed = int(flag.item())
+        if self._agreed:
             raise SIGTERMException
 
     def on_exception(
@@ -168,6 +183,33 @@ class CheckpointOnSigterm(Callback):
             log.warning("SIGTERM: no ModelCheckpoint configured, nothing saved")
             return
         path = Path(checkpoint.dirpath) / f"{checkpoint.CHECKPOINT_NAME_LAST}{checkpoint.FILE_EXTENSION}"
-        trainer.save_checkpoint(path)
-        if trainer.is_global_zero:
-            log.warning(f"SIGTERM: saved {path} at step {trainer.global_step}; relaunch with ckpt_path=last")
+        trainer.save_checkpoint(path)  # ends in a barrier: every rank has written its part
+        if not trainer.is_global_zero:
+            return
+        if self._agreed == self._REQUEUE:
+            log.warning(f"SLURM requeue signal: saved {path} at step {trainer.global_step}")
+            requeue_slurm_job()
+        else:
+            log.warning(
+                f"SIGTERM: saved {path} at step {trainer.global_step}; relaunch the same command to resume"
+            )
+
+
+def slurm_requeue_signal(trainer: L.Trainer) -> int | None:
+    """The signal after which Lightning would requeue this SLURM job (`SLURMEnvironment(auto_requeue=True)`)."""
+    environment = getattr(trainer.strategy, "cluster_environment", None)  # none on one device
+    if isinstance(environment, SLURMEnvironment) and environment.auto_requeue:
+        return environment.requeue_signal
+    return None
+
+
+def requeue_slurm_job() -> None:
+    """`scontrol requeue` this job (array task): SLURM stops it and starts it again under the same id."""
+    job = os.environ["SLURM_JOB_ID"]
+    if os.environ.get("SLURM_ARRAY_JOB_ID") and os.environ.get("SLURM_ARRAY_TASK_ID"):
+        job = f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ['SLURM_ARRAY_TASK_ID']}"
+    done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
+    if done.returncode == 0:
+        log.warning(f"SLURM: requeued job {job}; it resumes from `last` in this run directory")
+    else:
+        log.error(f"SLURM: scontrol requeue {job} failed ({done.stderr.strip()}); resubmit the job to resume")
