@@ -232,7 +232,7 @@ def check_environment(ctx: Ctx) -> Outcome:
         "torch": torch.__version__,
         "lightning": lightning.__version__,
         "cuda": torch.version.cuda,
-        "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+        "nccl": str(torch.cuda.nccl.version()),
     }
     try:
         import pynvml  # noqa: F401  (nvidia-ml-py)
