@@ -127,14 +127,17 @@ def families_job(strategy: str, data: Path, cache: Path, out: Path, *extra: str)
 def test_vit_resnet_convnext_train_on_two_processes(
     strategy: str, tmp_path: Path, tiny_cifar: Path, data_cache: Path
 ):
-    # FSDP in bf16: BatchNorm (ResNet) must run as its own fp32 unit (vitrain/distributed/fsdp.py)
-    extra = ["trainer.strategy.mixed_precision=bf16"] if strategy == "fsdp" else []
+    # Lightning's clipping and accumulation flags under both strategies (2 batches, 1 optimizer step); FSDP in
+    # bf16: BatchNorm (ResNet) must run as its own fp32 unit (vitrain/distributed/fsdp.py)
+    extra = ["trainer.gradient_clip_val=1.0", "trainer.accumulate_grad_batches=2"]
+    if strategy == "fsdp":
+        extra.append("trainer.strategy.mixed_precision=bf16")
     results = families_job(strategy, tiny_cifar, data_cache, tmp_path, *extra)
     assert set(results) == {"vit", "resnet18", "convnext_atto"}
     for family, ranks in results.items():
         assert len(ranks) == 2, family
         for r in ranks:
-            assert r["world_size"] == 2 and r["global_step"] == 2 and r["finite"], (family, r)
+            assert r["world_size"] == 2 and r["global_step"] == 1 and r["finite"], (family, r)
             if strategy == "fsdp":
                 assert r["sharded_units"] > 2 and r["dtensor_params"] > 0, (family, r)
             else:
@@ -257,8 +260,8 @@ def test_recipe_options_train_together(tmp_path: Path, tiny_cifar: Path, data_ca
         "model.grad_checkpointing=true",
         "datamodule.auto_augment=rand-m9-n2-mstd0.5",
         "datamodule.re_prob=0.25",
-        "+trainer.gradient_clip_val=1.0",
-        "+trainer.accumulate_grad_batches=2",
+        "trainer.gradient_clip_val=1.0",
+        "trainer.accumulate_grad_batches=2",
         "+trainer.limit_train_batches=4",
         "test=false",
     ]
