@@ -2,7 +2,7 @@
 PY ?= .venv/bin/python
 RUN ?=
 
-.PHONY: install test test-fast lint format train train-smoke eval report clean bench bench-smoke
+.PHONY: install test test-fast lint format train train-smoke eval report clean bench bench-smoke bench-recipes
 
 install:  ## create .venv and install everything (the README's first command)
 	python3 -m venv .venv && .venv/bin/pip install -r requirements.txt
@@ -38,6 +38,9 @@ bench:  ## the benchmark suite (~20 min on 2 CPU cores): bench/results/*.json ->
 
 bench-smoke:  ## every benchmark in seconds-sized mode, results in /tmp (checks the scripts, measures nothing)
 	$(PY) bench/run.py --smoke --out /tmp/vitrain-bench-smoke $(BENCH_ARGS)
+
+bench-recipes:  ## recipe ablation on experiment=cifar_cpu (~11 min a row; ROWS=recipe,-conv_stem for a subset) -> docs/recipes.md
+	$(PY) bench/recipes.py $(if $(ROWS),--only $(ROWS))
 
 clean:
 	rm -rf logs/train logs/eval .pytest_cache .ruff_cache
