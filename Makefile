@@ -2,7 +2,7 @@
 PY ?= .venv/bin/python
 RUN ?=
 
-.PHONY: install test test-fast lint format train train-smoke eval report clean bench bench-smoke bench-recipes
+.PHONY: install test test-fast lint format train train-smoke eval report clean bench bench-smoke bench-recipes gpu-check
 
 install:  ## create .venv and install everything (the README's first command)
 	python3 -m venv .venv && .venv/bin/pip install -r requirements.txt
@@ -41,6 +41,9 @@ bench-smoke:  ## every benchmark in seconds-sized mode, results in /tmp (checks 
 
 bench-recipes:  ## recipe ablation on experiment=cifar_cpu (~11 min a row; ROWS=recipe,-conv_stem for a subset) -> docs/recipes.md
 	$(PY) bench/recipes.py $(if $(ROWS),--only $(ROWS))
+
+gpu-check:  ## every GPU path on this machine's GPUs in a few minutes, PASS/FAIL table + logs/gpu-check/<time>/gpu_check.json (docs/gpu.md)
+	$(PY) bench/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf logs/train logs/eval .pytest_cache .ruff_cache
