@@ -33,6 +33,7 @@ from vitrain.data.sources import ARCHIVE_SUFFIXES, unpack_archive
 from vitrain.errors import DataError, UserError
 
 log = logging.getLogger(__name__)
+logging.getLogger("litdata").setLevel(logging.WARNING)  # per-worker cache sizing notes at INFO
 
 METADATA_FILE = "vitrain-shards.json"
 FORMAT_NAME = "vitrain-shards"
@@ -155,6 +156,11 @@ def write_shards(
     """Write SRC as shards at DST (a folder or s3://bucket/prefix); returns the metadata written."""
     from vitrain.s3 import S3Store, is_s3_uri, parse_s3_uri
 
+    remote = is_s3_uri(dst)
+    store = S3Store() if remote else None
+    if remote:
+        target = parse_s3_uri(dst)
+        store.preflight(target)  # credentials and bucket, in seconds, before any work
     source_path = Path(src).expanduser().absolute()
     if not source_path.exists():
         raise DataError(
@@ -191,11 +197,7 @@ def write_shards(
         "source": str(src),
     }
     workers = workers or max(1, (os.cpu_count() or 1))
-    remote = is_s3_uri(dst)
-    store = S3Store() if remote else None
     if remote:
-        target = parse_s3_uri(dst)
-        store.preflight(target)  # credentials and bucket, in seconds, before any work
         stage = Path(tempfile.mkdtemp(prefix="shards-", dir=_mkdir(cache / "staging")))
     else:
         stage = Path(dst).expanduser().absolute()

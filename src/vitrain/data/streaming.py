@@ -27,6 +27,8 @@ from vitrain.data.shards import FORMAT_NAME, FORMAT_VERSION, METADATA_FILE
 from vitrain.errors import DataError
 
 log = logging.getLogger(__name__)
+# litdata logs its cache sizing and mmap choices at INFO once per worker and split
+logging.getLogger("litdata").setLevel(logging.WARNING)
 
 
 # --- metadata ---------------------------------------------------------------------------------------------
