@@ -408,3 +408,22 @@ def test_decode_device_cuda_falls_back_on_cpu(
         assert x.shape == (4, 3, 32, 32)
     with pytest.raises(DataError, match="decode_device='tpu'"):
         StreamingDataModule(data_dir=str(local_shards), cache_dir=str(tmp_path), decode_device="tpu")
+
+
+def test_gpu_decode_wiring_trains(local_shards: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """decode_device=cuda end to end with the decoder on the CPU: workers hand over encoded bytes, the
+    training process decodes and augments them into model-size batches before the transfer."""
+    seen = []
+    monkeypatch.setattr(StreamingDataModule, "decode_on", lambda self: torch.device("cpu"))
+
+    class Shapes(Recorder):
+        def training_step(self, batch, batch_idx):
+            seen.append(tuple(batch[0].shape))
+            return (self.w * batch[0].mean()).sum()
+
+    dm = StreamingDataModule(
+        data_dir=str(local_shards), cache_dir=str(tmp_path), batch_size=8, num_workers=1, decode_device="cuda"
+    )
+    dm.set_input_spec(32, (0.5,) * 3, (0.5,) * 3)
+    _fit(dm, Shapes(), tmp_path, max_steps=2)
+    assert seen == [(8, 3, 32, 32)] * 2

@@ -232,26 +232,28 @@ class StreamingDataModule(ImageDataModule):
             kwargs["crop_pct"] = spec["crop_pct"]
         return create_transform(**kwargs)
 
-    def _use_gpu_decode(self) -> bool:
+    def decode_on(self) -> torch.device | None:
+        """The device that decodes training batches (this process's GPU), or None: loader workers decode."""
         if self.hparams.decode_device != "cuda":
-            return False
-        on_gpu = torch.cuda.is_available() and (
-            self.trainer is None or self.trainer.strategy.root_device.type == "cuda"
-        )
-        if not on_gpu:
+            return None
+        device = self.trainer.strategy.root_device if self.trainer is not None else torch.device("cuda")
+        if device.type != "cuda" or not torch.cuda.is_available():
             log.info(
                 "datamodule.decode_device=cuda: no CUDA device in this process, decoding on the CPU instead"
             )
-        return on_gpu
+            return None
+        return device
 
     def load_splits(self) -> Splits:
         meta, hp = self.metadata, self.hparams
-        gpu = self._use_gpu_decode()
-        if gpu:
+        device = self.decode_on()
+        if device is not None:
             from vitrain.data.gpu_decode import GpuDecoder
 
-            self._gpu_decoder = GpuDecoder(self.img_size, self.mean, self.std, hflip=hp.hflip)
-        train_sample = SampleTransform(self.build_transform(train=True), hp.shuffle_seed, raw=gpu)
+            self._gpu_decoder = GpuDecoder(self.img_size, self.mean, self.std, hflip=hp.hflip, device=device)
+        train_sample = SampleTransform(
+            self.build_transform(train=True), hp.shuffle_seed, raw=device is not None
+        )
         eval_sample = SampleTransform(self.build_transform(train=False), hp.shuffle_seed)
         world, rank = self._world()
         train = ShardStream(
