@@ -123,6 +123,18 @@ def unreadable(path: str) -> str | None:
     return None
 
 
+def find_unreadable(paths: list[str], workers: int) -> list[tuple[str, str]]:
+    """(path, why) of every file that is not a usable image, checked by `workers` processes."""
+    import multiprocessing
+
+    if workers <= 1 or len(paths) < 1000:
+        reasons = [unreadable(p) for p in paths]
+    else:
+        with multiprocessing.get_context("fork").Pool(workers) as pool:
+            reasons = pool.map(unreadable, paths, chunksize=256)
+    return [(p, why) for p, why in zip(paths, reasons, strict=True) if why]
+
+
 def write_split(files: list[tuple[str, int]], out_dir: Path, chunk_bytes: str, workers: int) -> None:
     import litdata
 
@@ -172,7 +184,8 @@ def write_shards(
     source = scan(find_source(source_path))
     splits = dict(source.splits)
 
-    bad = [(p, why) for files in splits.values() for p, _ in files if (why := unreadable(p))]
+    workers = workers or max(1, (os.cpu_count() or 1))
+    bad = find_unreadable([p for files in splits.values() for p, _ in files], workers)
     if bad:
         for path, why in bad[:20]:
             log.warning("skipping %s (%s)", path, why)
@@ -196,7 +209,6 @@ def write_shards(
         "skipped": [p for p, _ in bad],
         "source": str(src),
     }
-    workers = workers or max(1, (os.cpu_count() or 1))
     if remote:
         stage = Path(tempfile.mkdtemp(prefix="shards-", dir=_mkdir(cache / "staging")))
     else:
