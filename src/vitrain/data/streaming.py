@@ -250,7 +250,11 @@ class StreamingDataModule(ImageDataModule):
         if device is not None:
             from vitrain.data.gpu_decode import GpuDecoder
 
-            self._gpu_decoder = GpuDecoder(self.img_size, self.mean, self.std, hflip=hp.hflip, device=device)
+            # its crops and flips draw from a generator of its own, seeded per (seed, rank)
+            seed = sample_seed(hp.shuffle_seed, 0, self._world()[1])
+            self._gpu_decoder = GpuDecoder(
+                self.img_size, self.mean, self.std, hflip=hp.hflip, device=device, seed=seed
+            )
         train_sample = SampleTransform(
             self.build_transform(train=True), hp.shuffle_seed, raw=device is not None
         )
