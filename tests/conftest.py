@@ -1,5 +1,6 @@
 """Shared fixtures. Each part of the suite appends its own below."""
 
+import os
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,11 @@ def data_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("cache")
 
 
-REAL_CIFAR10_ARCHIVE = Path("/work/shared/data/cifar10-jpeg.tar.gz")
+ROOT = Path(__file__).resolve().parents[1]
+# data shared by checkouts lives beside the repository (`<root>/../shared/data`, as CI clones have it);
+# VITRAIN_SHARED_DATA points elsewhere
+SHARED_DATA = Path(os.environ.get("VITRAIN_SHARED_DATA", ROOT.parent / "shared" / "data")).expanduser()
+REAL_CIFAR10_ARCHIVE = SHARED_DATA / "cifar10-jpeg.tar.gz"
 
 
 @pytest.fixture(scope="session")
@@ -28,8 +33,6 @@ def real_cifar10_cache() -> tuple[Path, Path]:
     survives sessions (env VITRAIN_TEST_CACHE or ~/.cache/vitrain-tests), so it is decoded once per machine."""
     if not REAL_CIFAR10_ARCHIVE.is_file():
         pytest.skip(f"real CIFAR-10 archive {REAL_CIFAR10_ARCHIVE} is absent")
-    import os
-
     cache = Path(os.environ.get("VITRAIN_TEST_CACHE", Path.home() / ".cache" / "vitrain-tests")).expanduser()
     cache.mkdir(parents=True, exist_ok=True)
     return cache, REAL_CIFAR10_ARCHIVE

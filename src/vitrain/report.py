@@ -270,6 +270,12 @@ def _fmt(value: Any, digits: int = 4) -> str:
     return str(value)
 
 
+def _precision(report: dict[str, Any]) -> str:
+    """`bf16-mixed (auto)` when `trainer.precision=auto` chose it for the machine."""
+    asked = (report.get("config") or {}).get("trainer.precision")
+    return _fmt(report.get("precision")) + (" (auto)" if asked == "auto" else "")
+
+
 def _table(header: Iterable[str], rows: Iterable[Iterable[Any]]) -> list[str]:
     header = list(header)
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -301,7 +307,7 @@ def render_markdown(report: dict[str, Any]) -> str:
                 ["overrides", " ".join(f"`{o}`" for o in report["overrides"]) or "-"],
                 ["model", report["config"].get("model.net.model_name")],
                 ["strategy", f"{_fmt(report['strategy'])} on {_fmt(report['accelerator'])}, {layout}"],
-                ["precision", report["precision"]],
+                ["precision", _precision(report)],
                 [
                     "batch size",
                     f"{_fmt(bs.get('global'))} global, {_fmt(bs.get('per_device'))} per device"

@@ -9,6 +9,7 @@ from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from omegaconf import DictConfig
 
 from vitrain.checkpoints import CheckpointError
+from vitrain.precision import resolve_precision
 from vitrain.report import finish_run
 from vitrain.tuning import search_batch_size
 from vitrain.utils.config import instantiate_dict, to_container
@@ -26,7 +27,9 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     loggers = instantiate_dict(cfg.get("logger"))
     if not loggers:  # LearningRateMonitor refuses to run without a logger
         callbacks = [c for c in callbacks if not isinstance(c, LearningRateMonitor)]
-    trainer: L.Trainer = hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
+    trainer: L.Trainer = hydra.utils.instantiate(
+        cfg.trainer, callbacks=callbacks, logger=loggers or False, precision=resolve_precision(cfg.trainer)
+    )
     return {
         "cfg": cfg,
         "datamodule": datamodule,

@@ -35,6 +35,7 @@ from omegaconf import DictConfig, open_dict
 from vitrain.callbacks.report import GB, peak_rss_bytes, reset_peak_memory
 from vitrain.distributed.ranks import devices_per_node, global_rank_from_env
 from vitrain.errors import UserError
+from vitrain.precision import resolve_precision
 from vitrain.report import SEARCH_FILE
 
 log = logging.getLogger(__name__)
@@ -201,10 +202,11 @@ def find_max_batch_size(
 ) -> dict[str, Any]:
     """Search on one device with a copy of the model; the run's own model and datamodule are left as found."""
     trainer_cfg = cfg.trainer
+    precision = resolve_precision(trainer_cfg)  # the run's own, `auto` resolved alike
     tuner_trainer = L.Trainer(
         accelerator=trainer_cfg.get("accelerator", "auto"),
         devices=1,
-        precision=trainer_cfg.get("precision", "32-true"),
+        precision=precision,
         gradient_clip_val=trainer_cfg.get("gradient_clip_val"),
         max_epochs=1,
         logger=False,
@@ -272,7 +274,7 @@ def find_max_batch_size(
         "world_size": world_size,
         "accelerator": device.type,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "precision": str(trainer_cfg.get("precision")),
+        "precision": str(precision),
         "strategy": _strategy_name(trainer_cfg),
         "model": cfg.model.net.get("model_name"),
         "img_size": getattr(model, "input_spec", {}).get("img_size"),

@@ -45,6 +45,7 @@ CONFIG_KEYS = (
     "datamodule.train_subset",
     "trainer.max_epochs",
     "trainer.max_time",
+    "trainer.precision",  # as asked (`auto`); the top-level `precision` is what it resolved to
     "seed",
     "tags",
 )

@@ -138,8 +138,9 @@ class ImageClassifier(L.LightningModule):
         optimizer = optimizer_factory(params=groups)
         if self.hparams.scheduler is None:
             return {"optimizer": optimizer}
+        # the trainer: its max_time is the schedule's time budget (vitrain/models/schedules.py)
         scheduler = self.hparams.scheduler(
-            optimizer=optimizer, total_steps=self.trainer.estimated_stepping_batches
+            optimizer=optimizer, total_steps=self.trainer.estimated_stepping_batches, trainer=self.trainer
         )
         return {
             "optimizer": optimizer,
