@@ -88,3 +88,51 @@ def s3_bucket(s3_env: str) -> str:
     name = f"vitrain-test-{uuid.uuid4().hex[:12]}"
     boto3.client("s3", endpoint_url=s3_env).create_bucket(Bucket=name)
     return name
+
+
+# --- MLflow: a real tracking server (`mlflow server`) on 127.0.0.1, SQLite store, served artifacts -------
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory: pytest.TempPathFactory):  # -> Iterator[str]
+    """One `mlflow server` for the session on a free loopback port; yields its URL."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    root = tmp_path_factory.mktemp("mlflow_server")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    command = [
+        *(sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port)),
+        *("--workers", "1", "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}"),
+        *("--artifacts-destination", str(root / "artifacts")),
+    ]
+    # no background job runner: one process less to start
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    log = (root / "server.log").open("w")
+    server = subprocess.Popen(command, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 180  # a loaded 2-core machine needs ~20-60 s
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
+                if response.status == 200:
+                    break
+        except OSError:
+            pass
+        if server.poll() is not None or time.monotonic() > deadline:
+            server.kill()
+            pytest.fail(f"mlflow server did not start: {(root / 'server.log').read_text()[-3000:]}")
+        time.sleep(0.5)
+    yield url
+    server.terminate()
+    try:
+        server.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        server.kill()
+    log.close()

@@ -9,6 +9,7 @@ from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from omegaconf import DictConfig
 
 from vitrain.checkpoints import CheckpointError
+from vitrain.loggers import finish_runs, log_run_config
 from vitrain.precision import resolve_precision
 from vitrain.report import finish_run
 from vitrain.tuning import search_batch_size
@@ -44,6 +45,18 @@ def _scalars(metrics: dict[str, Any]) -> dict[str, float]:
     return {k: float(v) for k, v in metrics.items()}
 
 
+def best_value(metric: str, metrics: dict[str, float], trainer: L.Trainer) -> float | None:
+    """The best value of `metric` in the run: the score of the ModelCheckpoint that monitors it (the same on
+    every rank), else, with a warning, its last value. What a sweeper optimises (`optimized_metric`)."""
+    for callback in trainer.checkpoint_callbacks:
+        score = callback.best_model_score if isinstance(callback, ModelCheckpoint) else None
+        if score is not None and callback.monitor == metric:
+            return float(score)
+    if metric in metrics:
+        log.warning(f"No ModelCheckpoint monitors {metric}: its last value stands for the run")
+    return metrics.get(metric)
+
+
 def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
     """Fit (optionally resuming from `cfg.ckpt_path`), then test the best checkpoint; returns metrics."""
     if cfg.get("seed") is not None:
@@ -51,6 +64,7 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
         L.seed_everything(cfg.seed, workers=True)
     objects = build(cfg)
     trainer, model, datamodule = objects["trainer"], objects["model"], objects["datamodule"]
+    log_run_config(objects["loggers"], model.run_config)  # rank zero: W&B / MLflow start their run here
     search_batch_size(cfg, objects)  # only with `+tune=batch_size`
 
     if cfg.get("train"):
@@ -82,4 +96,5 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
             trainer.test(model=model, datamodule=datamodule)
         metrics.update(_scalars(trainer.callback_metrics))
     finish_run(objects)  # rank zero: report.md/json and plots in the run dir
+    finish_runs()  # W&B's run is process-wide: the next job of a sweep needs its own
     return metrics, objects

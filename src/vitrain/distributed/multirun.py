@@ -8,7 +8,8 @@ the processes and waits for ranks nobody starts), `MASTER_PORT`, `WORLD_SIZE`, `
 initialised process group whose other ranks have exited.
 
 `DistributedMultirun`, a Hydra callback (configs/hydra/default.yaml), fixes both:
-- each child of a job runs exactly that job: its overrides, `hydra.run.dir=<job dir>`, no `-m`;
+- each child of a job runs exactly that job: its overrides (for an Optuna trial: the sampled values),
+  `hydra.run.dir=<job dir>`, no `-m` and `hydra.mode=RUN` (a search config sets MULTIRUN in the config);
 - before every job the launch variables are what they were when the sweep started; after every job the
   process group is destroyed.
 """
@@ -81,6 +82,8 @@ def job_command(local_rank: int, argv: Sequence[str] | None = None) -> tuple[lis
         *hydra_cfg.overrides.task,
         *hydra_overrides,
         f'hydra.run.dir="{hydra_cfg.runtime.output_dir}"',
+        # a single run even where the config says MULTIRUN (hparams_search=... sets hydra.mode)
+        "hydra.mode=RUN",
         f"hydra.job.name=train_ddp_process_{local_rank}",
         "hydra.output_subdir=null",
     ]
