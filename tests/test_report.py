@@ -14,7 +14,6 @@ from lightning.pytorch.utilities.memory import is_oom_error
 from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
 
 from helpers import PYTHON, ROOT, compose_cfg, tiny_overrides
-from vitrain.callbacks.throughput import alias_peak_flops
 from vitrain.training import train
 from vitrain.tuning import GB, MemoryCapExceeded, PerDeviceBatch, extrapolate, peak_bytes
 
@@ -101,12 +100,6 @@ def test_throughput_and_flops_are_logged(run_dir: Path):
     stats = json.loads((run_dir / "run_stats.json").read_text())
     # forward + backward is about 3x forward
     assert 2.5 < stats["flops"]["train_flops_per_image"] / stats["flops"]["eval_flops_per_image"] < 3.5
-
-
-def test_peak_flops_for_device_names_lightning_does_not_know():
-    assert alias_peak_flops("NVIDIA H200", torch.bfloat16) == pytest.approx(2.0e15)
-    assert alias_peak_flops("NVIDIA H200 NVL", torch.bfloat16) == pytest.approx(1.7e15)
-    assert alias_peak_flops("Some Future GPU", torch.bfloat16) is None
 
 
 def test_plots_are_valid_pngs(run_dir: Path):

@@ -6,13 +6,12 @@ from typing import Any
 import lightning as L
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.strategies import ModelParallelStrategy
 from timm.optim import param_groups_weight_decay
 from torch import nn
 from torchmetrics import MeanMetric, MetricCollection
 from torchmetrics.classification import MulticlassAccuracy
 
-from vitrain.distributed.fsdp import apply_fsdp
+from vitrain.distributed.parallelize import parallelize
 from vitrain.models.timm_net import create_net, input_spec
 
 
@@ -63,12 +62,13 @@ class ImageClassifier(L.LightningModule):
             self.net, bool(net.get("pretrained") or weights_file), net.get("img_size")
         )
         num_classes = int(self.net.num_classes)
-        # no argument checks per training step: they scan the labels (torch.unique: a host sync on GPU), and
-        # a bad label already fails in the loss
+        # no argument checks per step: they scan the labels (torch.unique: a host sync per batch on GPU), and
+        # a bad label already fails in the loss; nor NaN checks in the eval losses (isnan().any(): a sync)
         self.train_metrics = _metrics(num_classes, "train/", validate_args=False)
-        self.val_metrics = _metrics(num_classes, "val/")
-        self.test_metrics = _metrics(num_classes, "test/")
-        self.val_loss, self.test_loss = MeanMetric(), MeanMetric()
+        self.val_metrics = _metrics(num_classes, "val/", validate_args=False)
+        self.test_metrics = _metrics(num_classes, "test/", validate_args=False)
+        self.val_loss = MeanMetric(nan_strategy="disable")
+        self.test_loss = MeanMetric(nan_strategy="disable")
         # the epoch's mean training loss, accumulated on the device; no NaN check (torch.isnan(...).any() is
         # a host sync per step on GPU; a NaN loss still shows in train/loss_step and the epoch mean)
         self.train_loss = MeanMetric(nan_strategy="disable")
@@ -76,15 +76,10 @@ class ImageClassifier(L.LightningModule):
         self.run_config: dict[str, Any] | None = None
 
     def configure_model(self) -> None:
+        # activation checkpointing, compile, sharding, in that order, as the strategy asks
+        # (vitrain/distributed/parallelize.py); state-dict keys stay those of the plain model
         strategy = self._trainer.strategy if self._trainer is not None else None
-        if isinstance(strategy, ModelParallelStrategy):
-            # FSDP2: shard each transformer block, then the root (vitrain/distributed/fsdp.py)
-            apply_fsdp(
-                self.net, strategy.device_mesh["data_parallel"], **getattr(strategy, "fsdp_options", {})
-            )
-        # in place (nn.Module.compile), so state-dict keys and checkpoints stay those of the plain model
-        if self.hparams.compile:
-            self.net.compile()
+        parallelize(self.net, strategy, compile=self.hparams.compile)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -95,12 +90,14 @@ class ImageClassifier(L.LightningModule):
         loss = F.cross_entropy(logits, y, label_smoothing=self.hparams.label_smoothing)
         self.train_metrics.update(logits.detach(), y)
         self.train_loss.update(loss.detach())
-        # Logged only on the steps the logger writes (the test LearningRateMonitor uses): a logged tensor
-        # is read on the host by the logger and the progress bar, a GPU sync each time it is read.
+        # Logged only on the steps the logger writes (the test LearningRateMonitor uses), as CPU tensors:
+        # Lightning reads a logged value with .item() for the progress bar after EVERY batch until the
+        # epoch ends, a GPU sync each time were it a GPU tensor; the one copy here is on log steps only.
+        # A float would be turned into a tensor on the model's device (a host-to-GPU copy, another sync).
         if self.trainer._logger_connector.should_update_logs:
-            self.log("train/loss_step", loss, prog_bar=True)
+            self.log("train/loss_step", loss.detach().to("cpu"), prog_bar=True)
             # one `lr` curve (LearningRateMonitor logs one per param group: lr/decay, lr/no_decay)
-            self.log("lr", self.trainer.optimizers[0].param_groups[0]["lr"])
+            self.log("lr", torch.tensor(float(self.trainer.optimizers[0].param_groups[0]["lr"])))
         return loss
 
     def on_train_epoch_end(self) -> None:
@@ -113,7 +110,9 @@ class ImageClassifier(L.LightningModule):
     ):
         x, y = batch
         logits = self(x)
-        loss.update(F.cross_entropy(logits, y), weight=y.numel())
+        # per-sample losses: their mean over the epoch weighs every image alike, and no Python weight is
+        # turned into a GPU tensor each batch (a host-to-device copy: a sync)
+        loss.update(F.cross_entropy(logits, y, reduction="none"))
         metrics.update(logits, y)
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
