@@ -117,7 +117,7 @@ def make_sampler(
 def split_indices(n: int, val_size: int | float, seed: int) -> tuple[Tensor, Tensor]:
     """(train, val) indices from a private generator, so every rank and every restart carves the same split.
     `val_size` is a count, or a fraction of `n` when below 1."""
-    count = int(round(val_size * n)) if isinstance(val_size, float) and val_size < 1 else int(val_size)
+    count = round(val_size * n) if isinstance(val_size, float) and val_size < 1 else int(val_size)
     if not 0 < count < n:
         raise DataError(
             f"datamodule.val_size={val_size} must be between 1 and {n - 1} images "
@@ -211,7 +211,11 @@ class ImageDataModule(LightningDataModule):
     # --- input spec -------------------------------------------------------------------------------
 
     def set_input_spec(
-        self, img_size: int | None = None, mean: Sequence[float] | None = None, std: Sequence[float] | None = None, **data_config: Any
+        self,
+        img_size: int | None = None,
+        mean: Sequence[float] | None = None,
+        std: Sequence[float] | None = None,
+        **data_config: Any,
     ) -> None:
         """The model's input size, normalisation and any other timm data-config keys (interpolation,
         crop_pct); values given in the datamodule config take precedence."""
@@ -282,7 +286,9 @@ class ImageDataModule(LightningDataModule):
         n = self.hparams.num_workers
         if n is not None:
             return n
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or (self.trainer.num_devices if self.trainer else 1)
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or (
+            self.trainer.num_devices if self.trainer else 1
+        )
         return max(1, min(8, len(os.sched_getaffinity(0)) // max(1, local) - 1))
 
     def _loader(self, dataset: Dataset | None, train: bool) -> DataLoader:
