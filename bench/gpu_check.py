@@ -15,6 +15,7 @@ docs/gpu.md says what each check shows and what the CPU tests cover instead.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -36,6 +37,10 @@ for extra in (ROOT / "src", ROOT / "tests", ROOT / "bench"):
 import torch  # noqa: E402
 
 PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
+# what the runs import (module -> pip name); nvidia-ml-py is checked by the environment check
+NEEDED = {"hydra": "hydra-core", "omegaconf": "omegaconf", "lightning": "lightning", "timm": "timm",
+          "torchvision": "torchvision", "torchmetrics": "torchmetrics", "tensorboard": "tensorboard",
+          "rich": "rich", "dotenv": "python-dotenv", "psutil": "psutil", "matplotlib": "matplotlib"}  # fmt: skip
 
 
 @dataclass
@@ -227,7 +232,7 @@ def check_environment(ctx: Ctx) -> Outcome:
         "torch": torch.__version__,
         "lightning": lightning.__version__,
         "cuda": torch.version.cuda,
-        "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+        "nccl": str(torch.cuda.nccl.version()),
     }
     try:
         import pynvml  # noqa: F401  (nvidia-ml-py)
@@ -566,6 +571,13 @@ def main() -> int:
         for name, fn in CHECKS.items():
             print(f"{name:18s} {' '.join((fn.__doc__ or '').split())}")
         return 0
+    missing = [pip for module, pip in NEEDED.items() if importlib.util.find_spec(module) is None]
+    if missing:
+        print(
+            f"gpu-check: missing packages: pip install {' '.join(missing)} (or -r requirements.txt)",
+            file=sys.stderr,
+        )
+        return 2
     if not torch.cuda.is_available() and not args.cpu_dry_run:
         print(
             "gpu-check: no CUDA GPU visible (torch.cuda.is_available() is False): nothing to check; "
