@@ -40,7 +40,8 @@ PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
 # what the runs import (module -> pip name); nvidia-ml-py is checked by the environment check
 NEEDED = {"hydra": "hydra-core", "omegaconf": "omegaconf", "lightning": "lightning", "timm": "timm",
           "torchvision": "torchvision", "torchmetrics": "torchmetrics", "tensorboard": "tensorboard",
-          "rich": "rich", "dotenv": "python-dotenv", "psutil": "psutil", "matplotlib": "matplotlib"}  # fmt: skip
+          "rich": "rich", "dotenv": "python-dotenv", "psutil": "psutil", "matplotlib": "matplotlib",
+          "litdata": "litdata"}  # fmt: skip
 
 
 @dataclass
