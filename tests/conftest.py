@@ -20,6 +20,22 @@ def data_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("cache")
 
 
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory, tiny_cifar: Path, data_cache: Path) -> Path:
+    """A run dir of one trained epoch of the tiny ViT (`tiny_overrides`, logger=csv): checkpoints/last.ckpt
+    and the best epoch*.ckpt. Trained once, in-process, for every test that only needs a checkpoint to
+    start from; a test that writes into it works on a copy (shutil.copytree)."""
+    from helpers import compose_cfg, tiny_overrides
+    from vitrain.training import train
+
+    run_dir = tmp_path_factory.mktemp("tiny_checkpoint")
+    train(
+        compose_cfg("train", [*tiny_overrides(tiny_cifar, data_cache), "logger=csv", "test=false"], run_dir)
+    )
+    assert (run_dir / "checkpoints" / "last.ckpt").is_file()
+    return run_dir
+
+
 ROOT = Path(__file__).resolve().parents[1]
 # data shared by checkouts lives beside the repository (`<root>/../shared/data`, as CI clones have it);
 # VITRAIN_SHARED_DATA points elsewhere

@@ -1,6 +1,7 @@
 """A killed run resumes to the same weights as the run left alone; SIGTERM saves before exiting."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -110,16 +111,16 @@ def _no_bigger_files_than(limit: int):
 
 
 def test_disk_full_while_saving_keeps_the_previous_checkpoint(
-    tmp_path: Path, tiny_cifar: Path, data_cache: Path
+    tmp_path: Path, tiny_cifar: Path, data_cache: Path, tiny_checkpoint: Path
 ):
+    shutil.copytree(tiny_checkpoint, tmp_path, dirs_exist_ok=True)  # one trained epoch to go on from
     overrides = [*tiny_overrides(tiny_cifar, data_cache), "logger=csv", f"hydra.run.dir={tmp_path}"]
-    first = _run(overrides)
-    assert first.returncode == 0, first.stderr[-3000:]
     last = tmp_path / "checkpoints" / "last.ckpt"
     before = last.read_bytes()
 
+    # only `last` is saved: the failing write is the one that replaces a good checkpoint
     full = _run(
-        [*overrides, "ckpt_path=last", "trainer.max_epochs=2"],
+        [*overrides, f"ckpt_path={last}", "trainer.max_epochs=2", "callbacks.model_checkpoint.save_top_k=0"],
         preexec_fn=_no_bigger_files_than(len(before) // 2),
     )
     assert full.returncode == 2, full.stderr[-3000:]
@@ -129,10 +130,11 @@ def test_disk_full_while_saving_keeps_the_previous_checkpoint(
     assert not list(last.parent.glob(".*.tmp-*")), "no temporary file left behind"
 
 
-def test_resume_from_a_checkpoint_of_another_architecture(tmp_path: Path, tiny_cifar: Path, data_cache: Path):
+def test_resume_from_a_checkpoint_of_another_architecture(
+    tmp_path: Path, tiny_cifar: Path, data_cache: Path, tiny_checkpoint: Path
+):
     overrides = [*tiny_overrides(tiny_cifar, data_cache), "logger=csv", f"hydra.run.dir={tmp_path}/a"]
-    assert _run(overrides).returncode == 0
-    ckpt = tmp_path / "a" / "checkpoints" / "last.ckpt"
+    ckpt = tiny_checkpoint / "checkpoints" / "last.ckpt"  # trained with `overrides`, depth 2
     other = [o.replace("depth=2", "depth=3") for o in overrides[:-1]] + [f"hydra.run.dir={tmp_path}/b"]
     done = _run([*other, f"ckpt_path={ckpt}"])
     assert done.returncode == 2, done.stderr[-3000:]
