@@ -40,7 +40,8 @@ PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
 # what the runs import (module -> pip name); nvidia-ml-py is checked by the environment check
 NEEDED = {"hydra": "hydra-core", "omegaconf": "omegaconf", "lightning": "lightning", "timm": "timm",
           "torchvision": "torchvision", "torchmetrics": "torchmetrics", "tensorboard": "tensorboard",
-          "rich": "rich", "dotenv": "python-dotenv", "psutil": "psutil", "matplotlib": "matplotlib"}  # fmt: skip
+          "rich": "rich", "dotenv": "python-dotenv", "psutil": "psutil", "matplotlib": "matplotlib",
+          "litdata": "litdata"}  # fmt: skip
 
 
 @dataclass
@@ -423,6 +424,51 @@ def check_batch_size_search(ctx: Ctx) -> Outcome:
     return Outcome(PASS, f"{found['per_device']} per device on cuda:{index} ({found['stopped_by']})", found)
 
 
+# ------------------------------------------------------------------ GPU JPEG decode (h13b, issue 13 part B)
+def check_gpu_decode(ctx: Ctx) -> Outcome:
+    """`datamodule.decode_device=cuda`: nvJPEG batch decode + GPU crop/flip/normalise gives the CPU decode's
+    pixels (rounding aside), images/s on the GPU vs one CPU core; then a few training steps of
+    `datamodule=streaming` with the GPU decoder, from shards of the generated data."""
+    if ctx.cpu:
+        return Outcome(SKIP, "CPU dry run (the CPU tests run this code path with device=cpu)")
+    from vitrain.data.gpu_decode import check
+    from vitrain.data.shards import write_shards
+
+    figures = check("cuda")
+    expect(figures["mean_abs_pixel_diff"] < 3.0, f"GPU decode differs from the CPU decode: {figures}")
+    shards = ctx.out / "gpu_decode_shards"
+    write_shards(ctx.data, str(shards), val_size=32, workers=4, cache_dir=ctx.cache)
+    model = [o for o in ctx.base() if o.startswith("model.")]
+    run_dir = ctx.run(
+        "gpu_decode",
+        "train.py",
+        [
+            *model,
+            "model.net.pretrained=false",
+            "datamodule=streaming",
+            f"datamodule.data_dir={shards}",
+            f"datamodule.cache_dir={ctx.cache}",
+            "datamodule.decode_device=cuda",
+            f"datamodule.batch_size={ctx.args.batch_size}",
+            "datamodule.num_workers=4",
+            "trainer=gpu",
+            "trainer.max_epochs=1",
+            "trainer.limit_train_batches=10",
+            "trainer.limit_val_batches=2",
+            "test=false",
+            "logger=csv",
+            "extras.print_config=false",
+        ],
+    )
+    expect((run_dir / "checkpoints" / "last.ckpt").is_file(), "no checkpoint after the streaming run")
+    return Outcome(
+        PASS,
+        f"decode+augment {figures['device_images_per_s']:.0f} images/s on the GPU, "
+        f"{figures['cpu_images_per_s']:.0f} on one CPU core; 10 steps trained from shards",
+        figures,
+    )
+
+
 CHECKS: dict[str, Callable[[Ctx], Outcome]] = {
     "environment": check_environment,
     "single_gpu": check_single_gpu,
@@ -431,7 +477,7 @@ CHECKS: dict[str, Callable[[Ctx], Outcome]] = {
     "fsdp": check_fsdp,
     "fsdp_compile": check_fsdp_compile,
     "batch_size_search": check_batch_size_search,
-    # hook: GPU JPEG decode (h13b's datamodule option) adds its check here, e.g. "gpu_decode": check_gpu_decode
+    "gpu_decode": check_gpu_decode,
 }
 
 

@@ -13,10 +13,21 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-ORDER = ["overhead", "data_pipeline", "ddp_scaling", "fsdp_memory", "startup", "accuracy", "levers", "gpu"]
+ORDER = [
+    "overhead",
+    "data_pipeline",
+    "data_sources",
+    "ddp_scaling",
+    "fsdp_memory",
+    "startup",
+    "accuracy",
+    "levers",
+    "gpu",
+]
 TITLES = {
     "overhead": "1. Framework overhead",
     "data_pipeline": "2. Data pipeline",
+    "data_sources": "2b. Image folders and streaming shards (224 px)",
     "ddp_scaling": "3. DDP scaling on CPU",
     "fsdp_memory": "4. FSDP memory",
     "startup": "5. Start-up",
