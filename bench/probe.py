@@ -92,6 +92,9 @@ class BenchProbe(Callback):
             planned_steps=int(trainer.estimated_stepping_batches),
             # max_time (or a signal) ended the fit before the steps its LR schedule was sized for
             stopped_early=bool(trainer.global_step < trainer.estimated_stepping_batches),
+            precision=str(trainer.precision),
+            # where the LR schedule ended: 1.0 = its peak, the experiment's min_lr_ratio = fully decayed
+            lr_end_ratio=_lr_ratio(trainer),
             peak_rss_train=proc_status("VmHWM"),
         )
         if device.type == "cuda":
@@ -113,6 +116,13 @@ class BenchProbe(Callback):
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         tmp.write_text(json.dumps(self.record, indent=1))
         tmp.replace(path)
+
+
+def _lr_ratio(trainer: L.Trainer) -> float | None:
+    group = trainer.optimizers[0].param_groups[0] if trainer.optimizers else None
+    if not group or not group.get("initial_lr"):
+        return None
+    return float(group["lr"]) / float(group["initial_lr"])
 
 
 def _floats(metrics: dict[str, Any]) -> dict[str, float]:

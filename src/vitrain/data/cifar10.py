@@ -22,6 +22,8 @@ class InMemoryDataModule(ImageDataModule):
         augment: bool = True,
         crop_padding: int = 4,
         hflip: bool = True,
+        auto_augment: str | None = None,
+        re_prob: float = 0.0,
         download: bool = False,
         **kwargs,
     ) -> None:
@@ -59,14 +61,19 @@ class InMemoryDataModule(ImageDataModule):
     def transform(self) -> BatchTransform:
         hp = self.hparams
         return BatchTransform(
-            self.img_size, self.mean, self.std, crop_padding=hp.crop_padding, hflip=hp.hflip
+            self.img_size,
+            self.mean,
+            self.std,
+            crop_padding=hp.crop_padding,
+            hflip=hp.hflip,
+            auto_augment=hp.auto_augment,
+            re_prob=float(hp.re_prob),
         )
 
     def device_transform(self) -> BatchTransform | None:
-        transform = self.transform
         if not self.hparams.augment:
-            transform.crop_padding, transform.hflip = 0, False
-        return transform
+            return BatchTransform(self.img_size, self.mean, self.std, crop_padding=0, hflip=False)
+        return self.transform
 
 
 class CIFAR10DataModule(InMemoryDataModule):
