@@ -10,7 +10,6 @@ import timm
 import torch
 from torch import nn
 
-from vitrain.data.cifar10 import CIFAR10_MEAN, CIFAR10_STD
 from vitrain.errors import ModelError
 
 
@@ -30,6 +29,8 @@ def create_net(net: Mapping[str, Any], weights_file: str | None = None) -> nn.Mo
     """
     kwargs = dict(net)
     name = kwargs.pop("model_name")
+    if kwargs.get("num_classes") is None:  # set from the data by training.build_model; else timm's default
+        kwargs.pop("num_classes", None)
     _check_model_name(name)
     if weights_file:
         path = Path(weights_file).expanduser()
@@ -64,12 +65,14 @@ def create_net(net: Mapping[str, Any], weights_file: str | None = None) -> nn.Mo
 
 
 def input_spec(net: nn.Module, pretrained: bool, img_size: int | None) -> dict[str, Any]:
-    """Input size and normalisation the network expects: timm's pretrained config, else CIFAR-10 stats."""
+    """Input size, resize/crop and normalisation the network expects (timm's data config). Without
+    pretrained weights mean/std are None: the datamodule then uses its own data set's statistics."""
     cfg = timm.data.resolve_data_config({}, model=net)
     size = img_size or cfg["input_size"][-1]
+    spec = {"img_size": size, "interpolation": cfg["interpolation"], "crop_pct": cfg["crop_pct"]}
     if pretrained:
-        return {"img_size": size, "mean": tuple(cfg["mean"]), "std": tuple(cfg["std"])}
-    return {"img_size": size, "mean": CIFAR10_MEAN, "std": CIFAR10_STD}
+        return {**spec, "mean": tuple(cfg["mean"]), "std": tuple(cfg["std"])}
+    return {**spec, "mean": None, "std": None}
 
 
 def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
