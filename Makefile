@@ -2,7 +2,7 @@
 PY ?= .venv/bin/python
 RUN ?=
 
-.PHONY: install test test-fast lint format train train-smoke eval report clean bench bench-smoke gpu-check shards
+.PHONY: install test test-fast lint format train train-smoke eval report clean bench bench-smoke bench-recipes gpu-check shards
 
 install:  ## create .venv and install everything (the README's first command)
 	python3 -m venv .venv && .venv/bin/pip install -r requirements.txt
@@ -41,6 +41,9 @@ bench:  ## the benchmark suite (~20 min on 2 CPU cores): bench/results/*.json ->
 
 bench-smoke:  ## every benchmark in seconds-sized mode, results in /tmp (checks the scripts, measures nothing)
 	$(PY) bench/run.py --smoke --out /tmp/vitrain-bench-smoke $(BENCH_ARGS)
+
+bench-recipes:  ## recipe ablation on experiment=cifar_cpu (~11 min a row; ROWS=recipe,-conv_stem for a subset) -> docs/recipes.md
+	$(PY) bench/recipes.py $(if $(ROWS),--only $(ROWS))
 
 gpu-check:  ## every GPU path on this machine's GPUs in a few minutes, PASS/FAIL table + logs/gpu-check/<time>/gpu_check.json (docs/gpu.md)
 	$(PY) bench/gpu_check.py $(GPU_CHECK_ARGS)

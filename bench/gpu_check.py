@@ -495,20 +495,34 @@ class SyncProbe(Callback):
 
     def __init__(self, first_step: int = 5, last_step: int = 40) -> None:
         self.first_step, self.last_step = first_step, last_step
-        self.windows, self.syncs, self.where = 0, 0, []
+        self.windows, self.syncs, self.where, self.stacks = 0, 0, [], []
         self._recorder: Any = None
-        self._records: list[Any] | None = None
+        self._records: list[dict[str, Any]] | None = None
 
     def _close(self) -> None:
         if self._recorder is not None:
             if torch.cuda.is_available():
                 torch.cuda.set_sync_debug_mode(0)
             self._recorder.__exit__(None, None, None)
-            found = [w for w in self._records or [] if "synchroniz" in str(w.message)]
+            found = [w for w in self._records or [] if "synchroniz" in str(w["message"])]
             self.syncs += len(found)
-            self.where += [f"{Path(w.filename).name}:{w.lineno}" for w in found]
+            self.where += [w["where"] for w in found]
+            self.stacks += [w["stack"] for w in found if w["stack"] not in self.stacks]
             self.windows += 1
             self._recorder = self._records = None
+
+    def _show(
+        self, message: Any, category: Any, filename: str, lineno: int, *args: Any, **kwargs: Any
+    ) -> None:
+        """Keeps the Python stack of each warning: a file name alone does not say which library synced."""
+        parts = Path(filename).parts
+        stack = [
+            f"{'/'.join(Path(f.filename).parts[-3:])}:{f.lineno} {f.name}" for f in traceback.extract_stack()
+        ]
+        assert self._records is not None
+        self._records.append(
+            {"message": str(message), "where": f"{'/'.join(parts[-3:])}:{lineno}", "stack": stack[-12:-1]}
+        )
 
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
@@ -519,18 +533,29 @@ class SyncProbe(Callback):
         # the window ends at the next batch's start: the step before a log step is measured too
         next_logs = (step + 2) % trainer.log_every_n_steps == 0
         if self.first_step <= step <= self.last_step and not log_step and not next_logs:
-            self._recorder = warnings.catch_warnings(record=True)
-            self._records = self._recorder.__enter__()
-            warnings.simplefilter("always")
+            # switched on before recording: torch warns about the mode itself once (seen on an H100), which is
+            # no synchronisation of the step
             if torch.cuda.is_available():
                 torch.cuda.set_sync_debug_mode("warn")
+            self._recorder = warnings.catch_warnings()
+            self._recorder.__enter__()
+            self._records = []
+            warnings.simplefilter("always")
+            warnings.showwarning = self._show
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._close()
         if trainer.is_global_zero:
             out = Path(trainer.default_root_dir) / "sync_probe.json"
             out.write_text(
-                json.dumps({"windows": self.windows, "syncs": self.syncs, "where": sorted(set(self.where))})
+                json.dumps(
+                    {
+                        "windows": self.windows,
+                        "syncs": self.syncs,
+                        "where": sorted(set(self.where)),
+                        "stacks": self.stacks,
+                    }
+                )
             )
 
 

@@ -19,6 +19,7 @@ PYTHON = sys.executable
 
 # a ViT small enough that a CPU step takes milliseconds
 TINY_VIT = [
+    "model=vit",
     "model.net.model_name=vit_tiny_patch16_224",
     "model.net.pretrained=false",
     "model.net.img_size=32",

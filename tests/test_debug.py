@@ -1,5 +1,6 @@
 """Debug configs (`debug=...`) and the optional, git-ignored per-machine group (configs/local/)."""
 
+import json
 import shutil
 import subprocess
 from pathlib import Path
@@ -53,7 +54,10 @@ def test_debug_config_runs(
 ):
     metrics, objects = debug_run(option, tmp_path, tiny_cifar, data_cache, *shorter)
     trainer = objects["trainer"]
-    assert trainer.global_step == steps and trainer.world_size == 1 and not trainer.loggers
+    assert trainer.global_step == steps and trainer.world_size == 1
+    # no logger but the record (fast_dev_run swaps every logger for Lightning's DummyLogger)
+    expected = "DummyLogger" if option == "fdr" else "MetricRecord"
+    assert [type(lg).__name__ for lg in trainer.loggers] == [expected]
     assert {"train/loss_epoch", "val/acc1", "test/acc1"} <= metrics.keys()
     if option == "limit":
         assert trainer.limit_val_batches == 2 and trainer.limit_test_batches == 2
@@ -63,6 +67,20 @@ def test_debug_profiler_writes_its_table_into_the_run_dir(tmp_path: Path, tiny_c
     debug_run("profiler", tmp_path, tiny_cifar, data_cache, "trainer.limit_train_batches=3")
     table = (tmp_path / "fit-profile.txt").read_text()
     assert "run_training_epoch" in table and "Mean duration" in table
+
+
+def test_debug_overfit_loss_falls(tmp_path: Path, tiny_cifar: Path, data_cache: Path):
+    """The same 3 batches again and again: the training loss must fall (6 of the config's 20 epochs)."""
+    _, objects = debug_run("overfit", tmp_path, tiny_cifar, data_cache, "trainer.max_epochs=6")
+    trainer = objects["trainer"]
+    assert trainer.global_step == 18 and trainer.num_training_batches == 3
+    assert not list(tmp_path.glob("checkpoints/*.ckpt"))
+    losses = [
+        json.loads(line)["train/loss_epoch"]
+        for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+        if "train/loss_epoch" in json.loads(line)
+    ]
+    assert len(losses) == 6 and losses[-1] < losses[0] - 0.15, losses
 
 
 def test_local_config_is_optional_and_applied_when_present(tmp_path: Path):

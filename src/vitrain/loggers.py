@@ -1,5 +1,7 @@
 """What the template adds to Lightning's loggers (configs/logger/).
 
+- `MetricRecord`: the run's own record of every logged value, `<run dir>/metrics.jsonl`, whatever the
+  configured loggers (none included): the report's metrics and curves come from it;
 - every logger receives the composed config, resolved and with secrets redacted (the model saves its
   hyperparameters with `logger=False`: the config is the single source of truth);
 - a logger that cannot start (W&B without a login, an unreachable MLflow server) ends the run with one
@@ -11,9 +13,12 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import os
 import sys
+from argparse import Namespace
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +28,7 @@ from lightning.pytorch.loggers import MLFlowLogger as _LightningMLFlowLogger
 from lightning.pytorch.utilities import rank_zero_only
 
 from vitrain.errors import UserError
+from vitrain.report import METRICS_FILE
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +37,43 @@ _HINTS = {
     "wandb": "log in once with `wandb login` (or put WANDB_API_KEY in .env), or set WANDB_MODE=offline",
     "mlflow": "check MLFLOW_TRACKING_URI / logger.mlflow.tracking_uri and that the server is up",
 }
+
+
+class MetricRecord(Logger):
+    """Every value the loggers get, at the same steps, as JSON lines: `{"step": N, "val/acc1": 0.5, ...}`.
+
+    `training.build` adds it beside the configured loggers, so it is there with any of them or none. Global
+    rank zero writes (Lightning calls loggers there only); each call appends and closes the file (once per
+    `trainer.log_every_n_steps`), so a crashed run keeps its curves and a resumed one appends to them.
+    """
+
+    def __init__(self, run_dir: str | Path) -> None:
+        super().__init__()
+        self.path = Path(run_dir) / METRICS_FILE
+
+    @property
+    def name(self) -> str:
+        return "metric_record"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    @property
+    def save_dir(self) -> str:
+        return str(self.path.parent)
+
+    @rank_zero_only
+    def log_hyperparams(self, params: dict[str, Any] | Namespace, *args: Any, **kwargs: Any) -> None:
+        """Nothing: Hydra saves the config in the run dir (.hydra/), the model in every checkpoint."""
+
+    @rank_zero_only
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        # JSON has no NaN/inf: a diverged value is written as null
+        values = {k: (float(v) if math.isfinite(float(v)) else None) for k, v in metrics.items()}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a") as f:
+            f.write(json.dumps({"step": step, **values}) + "\n")
 
 
 class LoggerError(UserError):

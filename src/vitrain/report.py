@@ -1,6 +1,7 @@
 """A run's log book: `report.md`, `report.json` and `plots/*.png`, built from the run dir alone.
 
-Inputs, all inside the run dir: the TensorBoard events (metric curves, best/final/test values),
+Inputs, all inside the run dir: the metric record `metrics.jsonl` (curves, best/final/test values; written
+with any logger or none),
 `run_stats.json` (timings, memory, world size... written by `vitrain.callbacks.report.RunReport`),
 `batch_size_search.json` (`+tune=batch_size`) and `.hydra/` (overrides, choices). So the report can be
 rebuilt at any time:
@@ -31,6 +32,7 @@ log = logging.getLogger(__name__)
 # written by vitrain.callbacks.report.RunReport and vitrain.tuning (this module imports neither: the CLI
 # needs no torch)
 STATS_FILE = "run_stats.json"
+METRICS_FILE = "metrics.jsonl"  # written by vitrain.loggers.MetricRecord
 SEARCH_FILE = "batch_size_search.json"
 PLOTS = {
     "loss": ("Loss", ["train/loss_step", "train/loss_epoch", "val/loss"]),
@@ -49,22 +51,23 @@ def read_json(path: Path) -> dict[str, Any] | None:
 
 
 def read_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    """Every scalar of the run's TensorBoard event files: tag -> [(step, value)], by step, last write wins
-    (a resumed run logs some steps twice)."""
-    dirs = sorted({p.parent for p in run_dir.rglob("events.out.tfevents.*")})
-    if not dirs:
+    """Every value of the run's metric record (`metrics.jsonl`, `vitrain.loggers.MetricRecord`): tag ->
+    [(step, value)], by step, last write wins (a resumed run logs some steps twice). Written whatever the
+    loggers, so the report does not depend on TensorBoard or any other logger."""
+    path = Path(run_dir) / METRICS_FILE
+    if not path.is_file():
         return {}
-    from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
-
-    logging.getLogger("tensorboard").setLevel(logging.WARNING)  # one INFO line per event file otherwise
     merged: dict[str, dict[int, float]] = {}
-    for directory in dirs:
-        acc = EventAccumulator(str(directory), size_guidance={SCALARS: 0})  # 0: keep every point
-        acc.Reload()
-        for tag in acc.Tags()[SCALARS]:
-            series = merged.setdefault(tag, {})
-            for event in acc.Scalars(tag):
-                series[event.step] = event.value
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:  # a line cut short by a crash
+            continue
+        step = row.pop("step", None)
+        row.pop("epoch", None)  # Lightning adds the epoch to every call
+        for tag, value in row.items():
+            if step is not None and value is not None:
+                merged.setdefault(tag, {})[int(step)] = float(value)
     return {tag: sorted(points.items()) for tag, points in merged.items()}
 
 
@@ -112,7 +115,7 @@ def _is_model_metric(tag: str) -> bool:
 def metric_summary(scalars: dict[str, list[tuple[int, float]]], stats: dict[str, Any]) -> dict[str, Any]:
     """Best and final validation values (with their step), final training values, test values.
 
-    From the TensorBoard events when there are any, else from what the callback recorded."""
+    From the metric record when there is one, else from what the callback recorded."""
     best: dict[str, Any] = {}
     final: dict[str, Any] = {}
     test: dict[str, float] = {}
@@ -209,7 +212,7 @@ def build_report(run_dir: Path, scalars: dict[str, list[tuple[int, float]]] | No
         },
         "s3": stats.get("s3"),
         "test_wall_time_s": (stats.get("test") or {}).get("wall_time_s"),
-        "sources": {"tensorboard": bool(scalars), "run_stats": bool(stats), "hydra": bool(hydra)},
+        "sources": {"metric_record": bool(scalars), "run_stats": bool(stats), "hydra": bool(hydra)},
     }
     return redact(report)
 
@@ -484,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         if (directory / "multirun.yaml").is_file():
             for job in job_dirs(directory):
-                if (job / STATS_FILE).is_file() or any(job.rglob("events.out.tfevents.*")):
+                if (job / STATS_FILE).is_file() or (job / METRICS_FILE).is_file():
                     write_report(job)
             paths = write_summary(directory)
             print("\n".join(str(p) for p in paths))

@@ -7,12 +7,12 @@ from typing import Any
 import hydra
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, open_dict
 
 from vitrain.checkpoints import CheckpointError
 from vitrain.errors import DataError
-from vitrain.loggers import finish_runs, log_run_config
+from vitrain.loggers import MetricRecord, finish_runs, log_run_config
 from vitrain.precision import resolve_precision
 from vitrain.report import finish_run
 from vitrain.resume import DECIDED_ENV, checkpoint_to_resume
@@ -29,10 +29,10 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     model.run_config = to_container(cfg)
     callbacks = instantiate_dict(cfg.get("callbacks"))
     loggers = instantiate_dict(cfg.get("logger"))
-    if not loggers:  # LearningRateMonitor refuses to run without a logger
-        callbacks = [c for c in callbacks if not isinstance(c, LearningRateMonitor)]
+    # the run's own metric record (metrics.jsonl), beside any logger or none: what the report reads
+    record = MetricRecord(cfg.paths.output_dir)
     trainer: L.Trainer = hydra.utils.instantiate(
-        cfg.trainer, callbacks=callbacks, logger=loggers or False, precision=resolve_precision(cfg.trainer)
+        cfg.trainer, callbacks=callbacks, logger=[*loggers, record], precision=resolve_precision(cfg.trainer)
     )
     return {
         "cfg": cfg,

@@ -1,7 +1,7 @@
 """Collects what a run's report needs and cannot re-read later from the run dir: `run_stats.json`.
 
-TensorBoard events hold the metric curves; this callback adds timings, images/s, peak memory of every
-device, GPU utilisation samples and how the run was set up (strategy, world size, precision, batch sizes,
+The metric record (metrics.jsonl, vitrain.loggers.MetricRecord) holds the metric curves; this callback
+adds timings, images/s, peak memory of every device, GPU utilisation samples and how the run was set up (strategy, world size, precision, batch sizes,
 Hydra overrides). `vitrain.report` turns both into report.md / report.json. Every rank measures its own
 device; the figures are gathered to global rank zero, which alone writes.
 """

@@ -26,18 +26,46 @@ MIXED_PRECISION = {
 }
 
 
-def transformer_blocks(model: nn.Module) -> list[nn.Module]:
-    """The units to shard one by one: timm ViTs keep them in `model.blocks`; otherwise every outermost
-    submodule whose class name ends in "Block"."""
-    blocks = getattr(model, "blocks", None)
-    if isinstance(blocks, nn.Sequential | nn.ModuleList):
-        return list(blocks)
-    found: list[tuple[str, nn.Module]] = []
-    for name, module in model.named_modules():
-        inside = any(name.startswith(f"{outer}.") for outer, _ in found)
-        if type(module).__name__.endswith("Block") and not inside:
-            found.append((name, module))
-    return [module for _, module in found]
+def shard_units(model: nn.Module) -> list[nn.Module]:
+    """The repeated units to shard one by one, whatever the family calls them.
+
+    A unit is a module with submodules that sits in an `nn.Sequential`/`nn.ModuleList` next to at least
+    one sibling of its own class: a ViT's `blocks.i`, a ResNet's `layerN.i` (BasicBlock, Bottleneck), a
+    ConvNeXt's `stages.i.blocks.j`, an EfficientNet's `blocks.i.j`. Where units nest, the innermost are
+    taken (smaller units, less memory gathered at once); a stage with a single block (EfficientNet) is
+    itself the unit. Layers (Linear, Conv, norms) never are. Without repeated units (a ResNet with one
+    block per stage), the stages timm lists in the model's `feature_info`. Parameters outside every unit
+    (stem, downsampling, head) belong to the root's shard group.
+    """
+    candidates: list[nn.Module] = []
+    for container in model.modules():
+        if not isinstance(container, nn.Sequential | nn.ModuleList):
+            continue
+        children = list(container.children())
+        kinds = [type(child) for child in children]
+        candidates += [c for c in children if kinds.count(type(c)) >= 2 and _composite(c)]
+    if not candidates:
+        names = [info.get("module", "") for info in getattr(model, "feature_info", None) or []]
+        modules = dict(model.named_modules())
+        candidates = [modules[n] for n in names if n in modules and _composite(modules[n])]
+    inner = {id(m) for m in candidates}
+    # keep the innermost: drop a candidate when another candidate lives inside it
+    return [m for m in candidates if not any(id(d) in inner for d in m.modules() if d is not m)]
+
+
+_BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+_NORMS = (*_BATCH_NORMS, nn.LayerNorm, nn.GroupNorm)
+
+
+def _composite(module: nn.Module) -> bool:
+    """A module made of other modules and holding parameters: a block or a stage, not a layer."""
+    if isinstance(module, _NORMS) or next(module.children(), None) is None:
+        return False
+    return next(module.parameters(), None) is not None
+
+
+# the name the apply step has called since the first (ViT-only) version
+transformer_blocks = shard_units
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -68,11 +96,29 @@ def apply_fsdp(
     block_policy = MixedPrecisionPolicy(**dtypes)
     # loss and metrics see fp32 logits
     root_policy = MixedPrecisionPolicy(**dtypes, output_dtype=torch.float32 if dtypes else None)
-    for unit in transformer_blocks(model) if units is None else units:
+    if dtypes:
+        shard_batch_norms_fp32(model, mesh)
+    for unit in shard_units(model) if units is None else units:
         fully_shard(unit, mesh=mesh, mp_policy=block_policy)
     fully_shard(model, mesh=mesh, mp_policy=root_policy)
     set_training_resharding(model, reshard_after_forward)
     return model
+
+
+def shard_batch_norms_fp32(model: nn.Module, mesh: DeviceMesh) -> None:
+    """BatchNorm in fp32 under bf16: FSDP2 casts a unit's parameters to bf16, but BatchNorm's running
+    statistics stay fp32 buffers and the CPU kernel refuses the mix ("expected scalar type BFloat16 but
+    found Float"); statistics over a batch are also better kept in fp32. Each BatchNorm becomes its own
+    fp32 unit that takes and returns bf16: one small all-gather more per norm (ResNet-50: 53)."""
+    policy = MixedPrecisionPolicy(
+        param_dtype=torch.float32,
+        reduce_dtype=torch.float32,
+        output_dtype=torch.bfloat16,
+        cast_forward_inputs=True,
+    )
+    for module in model.modules():
+        if isinstance(module, _BATCH_NORMS):
+            fully_shard(module, mesh=mesh, mp_policy=policy)
 
 
 def compute_dtype(mixed_precision: str | None) -> torch.dtype | None:
