@@ -47,27 +47,24 @@ def build(cfg: DictConfig) -> dict[str, Any]:
 def build_model(cfg: DictConfig, datamodule: L.LightningDataModule) -> L.LightningModule:
     """The model with its head sized to the classes the datamodule found (written into `cfg`, so the config
     a checkpoint stores has the number); the datamodule learns the model's input spec in return."""
+    classes = list(datamodule.classes)
     with open_dict(cfg):
-        cfg.model.net.num_classes = head_size(cfg.model.net.get("num_classes"), datamodule)
+        cfg.model.net.num_classes = head_size(cfg.model.net.get("num_classes"), classes)
     model: L.LightningModule = hydra.utils.instantiate(cfg.model)
-    model.class_names = list(datamodule.classes)
+    model.class_names = classes
     datamodule.set_input_spec(**model.input_spec)
     return model
 
 
-def head_size(configured: int | None, datamodule: L.LightningDataModule) -> int:
+def head_size(configured: int | None, classes: list[str]) -> int:
     """`model.net.num_classes` when given (it must match the data), else the data's class count."""
-    found = datamodule.num_classes
-    if configured is not None and int(configured) != found:
+    if configured is not None and int(configured) != len(classes):
+        shown = ", ".join(classes[:5]) + (f", ... ({len(classes) - 5} more)" if len(classes) > 5 else "")
         raise DataError(
-            f"model.net.num_classes={configured} but the data has {found} classes "
-            f"({_preview(datamodule.classes)}): leave model.net.num_classes=null to follow the data"
+            f"model.net.num_classes={configured} but the data has {len(classes)} classes ({shown}): "
+            "leave model.net.num_classes=null to follow the data"
         )
-    return found
-
-
-def _preview(names: list[str], n: int = 5) -> str:
-    return ", ".join(names[:n]) + (f", ... ({len(names) - n} more)" if len(names) > n else "")
+    return len(classes)
 
 
 def use_tensor_cores_for_fp32(trainer: L.Trainer) -> None:

@@ -89,6 +89,8 @@ class ImageClassifier(L.LightningModule):
         self.run_config: dict[str, Any] | None = None
         # the data's class names in label order (set by training.build_model), stored in every checkpoint
         self.class_names: list[str] | None = None
+        # accuracy per class, tracked only when eval.py asks for it (vitrain/evaluation.py)
+        self.per_class_acc: MulticlassAccuracy | None = None
 
     def configure_model(self) -> None:
         # activation checkpointing, compile, sharding, in that order, as the strategy asks
@@ -135,6 +137,8 @@ class ImageClassifier(L.LightningModule):
         # turned into a GPU tensor each batch (a host-to-device copy: a sync)
         loss.update(F.cross_entropy(logits, y, reduction="none"))
         metrics.update(logits, y)
+        if self.per_class_acc is not None:
+            self.per_class_acc.update(logits, y)
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         self._eval_step(batch, self.val_metrics, self.val_loss)

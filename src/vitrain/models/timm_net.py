@@ -30,6 +30,8 @@ def create_net(net: Mapping[str, Any], weights_file: str | None = None) -> nn.Mo
     """
     kwargs = dict(net)
     name = kwargs.pop("model_name")
+    if kwargs.get("num_classes") is None:  # set from the data by training.build_model; else timm's default
+        kwargs.pop("num_classes", None)
     _check_model_name(name)
     if weights_file:
         path = Path(weights_file).expanduser()
@@ -79,13 +81,13 @@ def input_spec(net: nn.Module, pretrained: bool, img_size: int | None) -> dict[s
     The size: `model.net.img_size` when given (a ViT built for 32 px), else the patch embedding's, else
     timm's default for the model (224 px for most; a ResNet or ConvNeXt also runs at any other size:
     `datamodule.img_size=32`). Normalisation: the pretrained weights' mean/std; from scratch None, and the
-    datamodule uses its data set's own statistics. The datamodule's own img_size/mean/std take precedence.
+    datamodule uses its data set's own statistics (CIFAR-10's, or ImageNet's for an image folder). The
+    datamodule's own img_size/mean/std take precedence over both.
     """
     cfg = timm.data.resolve_model_data_config(net)
     embed_size = getattr(getattr(net, "patch_embed", None), "img_size", None)
     size = img_size or (embed_size[-1] if isinstance(embed_size, tuple) else None) or cfg["input_size"][-1]
     spec = {"img_size": size, "interpolation": cfg["interpolation"], "crop_pct": cfg["crop_pct"]}
-    spec["crop_mode"] = cfg.get("crop_mode", "center")
     if pretrained:
         return {**spec, "mean": tuple(cfg["mean"]), "std": tuple(cfg["std"])}
     return {**spec, "mean": None, "std": None}
