@@ -31,7 +31,7 @@ eval:  ## make eval CKPT=path/to/checkpoint.ckpt
 	$(PY) src/eval.py ckpt_path=$(CKPT)
 
 report:  ## make report RUN=logs/train/runs/<id> (or a multiruns/<id> sweep dir): rebuild report.md/json, plots
-	PYTHONPATH=src $(PY) -m vitrain.report $(RUN)
+	PYTHONPATH=src $(PY) -m vitrain.reporting $(RUN)
 
 bench:  ## the benchmark suite (~20 min on 2 CPU cores): bench/results/*.json -> docs/benchmarks.md
 	$(PY) bench/run.py $(BENCH_ARGS)

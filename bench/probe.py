@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import time
-from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -21,7 +19,8 @@ import torch
 from common import synced_clock
 from lightning.pytorch.callbacks import Callback
 
-from vitrain.callbacks.report import proc_status, reset_peak_rss
+from vitrain.reporting.measuring import metric_floats, proc_status, reset_peak_rss
+from vitrain.utils.atomic import write_atomic
 
 GB = 1024**3
 
@@ -97,32 +96,18 @@ class BenchProbe(Callback):
         if device.type == "cuda":
             self.record["peak_cuda_allocated"] = torch.cuda.max_memory_allocated(device)
             self.record["peak_cuda_reserved"] = torch.cuda.max_memory_reserved(device)
-        self.record["metrics"]["fit"] = _floats(trainer.callback_metrics)
+        self.record["metrics"]["fit"] = metric_floats(trainer.callback_metrics)
         self._write()
 
     def on_test_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.record["metrics"]["test"] = _floats(trainer.callback_metrics)
+        self.record["metrics"]["test"] = metric_floats(trainer.callback_metrics)
         self._write()
 
     def _write(self) -> None:
         rank = self.record.get("rank", 0)
         if "__RANK__" not in self.out and rank != 0:
             return
-        path = Path(self.out.replace("__RANK__", str(rank)))
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(self.record, indent=1))
-        tmp.replace(path)
-
-
-def _floats(metrics: dict[str, Any]) -> dict[str, float]:
-    out = {}
-    for key, value in metrics.items():
-        try:
-            out[key] = float(value)
-        except (TypeError, ValueError):
-            continue
-    return out
+        write_atomic(self.out.replace("__RANK__", str(rank)), json.dumps(self.record, indent=1))
 
 
 def step_periods(step_ends: list[float], warmup: int) -> list[float]:

@@ -15,7 +15,7 @@ from omegaconf import open_dict
 
 from helpers import CONFIGS, ROOT, run_cli, tiny_overrides
 from vitrain.distributed.multirun import DistributedMultirun, job_command
-from vitrain.sweep import write_summary
+from vitrain.reporting.sweep import write_summary
 from vitrain.utils.run_id import register_resolvers
 
 SWEEP_TIMEOUT = 240  # seconds; normally 30-60 s on 2 slow cores

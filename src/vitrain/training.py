@@ -1,6 +1,7 @@
 """The training task: build everything from the config, fit, test the best checkpoint."""
 
 import logging
+from pathlib import Path
 from typing import Any
 
 import hydra
@@ -9,9 +10,13 @@ from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from omegaconf import DictConfig
 
 from vitrain.checkpoints import CheckpointError
-from vitrain.report import finish_run
+from vitrain.reporting.files import STATS_FILE, read_json, write_json
+from vitrain.reporting.measuring import metric_floats
+from vitrain.reporting.report import write_report
+from vitrain.reporting.run_stats import checkpoint_paths
 from vitrain.tuning import search_batch_size
 from vitrain.utils.config import instantiate_dict, to_container
+from vitrain.utils.secrets import redact
 
 log = logging.getLogger(__name__)
 
@@ -37,10 +42,6 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     }
 
 
-def _scalars(metrics: dict[str, Any]) -> dict[str, float]:
-    return {k: float(v) for k, v in metrics.items()}
-
-
 def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
     """Fit (optionally resuming from `cfg.ckpt_path`), then test the best checkpoint; returns metrics."""
     if cfg.get("seed") is not None:
@@ -63,7 +64,7 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
             raise CheckpointError(
                 f"ckpt_path={cfg.ckpt_path} does not fit model {cfg.model.net.model_name}: {detail}"
             ) from err
-    metrics = _scalars(trainer.callback_metrics)
+    metrics = metric_floats(trainer.callback_metrics)
 
     checkpoint = trainer.checkpoint_callback
     best = checkpoint.best_model_path if isinstance(checkpoint, ModelCheckpoint) else ""
@@ -77,6 +78,35 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
         else:
             log.warning("No best checkpoint found: testing the current weights")
             trainer.test(model=model, datamodule=datamodule)
-        metrics.update(_scalars(trainer.callback_metrics))
+        metrics.update(metric_floats(trainer.callback_metrics))
     finish_run(objects)  # rank zero: report.md/json and plots in the run dir
     return metrics, objects
+
+
+def finish_run(objects: dict[str, Any]) -> dict[str, Any] | None:
+    """The end of a training task, on global rank zero: checkpoint paths and S3 keys into run_stats.json,
+    then the report, then (when an S3 upload callback is there) the report files to S3.
+
+    A failure here is logged, never raised: the run itself has succeeded."""
+    trainer = objects["trainer"]
+    if not trainer.is_global_zero:
+        return None
+    run_dir = Path(objects["cfg"].paths.output_dir)
+    try:
+        from vitrain.callbacks.s3_upload import S3CheckpointUpload  # boto3: only once a run is over
+
+        stats = read_json(run_dir / STATS_FILE) or {}
+        # recorded at the end of fit: testing the best checkpoint restores ModelCheckpoint's state from it
+        stats["checkpoints"] = stats.get("checkpoints") or checkpoint_paths(trainer)
+        uploaders = [c for c in trainer.callbacks if isinstance(c, S3CheckpointUpload)]
+        if uploaders:
+            stats["s3"] = {"uploaded": uploaders[0].uploaded, "failures": uploaders[0].failures}
+        write_json(run_dir / STATS_FILE, redact(stats))
+        report = write_report(run_dir)
+        log.info("Run report: %s", run_dir / "report.md")
+        for uploader in uploaders:
+            uploader.upload_run_files(trainer)
+        return report
+    except Exception:
+        log.exception("Writing the run report failed (the run itself succeeded)")
+        return None
