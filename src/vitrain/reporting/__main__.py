@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from vitrain.reporting.files import REPORT_MD, STATS_FILE, has_events
+from vitrain.reporting.files import REPORT_MD, STATS_FILE, has_metrics
 from vitrain.reporting.report import write_report
 from vitrain.reporting.sweep import job_dirs, write_summary
 
@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         if (directory / "multirun.yaml").is_file():
             for job in job_dirs(directory):
-                if (job / STATS_FILE).is_file() or has_events(job):
+                if (job / STATS_FILE).is_file() or has_metrics(job):
                     write_report(job)
             paths = write_summary(directory)
             print("\n".join(str(p) for p in paths))

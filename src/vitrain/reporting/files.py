@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 from typing import Any
 
@@ -12,11 +11,11 @@ import yaml
 from vitrain.utils.atomic import write_atomic
 
 STATS_FILE = "run_stats.json"  # written by reporting.run_stats.RunStats
+METRICS_FILE = "metrics.jsonl"  # written by vitrain.loggers.MetricRecord
 SEARCH_FILE = "batch_size_search.json"  # written by vitrain.tuning (`+tune=batch_size`)
 REPORT_JSON = "report.json"
 REPORT_MD = "report.md"
 PLOTS_DIR = "plots"
-EVENTS_GLOB = "events.out.tfevents.*"
 
 Scalars = dict[str, list[tuple[int, float]]]
 
@@ -37,27 +36,28 @@ def write_json(path: Path, data: Any) -> Path:
     return write_atomic(path, to_json(data))
 
 
-def has_events(run_dir: Path) -> bool:
-    return any(Path(run_dir).rglob(EVENTS_GLOB))
+def has_metrics(run_dir: Path) -> bool:
+    return (Path(run_dir) / METRICS_FILE).is_file()
 
 
 def read_scalars(run_dir: Path) -> Scalars:
-    """Every scalar of the run's TensorBoard event files: tag -> [(step, value)], by step, last write wins
-    (a resumed run logs some steps twice)."""
-    dirs = sorted({p.parent for p in Path(run_dir).rglob(EVENTS_GLOB)})
-    if not dirs:
+    """Every value of the run's metric record (`metrics.jsonl`, `vitrain.loggers.MetricRecord`): tag ->
+    [(step, value)], by step, last write wins (a resumed run logs some steps twice). Written whatever the
+    loggers, so the report does not depend on TensorBoard or any other logger."""
+    path = Path(run_dir) / METRICS_FILE
+    if not path.is_file():
         return {}
-    from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
-
-    logging.getLogger("tensorboard").setLevel(logging.WARNING)  # one INFO line per event file otherwise
     merged: dict[str, dict[int, float]] = {}
-    for directory in dirs:
-        acc = EventAccumulator(str(directory), size_guidance={SCALARS: 0})  # 0: keep every point
-        acc.Reload()
-        for tag in acc.Tags()[SCALARS]:
-            series = merged.setdefault(tag, {})
-            for event in acc.Scalars(tag):
-                series[event.step] = event.value
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:  # a line cut short by a crash
+            continue
+        step = row.pop("step", None)
+        row.pop("epoch", None)  # Lightning adds the epoch to every call
+        for tag, value in row.items():
+            if step is not None and value is not None:
+                merged.setdefault(tag, {})[int(step)] = float(value)
     return {tag: sorted(points.items()) for tag, points in merged.items()}
 
 

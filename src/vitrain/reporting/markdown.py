@@ -18,6 +18,12 @@ def fmt(value: Any, digits: int = 4) -> str:
     return str(value)
 
 
+def _precision(report: dict[str, Any]) -> str:
+    """`bf16-mixed (auto)` when `trainer.precision=auto` chose it for the machine."""
+    asked = (report.get("config") or {}).get("trainer.precision")
+    return fmt(report.get("precision")) + (" (auto)" if asked == "auto" else "")
+
+
 def table(
     header: Iterable[str], rows: Iterable[Iterable[Any]], cell: Callable[[Any], str] = fmt
 ) -> list[str]:
@@ -53,7 +59,7 @@ def render_markdown(report: dict[str, Any]) -> str:
                 ["overrides", " ".join(f"`{o}`" for o in report["overrides"]) or "-"],
                 ["model", report["config"].get("model.net.model_name")],
                 ["strategy", f"{fmt(report['strategy'])} on {fmt(report['accelerator'])}, {layout}"],
-                ["precision", report["precision"]],
+                ["precision", _precision(report)],
                 [
                     "batch size",
                     f"{fmt(bs.get('global'))} global, {fmt(bs.get('per_device'))} per device"

@@ -1,6 +1,7 @@
 """The report of one run, as one dict (report.json) and as report.md with plots/, from the run dir alone.
 
-Inputs, all inside the run dir: the TensorBoard events (metric curves, best/final/test values),
+Inputs, all inside the run dir: the metric record `metrics.jsonl` (curves, best/final/test values; written
+with any logger or none),
 `run_stats.json` (timings, memory, world size... written by `reporting.run_stats.RunStats`),
 `batch_size_search.json` (`+tune=batch_size`) and `.hydra/` (overrides, choices).
 """
@@ -54,7 +55,7 @@ def _is_model_metric(tag: str) -> bool:
 def metric_summary(scalars: Scalars, stats: dict[str, Any]) -> dict[str, Any]:
     """Best and final validation values (with their step), final training values, test values.
 
-    From the TensorBoard events when there are any, else from what the callback recorded."""
+    From the metric record when there is one, else from what the callback recorded."""
     best: dict[str, Any] = {}
     final: dict[str, Any] = {}
     test: dict[str, float] = {}
@@ -151,7 +152,7 @@ def build_report(run_dir: Path, scalars: Scalars | None = None) -> dict[str, Any
         },
         "s3": stats.get("s3"),
         "test_wall_time_s": (stats.get("test") or {}).get("wall_time_s"),
-        "sources": {"tensorboard": bool(scalars), "run_stats": bool(stats), "hydra": bool(hydra)},
+        "sources": {"metric_record": bool(scalars), "run_stats": bool(stats), "hydra": bool(hydra)},
     }
     return redact(report)
 

@@ -1,7 +1,7 @@
 """What a run's report needs and cannot re-read later from the run dir: the `RunStats` callback writes it
 to `run_stats.json`.
 
-TensorBoard events hold the metric curves; this callback adds timings, images/s, peak memory of every
+The metric record (metrics.jsonl, vitrain.loggers.MetricRecord) holds the metric curves; this callback adds timings, images/s, peak memory of every
 device, GPU utilisation samples and how the run was set up (strategy, world size, precision, batch sizes,
 Hydra overrides). `vitrain.reporting.report` turns both into report.md / report.json. Every rank measures
 its own device; the figures are gathered to global rank zero, which alone writes.
@@ -37,6 +37,7 @@ CONFIG_KEYS = (
     "datamodule.train_subset",
     "trainer.max_epochs",
     "trainer.max_time",
+    "trainer.precision",  # as asked (`auto`); the top-level `precision` is what it resolved to
     "seed",
     "tags",
 )
