@@ -2,7 +2,7 @@
 PY ?= .venv/bin/python
 RUN ?=
 
-.PHONY: install test test-fast lint format train train-smoke eval report clean bench bench-smoke
+.PHONY: install test test-fast lint format train train-smoke eval report clean bench bench-smoke bench-recipes gpu-check shards
 
 install:  ## create .venv and install everything (the README's first command)
 	python3 -m venv .venv && .venv/bin/pip install -r requirements.txt
@@ -33,11 +33,20 @@ eval:  ## make eval CKPT=path/to/checkpoint.ckpt
 report:  ## make report RUN=logs/train/runs/<id> (or a multiruns/<id> sweep dir): rebuild report.md/json, plots
 	PYTHONPATH=src $(PY) -m vitrain.reporting $(RUN)
 
+shards:  ## make shards SRC=<image folder or .tar(.gz)> DST=<folder or s3://bucket/prefix> [SHARDS_ARGS="--val-size 0.05"]
+	PYTHONPATH=src $(PY) -m vitrain.data.shards $(SRC) $(DST) $(SHARDS_ARGS)
+
 bench:  ## the benchmark suite (~20 min on 2 CPU cores): bench/results/*.json -> docs/benchmarks.md
 	$(PY) bench/run.py $(BENCH_ARGS)
 
 bench-smoke:  ## every benchmark in seconds-sized mode, results in /tmp (checks the scripts, measures nothing)
 	$(PY) bench/run.py --smoke --out /tmp/vitrain-bench-smoke $(BENCH_ARGS)
+
+bench-recipes:  ## recipe ablation on experiment=cifar_cpu (~11 min a row; ROWS=recipe,-conv_stem for a subset) -> docs/recipes.md
+	$(PY) bench/recipes.py $(if $(ROWS),--only $(ROWS))
+
+gpu-check:  ## every GPU path on this machine's GPUs in a few minutes, PASS/FAIL table + logs/gpu-check/<time>/gpu_check.json (docs/gpu.md)
+	$(PY) bench/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf logs/train logs/eval .pytest_cache .ruff_cache

@@ -2,8 +2,9 @@
 at most 10 minutes of training (the experiment's `trainer.max_time`), then the test accuracy of the best
 checkpoint, as the run itself reports it.
 
-The experiment's epochs and LR schedule are sized to end inside the budget on this machine; if the run is
-stopped by `max_time` instead (a slower or busier machine), the result says so.
+`trainer.precision=auto` picks bf16-mixed on a CPU with native bf16, else fp32 (the header says which this
+machine is). The LR schedule follows the time budget: on a machine too slow for the experiment's epochs the
+run stops at `max_time` with its LR decayed to the minimum, and the result says so.
 """
 
 from __future__ import annotations
@@ -43,16 +44,18 @@ def main() -> None:
     fit = rec["metrics"].get("fit", {})
     acc = test.get("test/acc1")
     minutes = rec["fit_seconds"] / 60
-    met = acc is not None and acc >= 0.70 and not rec["stopped_early"]
+    met = acc is not None and acc >= 0.78
     notes = []
+    lr_end = rec.get("lr_end_ratio")
     if rec["stopped_early"]:
         notes.append(
-            f"stopped by trainer.max_time after {rec['epochs']} of {rec['max_epochs']} epochs: "
-            "the LR schedule did not finish (a slower or busier machine than the one it was sized for)"
+            f"stopped by trainer.max_time after {rec['epochs']} of {rec['max_epochs']} epochs; the LR schedule "
+            "followed the time budget"
+            + (f" and ended at {lr_end:.3g} x its peak" if lr_end is not None else "")
         )
     line = (
         f"test accuracy {100 * (acc or 0):.2f} % after {minutes:.1f} min of training, "
-        f"{rec['epochs']} epochs (goal >= 70 %: {'met' if met else 'NOT met'})"
+        f"{rec['epochs']} epochs, {rec.get('precision')} (goal >= 78 %: {'met' if met else 'NOT met'})"
     )
     result.save(
         line,
@@ -64,10 +67,12 @@ def main() -> None:
             "epochs": rec["epochs"],
             "images_per_s": round(rec["global_step"] * _batch(run_dir) / rec["fit_seconds"], 1),
         },
-        goal="test accuracy >= 70 % within 10 minutes of training",
+        goal="test accuracy >= 78 % within 10 minutes of training",
         met=met,
         notes=notes,
         stopped_by_max_time=rec["stopped_early"],
+        precision=rec.get("precision"),
+        lr_end_ratio=lr_end,
         global_step=rec["global_step"],
         command=train_command(argv),
         config=_experiment_config(run_dir),

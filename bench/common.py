@@ -27,8 +27,10 @@ RESULTS = BENCH / "results"
 PYTHON = sys.executable
 if str(ROOT / "src") not in sys.path:  # the package is used from the source tree, as src/train.py does
     sys.path.insert(0, str(ROOT / "src"))
-# the real CIFAR-10 on this project's machines; `--data-dir` / `--cache-dir` point elsewhere
-DATA_DIR = Path(os.environ.get("VITRAIN_BENCH_DATA", "/work/shared/data/cifar10-jpeg.tar.gz"))
+# the real CIFAR-10 beside the checkout (`<root>/../shared/data`, as the tests find it);
+# `--data-dir` / `--cache-dir` point elsewhere
+_SHARED_DATA = Path(os.environ.get("VITRAIN_SHARED_DATA", ROOT.parent / "shared" / "data"))
+DATA_DIR = Path(os.environ.get("VITRAIN_BENCH_DATA", _SHARED_DATA / "cifar10-jpeg.tar.gz"))
 CACHE_DIR = Path(os.environ.get("VITRAIN_BENCH_CACHE", Path.home() / ".cache" / "vitrain-tests"))
 
 # the CPU experiment's model, for benchmarks that need "a small ViT"
@@ -77,11 +79,15 @@ def machine() -> dict[str, Any]:
     import timm
     import torch
 
+    from vitrain.precision import cpu_bf16_support
+
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return {
         "cpu": cpu_model(),
         "cores": os.cpu_count(),
         "avx512_bf16": "avx512_bf16" in cpu_flags(),
+        # what `trainer.precision=auto` goes by on CPU: bf16 instructions that oneDNN may use
+        "cpu_native_bf16": cpu_bf16_support()[0],
         "memory_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1024**3, 1),
         "gpu": gpu,
         "gpus": torch.cuda.device_count(),

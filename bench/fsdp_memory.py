@@ -22,12 +22,14 @@ from common import Result, data_overrides, parse_args, probe_overrides, run_trai
 from probe import GB
 
 MODEL = [
+    "model=vit",
     "model.net.model_name=vit_base_patch32_224",
     "model.net.pretrained=false",
     "model.net.img_size=224",
     "model.net.patch_size=32",
 ]
 SMOKE = [
+    "model=vit",
     "model.net.model_name=vit_tiny_patch16_224",
     "model.net.pretrained=false",
     "model.net.img_size=32",

@@ -4,7 +4,7 @@ memory and the largest batch size that fits one GPU.
 With CUDA: a short fit through the template (`vitrain.training.train`, default callbacks) times the
 steady-state steps (bench/probe.py; synchronised at the ends of the window), MFU = measured FLOPs per image
 (forward + backward, counted by Lightning's `measure_flops` on a meta-device copy) x images/s / the GPU's
-peak bf16 FLOPs (Lightning's table), peak memory = `torch.cuda.max_memory_allocated`, and the largest
+dense peak bf16 FLOPs (vitrain/callbacks/throughput.py, the callback's own table), peak memory = `torch.cuda.max_memory_allocated`, and the largest
 batch size comes from the template's own search (`+tune=batch_size`, vitrain/tuning.py).
 Without CUDA the same code runs with a tiny model on the CPU, and every figure is marked "not measured".
 """
@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 from common import Result, compose, data_overrides, parse_args, run_train, train_command
+
+from vitrain.callbacks.throughput import peak_flops
 
 SEED = [
     "experiment=cifar",
@@ -124,10 +126,9 @@ def main() -> None:
             cpu_smoke=fit,
         )
         return
-    from lightning.fabric.utilities.throughput import get_available_flops
-
     device = torch.device("cuda")
-    peak = get_available_flops(device, torch.bfloat16)
+    # the table the run's own MFU uses (callbacks/throughput.py): dense bf16 peak
+    peak = peak_flops(torch.cuda.get_device_name(device), torch.bfloat16)
     mfu = fit["flops_per_image"] * fit["images_per_s"] / peak if peak else None
     biggest = {"per_device": None} if args.smoke else largest_batch(args, workdir)
     gpu = torch.cuda.get_device_name(device)

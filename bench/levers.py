@@ -40,6 +40,8 @@ from common import (
     short_run,
 )
 
+from vitrain.precision import resolve_precision
+
 SMOKE = [
     *SMOKE_NET,
     "datamodule.batch_size=8",
@@ -142,7 +144,8 @@ def main() -> None:
     )
     shipped = {
         "fused_attn": cfg.model.get("fused_attn"),
-        "bf16": str(cfg.trainer.precision).startswith("bf16"),
+        # `auto`: as the shipped run resolves it on this machine
+        "bf16": str(resolve_precision(cfg.trainer)).startswith("bf16"),
         "fused_adamw": bool(cfg.model.optimizer.get("fused")),
         "compile": bool(cfg.model.get("compile")),
     }

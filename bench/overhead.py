@@ -32,6 +32,8 @@ from common import (
 )
 from lightning.pytorch.callbacks import Callback
 
+from vitrain.precision import resolve_precision
+
 SMOKE = [
     *SMOKE_NET,
     "datamodule.batch_size=8",
@@ -78,7 +80,7 @@ class PlainLoop:
             optimizer=self.optimizer, total_steps=steps
         )
         self.label_smoothing = float(cfg.model.label_smoothing)
-        precision = str(cfg.trainer.precision)
+        precision = str(resolve_precision(cfg.trainer))  # `auto`: what the template's own run resolves to
         self.autocast = (
             (lambda: torch.autocast(device.type, dtype=torch.bfloat16))
             if precision.startswith("bf16")
@@ -214,7 +216,7 @@ def main() -> None:
             k: net.get(k) for k in ("model_name", "img_size", "patch_size", "embed_dim", "depth", "num_heads")
         },
         batch_size=int(cfg.datamodule.batch_size),
-        precision=str(cfg.trainer.precision),
+        precision=str(resolve_precision(cfg.trainer)),
         callbacks=sorted(k for k in cfg.callbacks if k != "bench_interleave"),
         loggers=sorted(cfg.logger or []),
         blocks=args.blocks,

@@ -19,7 +19,7 @@ import torch
 from common import synced_clock
 from lightning.pytorch.callbacks import Callback
 
-from vitrain.reporting.measuring import metric_floats, proc_status, reset_peak_rss
+from vitrain.reporting.measuring import proc_status, reset_peak_rss
 from vitrain.utils.atomic import write_atomic
 
 GB = 1024**3
@@ -91,16 +91,19 @@ class BenchProbe(Callback):
             planned_steps=int(trainer.estimated_stepping_batches),
             # max_time (or a signal) ended the fit before the steps its LR schedule was sized for
             stopped_early=bool(trainer.global_step < trainer.estimated_stepping_batches),
+            precision=str(trainer.precision),
+            # where the LR schedule ended: 1.0 = its peak, the experiment's min_lr_ratio = fully decayed
+            lr_end_ratio=_lr_ratio(trainer),
             peak_rss_train=proc_status("VmHWM"),
         )
         if device.type == "cuda":
             self.record["peak_cuda_allocated"] = torch.cuda.max_memory_allocated(device)
             self.record["peak_cuda_reserved"] = torch.cuda.max_memory_reserved(device)
-        self.record["metrics"]["fit"] = metric_floats(trainer.callback_metrics)
+        self.record["metrics"]["fit"] = _floats(trainer.callback_metrics)
         self._write()
 
     def on_test_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.record["metrics"]["test"] = metric_floats(trainer.callback_metrics)
+        self.record["metrics"]["test"] = _floats(trainer.callback_metrics)
         self._write()
 
     def _write(self) -> None:
@@ -108,6 +111,23 @@ class BenchProbe(Callback):
         if "__RANK__" not in self.out and rank != 0:
             return
         write_atomic(self.out.replace("__RANK__", str(rank)), json.dumps(self.record, indent=1))
+
+
+def _lr_ratio(trainer: L.Trainer) -> float | None:
+    group = trainer.optimizers[0].param_groups[0] if trainer.optimizers else None
+    if not group or not group.get("initial_lr"):
+        return None
+    return float(group["lr"]) / float(group["initial_lr"])
+
+
+def _floats(metrics: dict[str, Any]) -> dict[str, float]:
+    out = {}
+    for key, value in metrics.items():
+        try:
+            out[key] = float(value)
+        except (TypeError, ValueError):
+            continue
+    return out
 
 
 def step_periods(step_ends: list[float], warmup: int) -> list[float]:

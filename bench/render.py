@@ -13,10 +13,21 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-ORDER = ["overhead", "data_pipeline", "ddp_scaling", "fsdp_memory", "startup", "accuracy", "levers", "gpu"]
+ORDER = [
+    "overhead",
+    "data_pipeline",
+    "data_sources",
+    "ddp_scaling",
+    "fsdp_memory",
+    "startup",
+    "accuracy",
+    "levers",
+    "gpu",
+]
 TITLES = {
     "overhead": "1. Framework overhead",
     "data_pipeline": "2. Data pipeline",
+    "data_sources": "2b. Image folders and streaming shards (224 px)",
     "ddp_scaling": "3. DDP scaling on CPU",
     "fsdp_memory": "4. FSDP memory",
     "startup": "5. Start-up",
@@ -82,7 +93,7 @@ def render(run: dict[str, Any] | None, results: list[dict[str, Any]]) -> str:
             ]
     gpu = f"{m['gpus']} x {m['gpu']}" if m.get("gpu") else "none"
     out += [
-        f"**Machine:** {m['cpu']}, {m['cores']} cores{' (AVX-512 BF16)' if m.get('avx512_bf16') else ''}, "
+        f"**Machine:** {m['cpu']}, {m['cores']} cores, {_bf16(m)}, "
         f"{m['memory_gb']} GB RAM, GPU: {gpu}. **Software:** Python {m['python']}, torch {m['torch']}, "
         f"lightning {m['lightning']}, timm {m['timm']}.",
         "",
@@ -131,6 +142,13 @@ def render(run: dict[str, Any] | None, results: list[dict[str, Any]]) -> str:
                 "",
             ]
     return "\n".join(out)
+
+
+def _bf16(m: dict[str, Any]) -> str:
+    """Whether the CPU computes bf16 natively: what `trainer.precision=auto` chooses by on CPU."""
+    native = m.get("cpu_native_bf16", m.get("avx512_bf16"))
+    flag = " (AVX-512 BF16)" if m.get("avx512_bf16") else ""
+    return f"native bf16{flag}: CPU runs bf16-mixed" if native else "no native bf16: CPU runs 32-true"
 
 
 def what_it_measures(name: str) -> str:

@@ -25,7 +25,17 @@ from common import BENCH, PYTHON, RESULTS, ROOT, load_average
 
 # the 10-minute accuracy run first: it is the one an absolute clock judges, so it gets the quiet machine
 # that --wait-quiet waited for; the others compare interleaved variants and tolerate a busier one
-SUITE = ["accuracy", "startup", "overhead", "data_pipeline", "levers", "ddp_scaling", "fsdp_memory", "gpu"]
+SUITE = [
+    "accuracy",
+    "startup",
+    "overhead",
+    "data_pipeline",
+    "data_sources",
+    "levers",
+    "ddp_scaling",
+    "fsdp_memory",
+    "gpu",
+]
 
 
 def wait_quiet(minutes: float, threshold: float = 0.8) -> float:

@@ -3,7 +3,7 @@
 import hydra
 from omegaconf import DictConfig
 
-from vitrain.training import train
+from vitrain.training import best_value, train
 from vitrain.utils.cli import check_overrides
 from vitrain.utils.run_id import register_resolvers
 from vitrain.utils.task import run_task
@@ -13,9 +13,9 @@ register_resolvers()
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="train.yaml")
 def main(cfg: DictConfig) -> float | None:
-    metrics, _ = run_task(train, cfg)
-    # the value a Hydra sweeper optimises, when one is configured
-    return metrics.get(cfg.get("optimized_metric") or "val/acc1")
+    metrics, objects = run_task(train, cfg)
+    # what a Hydra sweeper (hparams_search=...) optimises: the best value the run reached
+    return best_value(cfg.get("optimized_metric") or "val/acc1", metrics, objects["trainer"])
 
 
 if __name__ == "__main__":

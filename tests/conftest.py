@@ -1,5 +1,6 @@
 """Shared fixtures. Each part of the suite appends its own below."""
 
+import os
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,27 @@ def data_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("cache")
 
 
-REAL_CIFAR10_ARCHIVE = Path("/work/shared/data/cifar10-jpeg.tar.gz")
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory, tiny_cifar: Path, data_cache: Path) -> Path:
+    """A run dir of one trained epoch of the tiny ViT (`tiny_overrides`, logger=csv): checkpoints/last.ckpt
+    and the best epoch*.ckpt. Trained once, in-process, for every test that only needs a checkpoint to
+    start from; a test that writes into it works on a copy (shutil.copytree)."""
+    from helpers import compose_cfg, tiny_overrides
+    from vitrain.training import train
+
+    run_dir = tmp_path_factory.mktemp("tiny_checkpoint")
+    train(
+        compose_cfg("train", [*tiny_overrides(tiny_cifar, data_cache), "logger=csv", "test=false"], run_dir)
+    )
+    assert (run_dir / "checkpoints" / "last.ckpt").is_file()
+    return run_dir
+
+
+ROOT = Path(__file__).resolve().parents[1]
+# data shared by checkouts lives beside the repository (`<root>/../shared/data`, as CI clones have it);
+# VITRAIN_SHARED_DATA points elsewhere
+SHARED_DATA = Path(os.environ.get("VITRAIN_SHARED_DATA", ROOT.parent / "shared" / "data")).expanduser()
+REAL_CIFAR10_ARCHIVE = SHARED_DATA / "cifar10-jpeg.tar.gz"
 
 
 @pytest.fixture(scope="session")
@@ -28,8 +49,6 @@ def real_cifar10_cache() -> tuple[Path, Path]:
     survives sessions (env VITRAIN_TEST_CACHE or ~/.cache/vitrain-tests), so it is decoded once per machine."""
     if not REAL_CIFAR10_ARCHIVE.is_file():
         pytest.skip(f"real CIFAR-10 archive {REAL_CIFAR10_ARCHIVE} is absent")
-    import os
-
     cache = Path(os.environ.get("VITRAIN_TEST_CACHE", Path.home() / ".cache" / "vitrain-tests")).expanduser()
     cache.mkdir(parents=True, exist_ok=True)
     return cache, REAL_CIFAR10_ARCHIVE
@@ -85,3 +104,51 @@ def s3_bucket(s3_env: str) -> str:
     name = f"vitrain-test-{uuid.uuid4().hex[:12]}"
     boto3.client("s3", endpoint_url=s3_env).create_bucket(Bucket=name)
     return name
+
+
+# --- MLflow: a real tracking server (`mlflow server`) on 127.0.0.1, SQLite store, served artifacts -------
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory: pytest.TempPathFactory):  # -> Iterator[str]
+    """One `mlflow server` for the session on a free loopback port; yields its URL."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    root = tmp_path_factory.mktemp("mlflow_server")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    command = [
+        *(sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port)),
+        *("--workers", "1", "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}"),
+        *("--artifacts-destination", str(root / "artifacts")),
+    ]
+    # no background job runner: one process less to start
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    log = (root / "server.log").open("w")
+    server = subprocess.Popen(command, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 180  # a loaded 2-core machine needs ~20-60 s
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
+                if response.status == 200:
+                    break
+        except OSError:
+            pass
+        if server.poll() is not None or time.monotonic() > deadline:
+            server.kill()
+            pytest.fail(f"mlflow server did not start: {(root / 'server.log').read_text()[-3000:]}")
+        time.sleep(0.5)
+    yield url
+    server.terminate()
+    try:
+        server.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        server.kill()
+    log.close()

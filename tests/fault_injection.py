@@ -3,6 +3,9 @@
 
 import os
 import signal
+import subprocess
+import threading
+import time
 from pathlib import Path
 
 import lightning as L
@@ -50,3 +53,33 @@ class SignalRankAt(Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
         if trainer.global_rank == self.rank and trainer.global_step == self.step:
             os.kill(os.getpid(), self.signum)
+
+
+class SlurmSignalAt(Callback):
+    """In a SLURM job's first attempt, global rank zero has SLURM signal every task of the job (`scancel
+    --signal`, what `--signal=USR1@90` does before the time limit) when it reaches `step`, and waits until
+    the signal has arrived here, so the step the ranks stop at is known."""
+
+    def __init__(self, step: int, signal_name: str = "USR1") -> None:
+        self.step, self.name = step, signal_name
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
+        if trainer.global_step != self.step or not trainer.is_global_zero:
+            return
+        if int(os.environ.get("SLURM_RESTART_COUNT") or 0) > 0:
+            return
+        signum = getattr(signal, f"SIG{self.name}")
+        arrived = threading.Event()
+        previous = signal.getsignal(signum)
+
+        def note(sig: int, frame) -> None:
+            arrived.set()
+            if callable(previous):
+                previous(sig, frame)
+
+        signal.signal(signum, note)
+        subprocess.run(["scancel", f"--signal={self.name}", os.environ["SLURM_JOB_ID"]], check=True)
+        deadline = time.monotonic() + 60
+        while not arrived.is_set() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        signal.signal(signum, previous)

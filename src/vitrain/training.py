@@ -1,19 +1,24 @@
 """The training task: build everything from the config, fit, test the best checkpoint."""
 
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
 import hydra
 import lightning as L
-from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig
 
 from vitrain.checkpoints import CheckpointError
+from vitrain.loggers import MetricRecord, finish_runs, log_run_config
+from vitrain.precision import resolve_precision
 from vitrain.reporting.files import STATS_FILE, read_json, write_json
 from vitrain.reporting.measuring import metric_floats
 from vitrain.reporting.report import write_report
 from vitrain.reporting.run_stats import checkpoint_paths
+from vitrain.resume import DECIDED_ENV, checkpoint_to_resume
 from vitrain.tuning import search_batch_size
 from vitrain.utils.config import instantiate_dict, to_container
 from vitrain.utils.secrets import redact
@@ -29,9 +34,11 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     model.run_config = to_container(cfg)
     callbacks = instantiate_dict(cfg.get("callbacks"))
     loggers = instantiate_dict(cfg.get("logger"))
-    if not loggers:  # LearningRateMonitor refuses to run without a logger
-        callbacks = [c for c in callbacks if not isinstance(c, LearningRateMonitor)]
-    trainer: L.Trainer = hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
+    # the run's own metric record (metrics.jsonl), beside any logger or none: what the report reads
+    record = MetricRecord(cfg.paths.output_dir)
+    trainer: L.Trainer = hydra.utils.instantiate(
+        cfg.trainer, callbacks=callbacks, logger=[*loggers, record], precision=resolve_precision(cfg.trainer)
+    )
     return {
         "cfg": cfg,
         "datamodule": datamodule,
@@ -42,6 +49,27 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     }
 
 
+def use_tensor_cores_for_fp32(trainer: L.Trainer) -> None:
+    """On GPUs, fp32 matmuls (32-true runs, fp32 parts of mixed precision) run as TF32 on tensor cores:
+    about 8x the fp32 peak on an A100/H100, a 10-bit mantissa for the products, fp32 accumulation. An
+    explicit `torch.set_float32_matmul_precision` in the environment's code wins (only "highest" is
+    replaced)."""
+    if trainer.strategy.root_device.type == "cuda" and torch.get_float32_matmul_precision() == "highest":
+        torch.set_float32_matmul_precision("high")
+
+
+def best_value(metric: str, metrics: dict[str, float], trainer: L.Trainer) -> float | None:
+    """The best value of `metric` in the run: the score of the ModelCheckpoint that monitors it (the same on
+    every rank), else, with a warning, its last value. What a sweeper optimises (`optimized_metric`)."""
+    for callback in trainer.checkpoint_callbacks:
+        score = callback.best_model_score if isinstance(callback, ModelCheckpoint) else None
+        if score is not None and callback.monitor == metric:
+            return float(score)
+    if metric in metrics:
+        log.warning(f"No ModelCheckpoint monitors {metric}: its last value stands for the run")
+    return metrics.get(metric)
+
+
 def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
     """Fit (optionally resuming from `cfg.ckpt_path`), then test the best checkpoint; returns metrics."""
     if cfg.get("seed") is not None:
@@ -49,14 +77,17 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
         L.seed_everything(cfg.seed, workers=True)
     objects = build(cfg)
     trainer, model, datamodule = objects["trainer"], objects["model"], objects["datamodule"]
+    log_run_config(objects["loggers"], model.run_config)  # rank zero: W&B / MLflow start their run here
+    use_tensor_cores_for_fp32(trainer)
     search_batch_size(cfg, objects)  # only with `+tune=batch_size`
 
     if cfg.get("train"):
+        ckpt_path = checkpoint_to_resume(cfg, trainer)
+        decided = os.environ.get(DECIDED_ENV)
+        os.environ[DECIDED_ENV] = ckpt_path or ""  # the local ranks Lightning starts follow this decision
         # weights_only=False: our checkpoints hold the optimizer/scheduler partials of the model's hparams
         try:
-            trainer.fit(
-                model=model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"), weights_only=False
-            )
+            trainer.fit(model=model, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=False)
         except RuntimeError as err:
             if "Error(s) in loading state_dict" not in str(err):
                 raise
@@ -64,6 +95,9 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
             raise CheckpointError(
                 f"ckpt_path={cfg.ckpt_path} does not fit model {cfg.model.net.model_name}: {detail}"
             ) from err
+        finally:
+            if decided is None:
+                os.environ.pop(DECIDED_ENV, None)
     metrics = metric_floats(trainer.callback_metrics)
 
     checkpoint = trainer.checkpoint_callback
@@ -80,6 +114,7 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
             trainer.test(model=model, datamodule=datamodule)
         metrics.update(metric_floats(trainer.callback_metrics))
     finish_run(objects)  # rank zero: report.md/json and plots in the run dir
+    finish_runs()  # W&B's run is process-wide: the next job of a sweep needs its own
     return metrics, objects
 
 

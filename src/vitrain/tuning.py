@@ -6,6 +6,11 @@ search runs on ONE device of the run's accelerator; the per-device figure is mul
 size for the global `datamodule.batch_size` (DDP keeps a full model per device: that figure holds; FSDP
 shards parameters and optimizer state, so more fits: it is a lower bound there).
 
+`margin` (head-room below the largest size that ran) is applied by Lightning in `binsearch` mode only. In
+`power` mode (the default) the answer is the largest power of two that ran `steps_per_trial` steps: at most
+the true limit, often well below it; a long run also holds validation buffers and fragments memory, so keep
+some head-room when the answer is right at the limit (docs/gpu.md).
+
 A CPU never runs "out of memory" the way a GPU does: the machine swaps or the kernel kills the process.
 So a memory cap (`max_memory_gb`, by default half the RAM) stops the growth: a trial fails when the
 process's peak RSS exceeds it, or before it starts when the peak extrapolated from the previous trials
@@ -34,6 +39,7 @@ from omegaconf import DictConfig, open_dict
 
 from vitrain.distributed.ranks import devices_per_node, global_rank_from_env
 from vitrain.errors import UserError
+from vitrain.precision import resolve_precision
 from vitrain.reporting.files import SEARCH_FILE
 from vitrain.reporting.measuring import GB, peak_rss_bytes, reset_peak_memory
 
@@ -137,8 +143,9 @@ class TrustedCheckpointIO(TorchCheckpointIO):
     """Loads the finder's own temporary checkpoint (written by this process moments before) in full: our
     hyperparameters hold config objects that `torch.load(weights_only=True)` refuses."""
 
-    def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict:
-        return super().load_checkpoint(path, map_location=map_location, weights_only=False)
+    def load_checkpoint(self, path: Any, map_location: Any = "cpu", weights_only: bool | None = None) -> dict:
+        # to the CPU: the model is moved back to the device by the trainer (vitrain/checkpoints.py says why)
+        return super().load_checkpoint(path, map_location=map_location or "cpu", weights_only=False)
 
 
 def memory_cap_bytes(max_memory_gb: float | None, device: torch.device) -> float | None:
@@ -147,6 +154,17 @@ def memory_cap_bytes(max_memory_gb: float | None, device: torch.device) -> float
     if max_memory_gb is not None:
         return float(max_memory_gb) * GB
     return psutil.virtual_memory().total / 2 if device.type == "cpu" else None
+
+
+def first_device(devices: Any) -> int | list[int]:
+    """`Trainer(devices=...)` for the search: the run's first device (GPU 2 of `devices=[2,3]`, not GPU 0,
+    which may belong to another job), or one device when the run names none in particular."""
+    if isinstance(devices, str) and "," in devices:
+        devices = [d for d in devices.split(",") if d.strip()]
+    if isinstance(devices, list | tuple) or (hasattr(devices, "__iter__") and not isinstance(devices, str)):
+        items = list(devices)
+        return [int(items[0])] if items else 1
+    return 1
 
 
 def search_batch_size(cfg: DictConfig, objects: dict[str, Any]) -> dict[str, Any] | None:
@@ -201,10 +219,11 @@ def find_max_batch_size(
 ) -> dict[str, Any]:
     """Search on one device with a copy of the model; the run's own model and datamodule are left as found."""
     trainer_cfg = cfg.trainer
+    precision = resolve_precision(trainer_cfg)  # the run's own, `auto` resolved alike
     tuner_trainer = L.Trainer(
         accelerator=trainer_cfg.get("accelerator", "auto"),
-        devices=1,
-        precision=trainer_cfg.get("precision", "32-true"),
+        devices=first_device(trainer_cfg.get("devices", 1)),
+        precision=precision,
         gradient_clip_val=trainer_cfg.get("gradient_clip_val"),
         max_epochs=1,
         logger=False,
@@ -272,7 +291,8 @@ def find_max_batch_size(
         "world_size": world_size,
         "accelerator": device.type,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "precision": str(trainer_cfg.get("precision")),
+        "device_index": device.index,
+        "precision": str(precision),
         "strategy": _strategy_name(trainer_cfg),
         "model": cfg.model.net.get("model_name"),
         "img_size": getattr(model, "input_spec", {}).get("img_size"),

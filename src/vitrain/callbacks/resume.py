@@ -1,15 +1,20 @@
 """What Lightning leaves out of a checkpoint for an exact resume, and a checkpoint on SIGTERM."""
 
 import logging
+import os
+import random
 import signal
+import subprocess
 import threading
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
 import lightning as L
+import numpy as np
 import torch
 import torch.distributed
+from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
@@ -19,7 +24,8 @@ log = logging.getLogger(__name__)
 
 
 class ExactResume(Callback):
-    """Saves the random number generators with each checkpoint and restores them on resume.
+    """Saves every rank's random number generators with each checkpoint and restores them on resume; gives
+    each rank its own augmentation stream.
 
     Lightning restores weights, optimizer, schedule and loop counters but not the global RNGs that drive
     our on-device augmentation and drop-path: without them a resumed run draws other crops than the run it
@@ -27,6 +33,12 @@ class ExactResume(Callback):
     the last completed batch is the one to continue from — also for a SIGTERM save, which happens after
     the next batch was already fetched and augmented. Restored when training starts (Lightning does not call
     `on_train_epoch_start` again for an epoch it resumes in the middle).
+
+    Ranks: every rank is seeded alike so that the model starts identical everywhere; when training starts,
+    rank r > 0 re-seeds its generators from (seed, r), so ranks draw different crops and drop-path masks
+    (rank 0 draws as a single process does). Only rank 0 writes the checkpoint file, so the states of all
+    ranks are gathered into it (`rng_states_per_rank`, a few KB each; one collective per save), and each rank
+    restores its own. A checkpoint from another world size restores rank 0's state, offset by rank.
     """
 
     def __init__(self) -> None:
@@ -40,6 +52,7 @@ class ExactResume(Callback):
         if self._cuda is None:
             self._cuda = torch.cuda.is_available()
         states = _collect_rng_states(include_cuda=False)
+        # this process's devices' generators (CPU byte tensors: no device tensor reaches the checkpoint)
         states["torch.cuda"] = torch.cuda.get_rng_state_all() if self._cuda else []
         return states
 
@@ -47,15 +60,49 @@ class ExactResume(Callback):
         self._after_last_batch = self._collect()  # a few KB copied: microseconds a step
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
-        checkpoint["rng_states"] = self._after_last_batch or self._collect()
+        mine = self._after_last_batch or self._collect()
+        per_rank = gather_from_ranks(mine, trainer.world_size)
+        checkpoint["rng_states"] = per_rank[0]
+        checkpoint["rng_states_per_rank"] = per_rank
 
     def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
-        self._pending = checkpoint.get("rng_states")
+        per_rank = checkpoint.get("rng_states_per_rank")
+        if per_rank and len(per_rank) == trainer.world_size:
+            self._pending = per_rank[trainer.global_rank]
+        elif checkpoint.get("rng_states") is not None:
+            self._pending = {**checkpoint["rng_states"], "offset_by_rank": True}
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._pending is not None:
+            offset = self._pending.pop("offset_by_rank", False)
+            if not torch.cuda.is_available():
+                self._pending.pop("torch.cuda", None)  # saved on GPUs, resumed on a CPU: nothing to restore
             _set_rng_states(self._pending)
             self._pending = None
+            if offset:
+                offset_by_rank(trainer.global_rank)
+        else:
+            offset_by_rank(trainer.global_rank)
+
+
+def offset_by_rank(rank: int) -> None:
+    """Re-seed this rank's global generators (torch CPU and CUDA, numpy, random) from (its seed, rank):
+    each rank its own augmentation stream. Rank 0 keeps its stream."""
+    if rank == 0:
+        return
+    seed = (torch.initial_seed() + 1_000_003 * rank) % 2**32
+    torch.manual_seed(seed)  # also every CUDA device's generator
+    random.seed(seed)
+    np.random.seed(seed)
+
+
+def gather_from_ranks(obj: Any, world_size: int) -> list[Any]:
+    """`obj` of every rank, in rank order, on every rank (a list of one without a process group)."""
+    if world_size <= 1 or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return [obj]
+    gathered: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, obj)
+    return gathered
 
 
 class CheckpointOnSigterm(Callback):
@@ -72,25 +119,39 @@ class CheckpointOnSigterm(Callback):
     Lightning 2.6 also broadcasts its own SIGTERM flag before every batch under DDP/FSDP: a second collective
     (a host sync on GPUs) per step, which after the take-over only ever says "no". The agreement runs in
     its place, so a step has one such collective, not two.
+
+    Under SLURM with auto-requeue (Lightning's default `SLURMEnvironment`), the requeue signal
+    (`#SBATCH --signal=USR1@90`) takes the same path, and then global rank zero runs `scontrol requeue` once
+    every rank has saved; the requeued job resumes from `last` in the same run directory (`resume=auto`).
+    Lightning's own handler would save `hpc_ckpt_N.ckpt` from rank zero alone inside the signal handler
+    (incomplete for FSDP, and another checkpoint than `last`) and requeue while the others train on.
     """
+
+    # what the ranks agree on (MAX): nothing, stop and save, stop, save and requeue the SLURM job
+    _NONE, _STOP, _REQUEUE = 0, 1, 2
 
     def __init__(self, check_every_n_steps: int = 10) -> None:
         self.check_every_n_steps = max(int(check_every_n_steps), 1)
-        self._requested = False
+        self._requested = self._NONE
+        self._agreed = self._NONE
         self._replaced_lightning_check = False
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if threading.current_thread() is not threading.main_thread():
             return  # signal handlers can only be set from the main thread
 
-        def note_sigterm(signum: int, frame: FrameType | None) -> None:
+        def note(signum: int, frame: FrameType | None) -> None:
             if not self._requested and trainer.strategy.launcher is not None:
                 trainer.strategy.launcher.kill(signum)
-            self._requested = True
+            wanted = self._REQUEUE if signum == requeue_signal else self._STOP
+            self._requested = max(self._requested, wanted)
 
-        signal.signal(signal.SIGTERM, note_sigterm)
-        # restart system calls the signal interrupts instead of failing them: gloo does not retry on EINTR
-        signal.siginterrupt(signal.SIGTERM, False)
+        requeue_signal = slurm_requeue_signal(trainer)
+        for signum in (signal.SIGTERM, requeue_signal):
+            if signum is not None:
+                signal.signal(signum, note)  # replaces Lightning's handlers (restored when fit ends)
+                # restart system calls the signal interrupts instead of failing them: gloo does not retry
+                signal.siginterrupt(signum, False)
         epoch_loop = trainer.fit_loop.epoch_loop
         if trainer.world_size > 1 and hasattr(epoch_loop, "_broadcast_sigterm_tensor"):
             # Lightning calls it before each batch when world_size > 1 (an instance attribute: this trainer
@@ -104,14 +165,12 @@ class CheckpointOnSigterm(Callback):
 
     def _agree(self, trainer: L.Trainer) -> None:
         if trainer.world_size == 1:
-            stop = self._requested
+            self._agreed = self._requested
         elif trainer.global_step % self.check_every_n_steps == 0:
-            flag = torch.tensor([int(self._requested)], device=trainer.strategy.root_device)
+            flag = torch.tensor([self._requested], device=trainer.strategy.root_device)
             torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-            stop = bool(flag.item())
-        else:
-            stop = False
-        if stop:
+            self._agreed = int(flag.item())
+        if self._agreed:
             raise SIGTERMException
 
     def on_exception(
@@ -124,6 +183,33 @@ class CheckpointOnSigterm(Callback):
             log.warning("SIGTERM: no ModelCheckpoint configured, nothing saved")
             return
         path = Path(checkpoint.dirpath) / f"{checkpoint.CHECKPOINT_NAME_LAST}{checkpoint.FILE_EXTENSION}"
-        trainer.save_checkpoint(path)
-        if trainer.is_global_zero:
-            log.warning(f"SIGTERM: saved {path} at step {trainer.global_step}; relaunch with ckpt_path=last")
+        trainer.save_checkpoint(path)  # ends in a barrier: every rank has written its part
+        if not trainer.is_global_zero:
+            return
+        if self._agreed == self._REQUEUE:
+            log.warning(f"SLURM requeue signal: saved {path} at step {trainer.global_step}")
+            requeue_slurm_job()
+        else:
+            log.warning(
+                f"SIGTERM: saved {path} at step {trainer.global_step}; relaunch the same command to resume"
+            )
+
+
+def slurm_requeue_signal(trainer: L.Trainer) -> int | None:
+    """The signal after which Lightning would requeue this SLURM job (`SLURMEnvironment(auto_requeue=True)`)."""
+    environment = getattr(trainer.strategy, "cluster_environment", None)  # none on one device
+    if isinstance(environment, SLURMEnvironment) and environment.auto_requeue:
+        return environment.requeue_signal
+    return None
+
+
+def requeue_slurm_job() -> None:
+    """`scontrol requeue` this job (array task): SLURM stops it and starts it again under the same id."""
+    job = os.environ["SLURM_JOB_ID"]
+    if os.environ.get("SLURM_ARRAY_JOB_ID") and os.environ.get("SLURM_ARRAY_TASK_ID"):
+        job = f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ['SLURM_ARRAY_TASK_ID']}"
+    done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
+    if done.returncode == 0:
+        log.warning(f"SLURM: requeued job {job}; it resumes from `last` in this run directory")
+    else:
+        log.error(f"SLURM: scontrol requeue {job} failed ({done.stderr.strip()}); resubmit the job to resume")

@@ -329,14 +329,18 @@ class S3CheckpointUpload(Callback):
                 "S3 upload is enabled but no bucket is set: export S3_BUCKET=<bucket> (or .env), "
                 "or pass callbacks.s3_upload.bucket=<bucket>"
             )
-        bucket = parse_s3_uri(f"s3://{self.bucket}").bucket
-        self.base = S3Uri(bucket).child(self.prefix or "", self._run_name(trainer))
+        self.base = self.run_uri(trainer)
         self._store = S3Store(self.options)
         if self.preflight:
             self._store.preflight(self.base)
         self._lock = threading.Lock()
         self._worker = _Worker(self._run_job)
         log.info("S3: uploading checkpoints to %s/", self.base)
+
+    def run_uri(self, trainer: L.Trainer) -> S3Uri:
+        """`s3://<bucket>/<prefix>/<run name>`: where this run's files go, and where a resume looks."""
+        bucket = parse_s3_uri(f"s3://{self.bucket}").bucket
+        return S3Uri(bucket).child(self.prefix or "", self._run_name(trainer))
 
     def _root(self) -> Path:
         return self.run_dir or Path.cwd()

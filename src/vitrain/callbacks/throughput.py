@@ -1,15 +1,16 @@
 """Images/s and model FLOPs utilisation (MFU) in the logs, with Lightning's ThroughputMonitor.
 
 Logged (TensorBoard: `train/device/samples_per_sec`, `train/device/mfu`, ...; `train/samples_per_sec` for all
-processes together when there are several) once `window_size` batches have run. MFU needs the device's peak
-FLOPs: Lightning's table covers the common NVIDIA GPUs but not every name a driver reports (a plain
-`NVIDIA H200`), nor CPUs. Unknown peaks are looked up in `PEAK_ALIASES`, or taken from `peak_flops`; if
-still unknown, images/s are logged and MFU is not.
+processes together when there are several) once `window_size` batches have run. MFU = achieved FLOPs / the
+device's dense peak for the dtype the matmuls run in. The peaks come from `PEAKS` below (one table, dense
+figures, used by this callback and bench/gpu.py alike); names it does not list fall back to Lightning's
+table; `peak_flops` in the config overrides both; if still unknown, images/s are logged and MFU is not.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import time
 import warnings
 from collections.abc import Mapping
@@ -17,18 +18,75 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.fabric.utilities.throughput import _CUDA_FLOPS, measure_flops
+from lightning.fabric.utilities.throughput import get_available_flops, measure_flops
 from lightning.pytorch.callbacks import ThroughputMonitor
 from lightning.pytorch.callbacks.throughput_monitor import _plugin_to_compute_dtype
 from lightning.pytorch.trainer.states import RunningStage
 
 log = logging.getLogger(__name__)
 
-# device names Lightning does not map to its table: lower-cased substring -> Lightning's chip key
-PEAK_ALIASES: dict[str, str] = {
-    "h200 nvl": "h200 nvl1",
-    "h200": "h200 sxm1",  # "NVIDIA H200" is the SXM part (141 GB)
-}
+T = 1e12
+# Dense peak FLOP/s per GPU (no 2:4 sparsity) by compute dtype; "tf32" = fp32 matmuls on tensor cores.
+# Sources, NVIDIA datasheets: H100 (SXM5, PCIe, NVL) "NVIDIA H100 Tensor Core GPU" datasheet (the with-
+# sparsity figures halved: SXM bf16 1979 -> 989); H200 "NVIDIA H200 Tensor Core GPU" datasheet (SXM as H100
+# SXM, NVL as H100 NVL); GH200 "NVIDIA GH200 Grace Hopper Superchip" datasheet (GPU as H100 SXM); A100 "NVIDIA
+# A100 Tensor Core GPU" datasheet (312 bf16/fp16, 156 tf32, 19.5 fp32); L4, L40, L40S, A10 their datasheets;
+# V100 and T4 have no bf16. Lightning's table lists H200 with sparsity (MFU would halve) and no GH200.
+_HOPPER_SXM = {torch.bfloat16: 989 * T, torch.float16: 989 * T, "tf32": 494.7 * T, torch.float32: 67 * T}
+_HOPPER_NVL = {torch.bfloat16: 835 * T, torch.float16: 835 * T, "tf32": 417.5 * T, torch.float32: 60 * T}
+PEAKS: list[tuple[str, dict[Any, float]]] = [  # first match of the lower-cased device name wins
+    (r"gh200", _HOPPER_SXM),
+    (r"h200.*nvl", _HOPPER_NVL),
+    (r"h200", _HOPPER_SXM),
+    (r"h100.*nvl", _HOPPER_NVL),
+    (
+        r"h100.*(pcie|hbm2e)",
+        {torch.bfloat16: 756 * T, torch.float16: 756 * T, "tf32": 378 * T, torch.float32: 51 * T},
+    ),
+    (r"h100", _HOPPER_SXM),
+    (r"a100", {torch.bfloat16: 312 * T, torch.float16: 312 * T, "tf32": 156 * T, torch.float32: 19.5 * T}),
+    (r"l40s", {torch.bfloat16: 362 * T, torch.float16: 362 * T, "tf32": 183 * T, torch.float32: 91.6 * T}),
+    (r"l40\b", {torch.bfloat16: 181 * T, torch.float16: 181 * T, "tf32": 90.5 * T, torch.float32: 90.5 * T}),
+    (r"\bl4\b", {torch.bfloat16: 121 * T, torch.float16: 121 * T, "tf32": 60 * T, torch.float32: 30.3 * T}),
+    (
+        r"a10g?\b",
+        {torch.bfloat16: 125 * T, torch.float16: 125 * T, "tf32": 62.5 * T, torch.float32: 31.2 * T},
+    ),
+    (r"v100.*pcie", {torch.float16: 112 * T, torch.float32: 14 * T}),
+    (r"v100", {torch.float16: 125 * T, torch.float32: 15.7 * T}),
+    (r"\bt4\b", {torch.float16: 65 * T, torch.float32: 8.1 * T}),
+]
+
+
+def peak_flops(device_name: str, dtype: torch.dtype, tf32: bool | None = None) -> float | None:
+    """Dense peak FLOP/s of the GPU called `device_name` for matmuls in `dtype`; fp32 counts as TF32 when
+    `tf32` (default: torch's float32 matmul precision is not "highest"). None when unknown."""
+    if tf32 is None:
+        tf32 = torch.get_float32_matmul_precision() != "highest"
+    key: Any = "tf32" if dtype is torch.float32 and tf32 else dtype
+    name = device_name.lower()
+    for pattern, peaks in PEAKS:
+        if re.search(pattern, name):
+            return peaks.get(key)
+    if not torch.cuda.is_available():
+        return None
+    # a GPU our table does not list (GeForce, older parts): Lightning's table, looked up by this device's name
+    for index in range(torch.cuda.device_count()):
+        if torch.cuda.get_device_name(index) == device_name:
+            found = get_available_flops(torch.device("cuda", index), "tfloat32" if key == "tf32" else dtype)
+            return float(found) if found else None
+    return None
+
+
+def compute_dtype(precision_plugin: Any, strategy: Any = None) -> torch.dtype:
+    """The dtype the matmuls run in: FSDP2's mixed-precision policy when it has one (the precision plugin
+    then says fp32 although blocks compute in bf16: MFU would be 15x too high), else the plugin's."""
+    from vitrain.distributed.fsdp import compute_dtype as fsdp_dtype
+
+    options = getattr(strategy, "fsdp_options", None)
+    if options is not None and fsdp_dtype(options.get("mixed_precision")) is not None:
+        return fsdp_dtype(options["mixed_precision"])
+    return _plugin_to_compute_dtype(precision_plugin)
 
 
 def batch_size(batch: Any) -> int:
@@ -36,18 +94,6 @@ def batch_size(batch: Any) -> int:
     while isinstance(batch, list | tuple | Mapping):
         batch = next(iter(batch.values())) if isinstance(batch, Mapping) else batch[0]
     return int(batch.shape[0])
-
-
-def alias_peak_flops(device_name: str, dtype: torch.dtype) -> float | None:
-    """Peak FLOPs for a device name Lightning does not recognise, from `PEAK_ALIASES`."""
-    name = device_name.lower()
-    for alias, chip in PEAK_ALIASES.items():
-        if alias in name and chip in _CUDA_FLOPS:
-            peaks = _CUDA_FLOPS[chip]
-            if dtype is torch.float32 and torch.get_float32_matmul_precision() != "highest":
-                return peaks.get("tfloat32")
-            return peaks.get(dtype)
-    return None
 
 
 def flops_per_image(pl_module: L.LightningModule, training: bool) -> float | None:
@@ -81,23 +127,23 @@ class ImageThroughputMonitor(ThroughputMonitor):
         super().__init__(batch_size_fn=batch_size, window_size=window_size, **kwargs)
         self.peak_flops = peak_flops
         self.device_name: str | None = None
+        self.compute_dtype: torch.dtype | None = None
         self.train_flops: float | None = None
         self.eval_flops: float | None = None
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        with warnings.catch_warnings():  # "FLOPs not found for ...": handled below
+        with warnings.catch_warnings():  # "FLOPs not found for ...": our table decides below
             warnings.filterwarnings("ignore", message=".*FLOPs not found.*")
             super().setup(trainer, pl_module, stage)
         device = trainer.strategy.root_device
         self.device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-        if self.available_flops is None:
-            dtype = _plugin_to_compute_dtype(trainer.precision_plugin)
-            peak = self.peak_flops or (
-                alias_peak_flops(self.device_name, dtype) if device.type == "cuda" else None
-            )
-            self.available_flops = int(peak) if peak else None
-            for throughput in self._throughputs.values():
-                throughput.available_flops = self.available_flops
+        self.compute_dtype = compute_dtype(trainer.precision_plugin, trainer.strategy)
+        peak = self.peak_flops or (
+            peak_flops(self.device_name, self.compute_dtype) if device.type == "cuda" else None
+        )
+        self.available_flops = int(peak) if peak else None
+        for throughput in self._throughputs.values():
+            throughput.available_flops = self.available_flops
         if self.available_flops is None and self.train_flops is None and trainer.is_global_zero:
             log.info(
                 "No peak FLOPs known for %s: images/s are logged, MFU is not "

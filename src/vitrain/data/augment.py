@@ -4,12 +4,18 @@ batch instead of per-image Python in loader workers."""
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
-from dataclasses import dataclass
+import math
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+import torchvision.transforms.v2.functional as TF
+from timm.data.random_erasing import RandomErasing
 from torch import Tensor
+
+from vitrain.errors import DataError
 
 
 def random_crop_flip(x: Tensor, padding: int, flip_p: float = 0.5) -> Tensor:
@@ -61,6 +67,177 @@ def _affine(mean: tuple[float, ...], std: tuple[float, ...], device: torch.devic
     return scale.view(1, -1, 1, 1).to(device), shift.view(1, -1, 1, 1).to(device)
 
 
+# --- RandAugment / TrivialAugment, per image, batch-wise ---------------------------------------------------
+#
+# torchvision's and timm's RandAugment draw one op per call: applied to a batch tensor that is one op and one
+# magnitude for the whole batch. Here every image draws its own op and magnitude; the batch is grouped by op
+# and each group runs as one batched call with a magnitude per image (affine ops: one grid_sample with a
+# matrix per image). uint8 in, uint8 out.
+
+
+def _blend(x: Tensor, degenerate: Tensor, factor: Tensor) -> Tensor:
+    """PIL ImageEnhance: degenerate + factor * (image - degenerate), per image factor."""
+    f = factor.view(-1, 1, 1, 1)
+    return (degenerate + f * (x.float() - degenerate)).clamp_(0, 255).round_().to(torch.uint8)
+
+
+def _gray(x: Tensor) -> Tensor:
+    return TF.rgb_to_grayscale(x).float()
+
+
+def _warp(x: Tensor, theta: Tensor) -> Tensor:
+    """A 2x3 matrix per image (normalised coordinates, output -> input), nearest pixel, zeros outside."""
+    grid = F.affine_grid(theta, list(x.shape), align_corners=False)
+    return F.grid_sample(x.float(), grid, mode="nearest", padding_mode="zeros", align_corners=False).to(
+        x.dtype
+    )
+
+
+def _matrix(n: int, device: torch.device, **entries: Tensor) -> Tensor:
+    theta = torch.zeros(n, 2, 3, device=device)
+    theta[:, 0, 0] = theta[:, 1, 1] = 1.0
+    for key, value in entries.items():
+        theta[:, int(key[1]), int(key[2])] = value
+    return theta
+
+
+def _rotate(x: Tensor, degrees: Tensor) -> Tensor:
+    rad = degrees * (math.pi / 180)
+    cos, sin = rad.cos(), rad.sin()
+    return _warp(x, _matrix(len(x), x.device, m00=cos, m01=-sin, m10=sin, m11=cos))
+
+
+def _sharpness_degenerate(x: Tensor) -> Tensor:
+    """PIL's SMOOTH filter inside, the image's own border pixels at the edge (as PIL and torchvision)."""
+    kernel = torch.tensor([[1.0, 1.0, 1.0], [1.0, 5.0, 1.0], [1.0, 1.0, 1.0]], device=x.device) / 13
+    c = x.shape[1]
+    smooth = F.conv2d(x.float(), kernel.expand(c, 1, 3, 3), groups=c)
+    out = x.float().clone()
+    out[..., 1:-1, 1:-1] = smooth.round_()
+    return out
+
+
+def _posterize(x: Tensor, bits: Tensor) -> Tensor:
+    keep = (255 - (2 ** (8 - bits) - 1)).to(torch.uint8).view(-1, 1, 1, 1)  # mask of the top `bits` bits
+    return x & keep
+
+
+def _signed(m: Tensor) -> Tensor:
+    """Half of the images take the negative magnitude (rotate left or right, shear either way)."""
+    return torch.where(torch.rand_like(m) < 0.5, -m, m)
+
+
+# op(images, magnitude in [0, 1] per image, ranges) -> images; `ranges` scales the magnitude per policy
+_Op = Callable[[Tensor, Tensor, dict[str, float]], Tensor]
+OPS: dict[str, _Op] = {
+    "Identity": lambda x, m, r: x,
+    "AutoContrast": lambda x, m, r: TF.autocontrast(x),
+    "Equalize": lambda x, m, r: TF.equalize(x),
+    "Rotate": lambda x, m, r: _rotate(x, _signed(m) * r["rotate"]),
+    "Solarize": lambda x, m, r: torch.where(x.float() >= (256 - 256 * m).view(-1, 1, 1, 1), 255 - x, x),
+    "Posterize": lambda x, m, r: _posterize(x, (8 - (m * r["posterize"]).round()).long()),
+    "Color": lambda x, m, r: _blend(x, _gray(x), 1 + _signed(m) * r["enhance"]),
+    "Contrast": lambda x, m, r: _blend(
+        x, _gray(x).mean(dim=(1, 2, 3), keepdim=True), 1 + _signed(m) * r["enhance"]
+    ),
+    "Brightness": lambda x, m, r: _blend(
+        x, torch.zeros_like(x, dtype=torch.float32), 1 + _signed(m) * r["enhance"]
+    ),
+    "Sharpness": lambda x, m, r: _blend(x, _sharpness_degenerate(x), 1 + _signed(m) * r["enhance"]),
+    "ShearX": lambda x, m, r: _warp(x, _matrix(len(x), x.device, m01=_signed(m) * r["shear"])),
+    "ShearY": lambda x, m, r: _warp(x, _matrix(len(x), x.device, m10=_signed(m) * r["shear"])),
+    # normalised coordinates span 2: a shift of fraction t of the image is 2t
+    "TranslateX": lambda x, m, r: _warp(x, _matrix(len(x), x.device, m02=2 * _signed(m) * r["translate"])),
+    "TranslateY": lambda x, m, r: _warp(x, _matrix(len(x), x.device, m12=2 * _signed(m) * r["translate"])),
+}
+
+# RandAugment (timm's rand-* ops and ranges: rotate 30 deg, shear 0.3, translate 45 %, enhance 0.9, posterize
+# down to 4 bits); TrivialAugmentWide (Mueller & Hutter 2021: wider ranges, identity among the ops)
+RAND_RANGES = {"rotate": 30.0, "shear": 0.3, "translate": 0.45, "enhance": 0.9, "posterize": 4.0}
+TRIVIAL_RANGES = {"rotate": 135.0, "shear": 0.99, "translate": 0.32, "enhance": 0.99, "posterize": 6.0}
+RAND_OPS = [name for name in OPS if name != "Identity"]
+TRIVIAL_OPS = list(OPS)
+
+
+@dataclass
+class RandomAugment:
+    """Per image: `num_ops` ops in a row, each drawn from `ops` with its own magnitude (0..1 of the range).
+
+    RandAugment: magnitude `magnitude` (0..10, timm's scale) plus Gaussian noise of `magnitude_std` per
+    image; TrivialAugment: one op, magnitude uniform in [0, 1].
+    """
+
+    ops: list[str]
+    ranges: dict[str, float]
+    num_ops: int = 2
+    magnitude: float | None = 9.0  # None: uniform
+    magnitude_std: float = 0.5
+    _table: list[_Op] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._table = [OPS[name] for name in self.ops]
+
+    @classmethod
+    def from_name(cls, spec: str) -> RandomAugment:
+        """timm's policy strings: `rand-m9-n2-mstd0.5` (RandAugment) or `trivial` (TrivialAugmentWide)."""
+        if spec in ("trivial", "trivialaugment", "ta_wide"):
+            return cls(TRIVIAL_OPS, TRIVIAL_RANGES, num_ops=1, magnitude=None, magnitude_std=0.0)
+        parts = spec.split("-")
+        if parts[0] != "rand":
+            raise DataError(
+                f"datamodule.auto_augment={spec!r}: use 'rand-m9-n2-mstd0.5' (RandAugment, timm's syntax) "
+                "or 'trivial' (TrivialAugmentWide)"
+            )
+        options = {"m": 9.0, "n": 2.0, "mstd": 0.5}
+        for part in parts[1:]:
+            key = re.match(r"[a-z]+", part)
+            try:
+                options[key.group(0)] = float(part[key.end() :])  # type: ignore[union-attr]
+            except (AttributeError, ValueError):
+                raise DataError(f"datamodule.auto_augment={spec!r}: cannot read {part!r}") from None
+        unknown = set(options) - {"m", "n", "mstd"}
+        if unknown:
+            raise DataError(
+                f"datamodule.auto_augment={spec!r}: unknown option {sorted(unknown)[0]!r} (m, n, mstd)"
+            )
+        return cls(
+            RAND_OPS,
+            RAND_RANGES,
+            num_ops=int(options["n"]),
+            magnitude=options["m"],
+            magnitude_std=options["mstd"],
+        )
+
+    def sample(self, batch: int, device: torch.device) -> tuple[Tensor, Tensor]:
+        """(op index, magnitude in [0, 1]) for each image."""
+        ops = torch.randint(len(self._table), (batch,), device=device)
+        if self.magnitude is None:
+            mag = torch.rand(batch, device=device)
+        else:
+            mag = self.magnitude + self.magnitude_std * torch.randn(batch, device=device)
+            mag = (mag / 10).clamp_(0, 1)  # timm's magnitude scale: 10 = the full range
+        return ops, mag
+
+    def __call__(self, x: Tensor) -> Tensor:
+        for _ in range(self.num_ops):
+            ops, mag = self.sample(len(x), x.device)
+            x = self.apply(x, ops, mag)
+        return x
+
+    def apply(self, x: Tensor, ops: Tensor, mag: Tensor) -> Tensor:
+        """Each image through its own op: grouped by op, one batched call per group."""
+        order = ops.argsort()
+        counts = torch.bincount(ops, minlength=len(self._table)).tolist()  # the one host sync
+        out = torch.empty_like(x)
+        start = 0
+        for op, count in zip(self._table, counts, strict=True):
+            if count:
+                idx = order[start : start + count]
+                out.index_copy_(0, idx, op(x.index_select(0, idx), mag.index_select(0, idx), self.ranges))
+                start += count
+        return out
+
+
 @dataclass
 class BatchTransform:
     """What the datamodule applies after a batch reaches the device; random ops draw from torch's global RNG."""
@@ -70,8 +247,29 @@ class BatchTransform:
     std: tuple[float, ...]
     crop_padding: int = 4
     hflip: bool = True
+    # timm's option names: "rand-m9-n2-mstd0.5" | "trivial" | None; random-erasing probability per image
+    auto_augment: str | None = None
+    re_prob: float = 0.0
+    _augment: RandomAugment | None = field(init=False, default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.auto_augment:
+            self._augment = RandomAugment.from_name(self.auto_augment)
+        if not 0.0 <= self.re_prob <= 1.0:
+            raise DataError(f"datamodule.re_prob={self.re_prob} must be between 0 and 1")
 
     def __call__(self, x: Tensor, train: bool) -> Tensor:
         if train:
             x = random_crop_flip(x, self.crop_padding, 0.5 if self.hflip else 0.0)
-        return to_model_input(x, self.img_size, self.mean, self.std)
+            if self._augment is not None:
+                x = self._augment(x)
+        x = to_model_input(x, self.img_size, self.mean, self.std)
+        if train and self.re_prob > 0:
+            # timm's per-image random erasing (DeiT recipe): normal noise in a random box, after normalisation
+            x = _random_erasing(self.re_prob, x.device)(x)
+        return x
+
+
+@functools.lru_cache(maxsize=8)
+def _random_erasing(prob: float, device: torch.device) -> RandomErasing:
+    return RandomErasing(probability=prob, mode="pixel", device=device)

@@ -132,6 +132,8 @@ class CIFAR10DataModule(LightningDataModule):
         augment: bool = True,
         crop_padding: int = 4,
         hflip: bool = True,
+        auto_augment: str | None = None,
+        re_prob: float = 0.0,
         img_size: int | None = None,
         mean: list[float] | None = None,
         std: list[float] | None = None,
@@ -181,7 +183,13 @@ class CIFAR10DataModule(LightningDataModule):
     def transform(self) -> BatchTransform:
         hp = self.hparams
         return BatchTransform(
-            self.img_size, self.mean, self.std, crop_padding=hp.crop_padding, hflip=hp.hflip
+            self.img_size,
+            self.mean,
+            self.std,
+            crop_padding=hp.crop_padding,
+            hflip=hp.hflip,
+            auto_augment=hp.auto_augment,
+            re_prob=float(hp.re_prob),
         )
 
     # --- data -------------------------------------------------------------------------------------

@@ -1,22 +1,22 @@
 """Fully sharded data parallel (FSDP2, `torch.distributed.fsdp.fully_shard`) on GPUs and on CPUs.
 
 Lightning's `FSDPStrategy` (FSDP1) refuses CPUs. `FSDP2Strategy` is Lightning's `ModelParallelStrategy` with
-every process in one data-parallel group; the model is sharded by `apply_fsdp`, which
-`ImageClassifier.configure_model` calls with the strategy's options, so the model itself knows nothing about
-sharding. The optimizer is built afterwards from the sharded (DTensor) parameters: each rank keeps only its
-shard of the weights, gradients and AdamW moments.
+every process in one data-parallel group; the network is sharded by `apply_fsdp`, the last step of
+`vitrain.distributed.parallelize` (activation checkpointing, compile, FSDP), which the model's
+`configure_model` runs with the strategy: the model itself knows nothing about sharding. The optimizer is
+built afterwards from the sharded (DTensor) parameters: each rank keeps only its shard of the weights,
+gradients and AdamW moments. GPU specifics (what a CPU test cannot show): docs/gpu.md.
 """
 
 from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 MIXED_PRECISION = {
@@ -26,54 +26,105 @@ MIXED_PRECISION = {
 }
 
 
-def transformer_blocks(model: nn.Module) -> list[nn.Module]:
-    """The units to shard one by one: timm ViTs keep them in `model.blocks`; otherwise every outermost
-    submodule whose class name ends in "Block"."""
-    blocks = getattr(model, "blocks", None)
-    if isinstance(blocks, nn.Sequential | nn.ModuleList):
-        return list(blocks)
-    found: list[tuple[str, nn.Module]] = []
-    for name, module in model.named_modules():
-        inside = any(name.startswith(f"{outer}.") for outer, _ in found)
-        if type(module).__name__.endswith("Block") and not inside:
-            found.append((name, module))
-    return [module for _, module in found]
+def shard_units(model: nn.Module) -> list[nn.Module]:
+    """The repeated units to shard one by one, whatever the family calls them.
+
+    A unit is a module with submodules that sits in an `nn.Sequential`/`nn.ModuleList` next to at least
+    one sibling of its own class: a ViT's `blocks.i`, a ResNet's `layerN.i` (BasicBlock, Bottleneck), a
+    ConvNeXt's `stages.i.blocks.j`, an EfficientNet's `blocks.i.j`. Where units nest, the innermost are
+    taken (smaller units, less memory gathered at once); a stage with a single block (EfficientNet) is
+    itself the unit. Layers (Linear, Conv, norms) never are. Without repeated units (a ResNet with one
+    block per stage), the stages timm lists in the model's `feature_info`. Parameters outside every unit
+    (stem, downsampling, head) belong to the root's shard group.
+    """
+    candidates: list[nn.Module] = []
+    for container in model.modules():
+        if not isinstance(container, nn.Sequential | nn.ModuleList):
+            continue
+        children = list(container.children())
+        kinds = [type(child) for child in children]
+        candidates += [c for c in children if kinds.count(type(c)) >= 2 and _composite(c)]
+    if not candidates:
+        names = [info.get("module", "") for info in getattr(model, "feature_info", None) or []]
+        modules = dict(model.named_modules())
+        candidates = [modules[n] for n in names if n in modules and _composite(modules[n])]
+    inner = {id(m) for m in candidates}
+    # keep the innermost: drop a candidate when another candidate lives inside it
+    return [m for m in candidates if not any(id(d) in inner for d in m.modules() if d is not m)]
+
+
+_BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+_NORMS = (*_BATCH_NORMS, nn.LayerNorm, nn.GroupNorm)
+
+
+def _composite(module: nn.Module) -> bool:
+    """A module made of other modules and holding parameters: a block or a stage, not a layer."""
+    if isinstance(module, _NORMS) or next(module.children(), None) is None:
+        return False
+    return next(module.parameters(), None) is not None
+
+
+# the name the apply step has called since the first (ViT-only) version
+transformer_blocks = shard_units
+
+
+def is_sharded(model: nn.Module) -> bool:
+    return isinstance(model, FSDPModule)
 
 
 def apply_fsdp(
     model: nn.Module,
     mesh: DeviceMesh,
+    units: list[nn.Module] | None = None,
     mixed_precision: str | None = None,
     reshard_after_forward: bool = True,
-    activation_checkpointing: bool = False,
 ) -> nn.Module:
-    """Shard every transformer block, then the root (embeddings, final norm, head), over `mesh`.
+    """Shard every unit (by default the transformer blocks), then the root (embeddings, norm, head).
 
-    Idempotent: Lightning calls `configure_model` again when the same trainer tests after fitting.
-    `reshard_after_forward=False` keeps the gathered weights from forward to backward (ZeRO-2 like: one
-    all-gather fewer per block, more memory). `activation_checkpointing` recomputes each block's
-    activations in backward instead of storing them.
+    Every rank must hold the same initial weights: `fully_shard` keeps each rank's slice of its own copy.
+    They are the same because every rank is seeded alike before the model is built (`seed` in the config;
+    tests/test_gpu_paths.py checks it). No broadcast here: `configure_model` runs before the model is on its
+    device, and on GPUs the group is NCCL-only, which refuses CPU tensors. A 2-D mesh (replicate, shard)
+    gives hybrid sharding (HSDP). `reshard_after_forward=False` keeps the gathered weights from forward to
+    backward (ZeRO-2 like: one all-gather fewer per block, more memory).
     """
-    if isinstance(model, FSDPModule):
+    if is_sharded(model):
         return model
     if mixed_precision not in MIXED_PRECISION:
         raise ValueError(f"mixed_precision={mixed_precision!r}: use null or bf16")
-    # fully_shard keeps each rank's slice of its own weights: make them rank 0's first, so the model is
-    # the same on every rank even without a common seed
-    broadcast_parameters(model, mesh)
     dtypes = MIXED_PRECISION[mixed_precision]
     block_policy = MixedPrecisionPolicy(**dtypes)
     # loss and metrics see fp32 logits
     root_policy = MixedPrecisionPolicy(**dtypes, output_dtype=torch.float32 if dtypes else None)
-
-    blocks = transformer_blocks(model)
-    if activation_checkpointing:
-        blocks = [_checkpoint_in_place(model, block) for block in blocks]
-    for block in blocks:
-        fully_shard(block, mesh=mesh, mp_policy=block_policy)
+    if dtypes:
+        shard_batch_norms_fp32(model, mesh)
+    for unit in shard_units(model) if units is None else units:
+        fully_shard(unit, mesh=mesh, mp_policy=block_policy)
     fully_shard(model, mesh=mesh, mp_policy=root_policy)
     set_training_resharding(model, reshard_after_forward)
     return model
+
+
+def shard_batch_norms_fp32(model: nn.Module, mesh: DeviceMesh) -> None:
+    """BatchNorm in fp32 under bf16: FSDP2 casts a unit's parameters to bf16, but BatchNorm's running
+    statistics stay fp32 buffers and the CPU kernel refuses the mix ("expected scalar type BFloat16 but
+    found Float"); statistics over a batch are also better kept in fp32. Each BatchNorm becomes its own
+    fp32 unit that takes and returns bf16: one small all-gather more per norm (ResNet-50: 53)."""
+    policy = MixedPrecisionPolicy(
+        param_dtype=torch.float32,
+        reduce_dtype=torch.float32,
+        output_dtype=torch.bfloat16,
+        cast_forward_inputs=True,
+    )
+    for module in model.modules():
+        if isinstance(module, _BATCH_NORMS):
+            fully_shard(module, mesh=mesh, mp_policy=policy)
+
+
+def compute_dtype(mixed_precision: str | None) -> torch.dtype | None:
+    """The dtype blocks compute in under `mixed_precision` (None: the precision plugin's): what MFU must be
+    measured against (callbacks/throughput.py)."""
+    return MIXED_PRECISION[mixed_precision].get("param_dtype")
 
 
 def set_training_resharding(model: nn.Module, reshard_after_forward: bool) -> None:
@@ -96,33 +147,33 @@ def gather_for_eval(model: nn.Module) -> None:
     sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
     for module in sharded:
         module.set_reshard_after_forward(False, recurse=False)
-    for module in sharded:
-        module.unshard()
+    # Lightning evaluates under torch.inference_mode on GPUs (NCCL): buffers FSDP2 allocates there would be
+    # inference tensors, which the next training step cannot update in place ("Inplace update to inference
+    # tensor outside InferenceMode"). Gathered outside it, they stay ordinary tensors.
+    with torch.inference_mode(False):
+        for module in sharded:
+            module.unshard()
 
 
 def reshard_after_eval(model: nn.Module, reshard_after_forward: bool) -> None:
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
+    with torch.inference_mode(False):
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
     set_training_resharding(model, reshard_after_forward)
 
 
-def broadcast_parameters(model: nn.Module, mesh: DeviceMesh) -> None:
-    group = mesh.get_group()
-    with torch.no_grad():
-        for tensor in [*model.parameters(), *model.buffers()]:
-            dist.broadcast(tensor, group=group, group_src=0)
-
-
-def _checkpoint_in_place(root: nn.Module, block: nn.Module) -> nn.Module:
-    """Replace `block` inside `root` by a checkpoint wrapper; state-dict keys stay those of the plain model."""
-    for parent in root.modules():
-        for name, child in parent.named_children():
-            if child is block:
-                wrapped = checkpoint_wrapper(block)
-                setattr(parent, name, wrapped)
-                return wrapped
-    raise ValueError("block is not a submodule of the model")
+def hybrid_mesh(device_type: str, world_size: int, shard_size: int) -> DeviceMesh:
+    """A 2-D mesh for hybrid sharding (HSDP): shard within groups of `shard_size` processes (a node),
+    replicate across the groups (gradients are all-reduced between replicas, as DDP does)."""
+    if shard_size < 1 or world_size % shard_size:
+        raise ValueError(
+            f"trainer.strategy.hybrid_shard={shard_size}: the shard group size must divide the world size "
+            f"({world_size})"
+        )
+    return init_device_mesh(
+        device_type, (world_size // shard_size, shard_size), mesh_dim_names=("replicate", "shard")
+    )
 
 
 class FSDP2Strategy(ModelParallelStrategy):
@@ -140,6 +191,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         reshard_after_forward: bool = True,
         activation_checkpointing: bool = False,
         save_distributed_checkpoint: bool = True,
+        hybrid_shard: bool | int = False,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
@@ -148,6 +200,8 @@ class FSDP2Strategy(ModelParallelStrategy):
                 f"trainer.strategy.mixed_precision={mixed_precision}: use null or bf16 (bf16 weights and "
                 "compute, fp32 gradient reduction and master weights)"
             )
+        if not isinstance(hybrid_shard, bool | int) or hybrid_shard < 0:
+            raise ValueError(f"trainer.strategy.hybrid_shard={hybrid_shard}: use false, true or a group size")
         super().__init__(
             data_parallel_size="auto",  # replaced by the world size in setup_environment
             tensor_parallel_size=1,
@@ -160,10 +214,33 @@ class FSDP2Strategy(ModelParallelStrategy):
             "reshard_after_forward": reshard_after_forward,
             "activation_checkpointing": activation_checkpointing,
         }
+        # false: one shard group of all processes; true: shard within each node, replicate across nodes
+        # (HSDP: all-gathers stay on the fast intra-node links); an int: shard groups of that many processes
+        self.hybrid_shard = hybrid_shard
+        self._fsdp_mesh: DeviceMesh | None = None
 
     def setup_environment(self) -> None:
         self._data_parallel_size = self.num_nodes * self.num_processes
         super().setup_environment()
+
+    def fsdp_mesh(self) -> DeviceMesh:
+        """The mesh `fully_shard` shards over: the data-parallel group, or a (replicate, shard) mesh."""
+        if self._fsdp_mesh is None:
+            if self.hybrid_shard is False or self.hybrid_shard == 0:
+                self._fsdp_mesh = self.device_mesh["data_parallel"]
+            else:
+                size = self.num_processes if self.hybrid_shard is True else int(self.hybrid_shard)
+                self._fsdp_mesh = hybrid_mesh(self.root_device.type, self.world_size, size)
+        return self._fsdp_mesh
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        """Everything but the weights and optimizer state (callback scores, RNG states: meta.pt of a folder)
+        goes to the CPU first: Lightning reads meta.pt without `map_location`, so a GPU tensor there would
+        land on GPU 0 of every rank, or fail on a machine without a GPU."""
+        for key in list(checkpoint):
+            if key not in ("state_dict", "optimizer_states"):
+                checkpoint[key] = move_data_to_device(checkpoint[key], "cpu")
+        super().save_checkpoint(checkpoint, filepath, storage_options)
 
     # evaluation gathers the weights once: ranks with different numbers of batches never wait on each other
     def on_validation_start(self) -> None:

@@ -8,13 +8,15 @@ the processes and waits for ranks nobody starts), `MASTER_PORT`, `WORLD_SIZE`, `
 initialised process group whose other ranks have exited.
 
 `DistributedMultirun`, a Hydra callback (configs/hydra/default.yaml), fixes both:
-- each child of a job runs exactly that job: its overrides, `hydra.run.dir=<job dir>`, no `-m`;
+- each child of a job runs exactly that job: its overrides (for an Optuna trial: the sampled values),
+  `hydra.run.dir=<job dir>`, no `-m` and `hydra.mode=RUN` (a search config sets MULTIRUN in the config);
 - before every job the launch variables are what they were when the sweep started; after every job the
-  process group is destroyed.
+  process group is destroyed and the job's GPU memory is released.
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import sys
@@ -81,6 +83,8 @@ def job_command(local_rank: int, argv: Sequence[str] | None = None) -> tuple[lis
         *hydra_cfg.overrides.task,
         *hydra_overrides,
         f'hydra.run.dir="{hydra_cfg.runtime.output_dir}"',
+        # a single run even where the config says MULTIRUN (hparams_search=... sets hydra.mode)
+        "hydra.mode=RUN",
         f"hydra.job.name=train_ddp_process_{local_rank}",
         "hydra.output_subdir=null",
     ]
@@ -149,6 +153,19 @@ class DistributedMultirun(Callback):
         if self._env and torch.distributed.is_available() and torch.distributed.is_initialized():
             # the next job's ranks form a new group; the old one's peers have exited
             torch.distributed.destroy_process_group()
+        release_gpu_memory()
+
+
+def release_gpu_memory() -> None:
+    """Give the finished job's GPU memory back before the next job of the sweep starts in this process.
+
+    Its model, optimizer state and cached blocks stay in PyTorch's caching allocator otherwise: the next
+    job sees less free memory (its batch-size search finds a smaller batch) and can run out of memory.
+    Reference cycles (trainer <-> module <-> callbacks) need a collection before their tensors are freed.
+    """
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         uninstall()

@@ -71,6 +71,13 @@ def check_launch_env(trainer_cfg: Mapping[str, Any] | None, env: Mapping[str, st
     trainer_cfg = trainer_cfg or {}
     num_nodes = int(trainer_cfg.get("num_nodes", 1) or 1)
     devices = devices_per_node(trainer_cfg.get("devices", 1), trainer_cfg.get("accelerator", "auto"))
+    if _slurm_manages_tasks(env) and int(env["SLURM_NTASKS"]) != num_nodes * devices:
+        # Lightning would say it in a traceback, and only after building the model
+        raise LaunchError(
+            f"SLURM started SLURM_NTASKS={env['SLURM_NTASKS']} tasks but trainer.num_nodes x trainer.devices = "
+            f"{num_nodes} x {devices} = {num_nodes * devices}: one task per device, e.g. "
+            "trainer.devices=$SLURM_NTASKS_PER_NODE trainer.num_nodes=$SLURM_NNODES (scripts/slurm/)"
+        )
     if "TORCHELASTIC_RUN_ID" in env or "SLURM_JOB_ID" in env:
         return  # torchrun / srun own these variables and check them themselves
     if "NODE_RANK" in env:
@@ -92,6 +99,11 @@ def check_launch_env(trainer_cfg: Mapping[str, Any] | None, env: Mapping[str, st
         and "LOCAL_RANK" not in env
     ):
         _check_port_free(int(env["MASTER_PORT"]))
+
+
+def _slurm_manages_tasks(env: Mapping[str, str]) -> bool:
+    """Lightning's `SLURMEnvironment.detect()`, on `env`: srun started the processes (not an interactive shell)."""
+    return "SLURM_NTASKS" in env and env.get("SLURM_JOB_NAME") not in ("bash", "interactive")
 
 
 def _check_port_free(port: int) -> None:

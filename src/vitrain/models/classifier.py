@@ -6,13 +6,15 @@ from typing import Any
 import lightning as L
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.strategies import ModelParallelStrategy
-from timm.optim import param_groups_weight_decay
+from timm.data import Mixup
+from timm.loss import SoftTargetCrossEntropy
+from timm.optim import param_groups_layer_decay, param_groups_weight_decay
 from torch import nn
 from torchmetrics import MeanMetric, MetricCollection
 from torchmetrics.classification import MulticlassAccuracy
 
-from vitrain.distributed.fsdp import apply_fsdp
+from vitrain.distributed.parallelize import parallelize
+from vitrain.errors import ModelError
 from vitrain.models.timm_net import create_net, input_spec
 
 
@@ -53,22 +55,32 @@ class ImageClassifier(L.LightningModule):
         weights_file: str | None = None,
         compile: bool = False,
         fused_attn: bool | None = None,
+        mixup: Mapping[str, Any] | None = None,
+        layer_decay: float | None = None,
+        grad_checkpointing: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters(logger=False)
         self.net: nn.Module = create_net(net, weights_file)
         if fused_attn is not None:
             set_fused_attn(self.net, fused_attn)
+        if grad_checkpointing:
+            set_grad_checkpointing(self.net, net["model_name"])
+        if layer_decay is not None and not 0 < layer_decay <= 1:
+            raise ModelError(f"model.layer_decay={layer_decay} must be in (0, 1] (or null for none)")
         self.input_spec = input_spec(
             self.net, bool(net.get("pretrained") or weights_file), net.get("img_size")
         )
         num_classes = int(self.net.num_classes)
-        # no argument checks per training step: they scan the labels (torch.unique: a host sync on GPU), and
-        # a bad label already fails in the loss
+        # no argument checks per step: they scan the labels (torch.unique: a host sync per batch on GPU), and
+        # a bad label already fails in the loss; nor NaN checks in the eval losses (isnan().any(): a sync)
         self.train_metrics = _metrics(num_classes, "train/", validate_args=False)
-        self.val_metrics = _metrics(num_classes, "val/")
-        self.test_metrics = _metrics(num_classes, "test/")
-        self.val_loss, self.test_loss = MeanMetric(), MeanMetric()
+        self.val_metrics = _metrics(num_classes, "val/", validate_args=False)
+        self.test_metrics = _metrics(num_classes, "test/", validate_args=False)
+        self.val_loss = MeanMetric(nan_strategy="disable")
+        self.test_loss = MeanMetric(nan_strategy="disable")
+        self.mixup = make_mixup(mixup, num_classes, label_smoothing)
+        self.soft_loss = SoftTargetCrossEntropy()
         # the epoch's mean training loss, accumulated on the device; no NaN check (torch.isnan(...).any() is
         # a host sync per step on GPU; a NaN loss still shows in train/loss_step and the epoch mean)
         self.train_loss = MeanMetric(nan_strategy="disable")
@@ -76,31 +88,34 @@ class ImageClassifier(L.LightningModule):
         self.run_config: dict[str, Any] | None = None
 
     def configure_model(self) -> None:
+        # activation checkpointing, compile, sharding, in that order, as the strategy asks
+        # (vitrain/distributed/parallelize.py); state-dict keys stay those of the plain model
         strategy = self._trainer.strategy if self._trainer is not None else None
-        if isinstance(strategy, ModelParallelStrategy):
-            # FSDP2: shard each transformer block, then the root (vitrain/distributed/fsdp.py)
-            apply_fsdp(
-                self.net, strategy.device_mesh["data_parallel"], **getattr(strategy, "fsdp_options", {})
-            )
-        # in place (nn.Module.compile), so state-dict keys and checkpoints stay those of the plain model
-        if self.hparams.compile:
-            self.net.compile()
+        parallelize(self.net, strategy, compile=self.hparams.compile)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
-        logits = self(x)
-        loss = F.cross_entropy(logits, y, label_smoothing=self.hparams.label_smoothing)
+        if self.mixup is not None:
+            # mixed images, soft targets (label smoothing folded in); accuracy against the original labels
+            x, soft = self.mixup(x, y)
+            logits = self(x)
+            loss = self.soft_loss(logits, soft)
+        else:
+            logits = self(x)
+            loss = F.cross_entropy(logits, y, label_smoothing=self.hparams.label_smoothing)
         self.train_metrics.update(logits.detach(), y)
         self.train_loss.update(loss.detach())
-        # Logged only on the steps the logger writes (the test LearningRateMonitor uses): a logged tensor
-        # is read on the host by the logger and the progress bar, a GPU sync each time it is read.
+        # Logged only on the steps the logger writes (the test LearningRateMonitor uses), as CPU tensors:
+        # Lightning reads a logged value with .item() for the progress bar after EVERY batch until the
+        # epoch ends, a GPU sync each time were it a GPU tensor; the one copy here is on log steps only.
+        # A float would be turned into a tensor on the model's device (a host-to-GPU copy, another sync).
         if self.trainer._logger_connector.should_update_logs:
-            self.log("train/loss_step", loss, prog_bar=True)
+            self.log("train/loss_step", loss.detach().to("cpu"), prog_bar=True)
             # one `lr` curve (LearningRateMonitor logs one per param group: lr/decay, lr/no_decay)
-            self.log("lr", self.trainer.optimizers[0].param_groups[0]["lr"])
+            self.log("lr", torch.tensor(float(self.trainer.optimizers[0].param_groups[0]["lr"])))
         return loss
 
     def on_train_epoch_end(self) -> None:
@@ -113,7 +128,9 @@ class ImageClassifier(L.LightningModule):
     ):
         x, y = batch
         logits = self(x)
-        loss.update(F.cross_entropy(logits, y), weight=y.numel())
+        # per-sample losses: their mean over the epoch weighs every image alike, and no Python weight is
+        # turned into a GPU tensor each batch (a host-to-device copy: a sync)
+        loss.update(F.cross_entropy(logits, y, reduction="none"))
         metrics.update(logits, y)
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
@@ -132,14 +149,22 @@ class ImageClassifier(L.LightningModule):
         optimizer_factory = self.hparams.optimizer
         weight_decay = getattr(optimizer_factory, "keywords", {}).get("weight_decay", 0.0)
         # no weight decay on norms, biases, position embeddings and tokens (timm's own grouping)
-        groups = param_groups_weight_decay(self.net, weight_decay=weight_decay)
-        for group in groups:
-            group["name"] = "decay" if group["weight_decay"] else "no_decay"
+        no_decay = getattr(self.net, "no_weight_decay", set)()
+        if self.hparams.layer_decay is None:
+            groups = param_groups_weight_decay(self.net, weight_decay, no_weight_decay_list=no_decay)
+            for group in groups:
+                group["name"] = "decay" if group["weight_decay"] else "no_decay"
+        else:
+            groups = layer_decay_groups(self.net, weight_decay, self.hparams.layer_decay, no_decay)
+            base_lr = optimizer_factory.keywords["lr"]
+            for group in groups:
+                group["lr"] = base_lr * group["lr_scale"]  # torch's schedulers scale each group's own lr
         optimizer = optimizer_factory(params=groups)
         if self.hparams.scheduler is None:
             return {"optimizer": optimizer}
+        # the trainer: its max_time is the schedule's time budget (vitrain/models/schedules.py)
         scheduler = self.hparams.scheduler(
-            optimizer=optimizer, total_steps=self.trainer.estimated_stepping_batches
+            optimizer=optimizer, total_steps=self.trainer.estimated_stepping_batches, trainer=self.trainer
         )
         return {
             "optimizer": optimizer,
@@ -149,3 +174,37 @@ class ImageClassifier(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if self.run_config is not None:
             checkpoint["run_config"] = self.run_config
+
+
+def make_mixup(options: Mapping[str, Any] | None, num_classes: int, label_smoothing: float) -> Mixup | None:
+    """timm's Mixup/CutMix when an alpha is > 0; it mixes the batch in place on its device."""
+    options = dict(options or {})
+    if not (options.get("mixup_alpha", 0) > 0 or options.get("cutmix_alpha", 0) > 0):
+        return None
+    try:
+        return Mixup(**options, label_smoothing=label_smoothing, num_classes=num_classes)
+    except TypeError as err:
+        raise ModelError(f"model.mixup: {err} (keywords of timm.data.Mixup)") from err
+
+
+def set_grad_checkpointing(net: nn.Module, model_name: str) -> None:
+    """timm's own activation checkpointing (each block's activations recomputed in backward)."""
+    try:
+        net.set_grad_checkpointing(True)
+    except (AttributeError, NotImplementedError, AssertionError) as err:
+        raise ModelError(
+            f"model.grad_checkpointing=true: {model_name} does not support timm's set_grad_checkpointing"
+        ) from err
+
+
+def layer_decay_groups(
+    net: nn.Module, weight_decay: float, layer_decay: float, no_decay: set[str]
+) -> list[dict[str, Any]]:
+    """timm's layer-wise LR decay groups (BEiT/MAE fine-tuning): the head keeps the full LR, each block
+    below it `layer_decay` times its upper neighbour's, the stem the least."""
+    groups = param_groups_layer_decay(
+        net, weight_decay=weight_decay, layer_decay=layer_decay, no_weight_decay_list=no_decay
+    )
+    for group in groups:
+        group["name"] = f"scale{group['lr_scale']:.3g}_{'decay' if group['weight_decay'] else 'no_decay'}"
+    return groups

@@ -2,6 +2,7 @@
 
 import difflib
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,16 @@ def create_net(net: Mapping[str, Any], weights_file: str | None = None) -> nn.Mo
         }
     try:
         return timm.create_model(name, **kwargs)
+    except TypeError as err:
+        # timm passes every keyword to the family's constructor: `img_size` suits a ViT, not a ResNet
+        bad = re.search(r"unexpected keyword argument '(\w+)'", str(err))
+        if bad is None:
+            raise
+        family = str(err).split(".", 1)[0]
+        raise ModelError(
+            f"model.net.{bad.group(1)} is not a keyword of {name} ({family}): remove it, or use a "
+            "model it fits (ViT keywords such as img_size/patch_size live in configs/model/vit.yaml)"
+        ) from err
     except (OSError, ConnectionError) as err:
         if not kwargs.get("pretrained") or weights_file:
             raise
@@ -64,9 +75,16 @@ def create_net(net: Mapping[str, Any], weights_file: str | None = None) -> nn.Mo
 
 
 def input_spec(net: nn.Module, pretrained: bool, img_size: int | None) -> dict[str, Any]:
-    """Input size and normalisation the network expects: timm's pretrained config, else CIFAR-10 stats."""
-    cfg = timm.data.resolve_data_config({}, model=net)
-    size = img_size or cfg["input_size"][-1]
+    """Input size and normalisation the network expects, from timm's data config for the model.
+
+    The size: `model.net.img_size` when given (a ViT built for 32 px), else the patch embedding's, else
+    timm's default for the model (224 px for most; a ResNet or ConvNeXt also runs at any other size:
+    `datamodule.img_size=32`). Normalisation: the pretrained weights' mean/std; from scratch the dataset's
+    own statistics (CIFAR-10's). The datamodule's own img_size/mean/std take precedence over both.
+    """
+    cfg = timm.data.resolve_model_data_config(net)
+    embed_size = getattr(getattr(net, "patch_embed", None), "img_size", None)
+    size = img_size or (embed_size[-1] if isinstance(embed_size, tuple) else None) or cfg["input_size"][-1]
     if pretrained:
         return {"img_size": size, "mean": tuple(cfg["mean"]), "std": tuple(cfg["std"])}
     return {"img_size": size, "mean": CIFAR10_MEAN, "std": CIFAR10_STD}

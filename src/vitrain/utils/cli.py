@@ -14,6 +14,8 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
 from omegaconf import OmegaConf
 
+from vitrain.errors import UserError
+
 CONFIG_DIR = Path(__file__).resolve().parents[3] / "configs"
 # flags after which Hydra does something other than run the task: leave those to Hydra
 HYDRA_FLAGS = (
@@ -100,3 +102,21 @@ def check_overrides(config_name: str, argv: Sequence[str] | None = None) -> None
         except (ConfigCompositionException, MissingConfigException, OverrideParseException) as err:
             print(f"error: {describe(err, config_name, overrides)}", file=sys.stderr, flush=True)
             sys.exit(2)
+        if "ckpt_path=last" in overrides:
+            _check_run_dir(config_name, overrides)
+
+
+def _check_run_dir(config_name: str, overrides: list[str]) -> None:
+    """Resolve the run dir as Hydra will: `ckpt_path=last` with no run to resume stops here, before Hydra
+    creates a new run directory."""
+    cfg = compose(config_name=config_name, overrides=overrides, return_hydra_config=True)
+    try:
+        str(cfg.hydra.run.dir)
+    except Exception as err:
+        cause: BaseException | None = err
+        while cause is not None and not isinstance(cause, UserError):
+            cause = cause.__cause__ or cause.__context__
+        if cause is None:
+            raise
+        print(f"error: {cause}", file=sys.stderr, flush=True)
+        sys.exit(2)

@@ -16,6 +16,7 @@ from omegaconf import DictConfig
 
 from vitrain.distributed.ranks import check_launch_env, setup_rank
 from vitrain.errors import UserError
+from vitrain.loggers import finish_runs
 from vitrain.utils.config import print_config_tree
 from vitrain.utils.host_memory import retain_freed_memory
 from vitrain.utils.secrets import install_secret_filter
@@ -74,9 +75,12 @@ def run_task(task: Task, cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any
     output_dir = Path(cfg.paths.output_dir)
     if extras.get("print_config"):
         print_config_tree(cfg, save_to=output_dir / "config_tree.log")
+    failed = True
     try:
         check_launch_env(cfg.get("trainer"))
-        return task(cfg)
+        result = task(cfg)
+        failed = False
+        return result
     except SIGTERMException:
         # stopped on request after saving `last` (CheckpointOnSigterm); 128 + SIGTERM, as a shell reports it
         sys.exit(143)
@@ -97,6 +101,7 @@ def run_task(task: Task, cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any
         log.debug("user error", exc_info=err)
         sys.exit(2)
     finally:
+        finish_runs(failed)  # a failed job of a sweep must not leave its W&B run open for the next one
         _log_output_dir(output_dir)
 
 

@@ -1,0 +1,271 @@
+"""Write an image-folder data set once as litdata shards, to a local folder or to S3:
+
+    python -m vitrain.data.shards SRC DST        (make shards SRC=... DST=...)
+
+SRC is a `train/<class>/` tree with `val/<class>/` and/or `test/<class>/` (the ImageNet layout) or a
+.tar/.tar.gz of one; DST a folder or `s3://bucket/prefix`. Each split becomes a litdata dataset
+(`DST/<split>/index.json` + `chunk-*.bin`) holding the files' encoded bytes as they are (JPEG, PNG, WebP:
+no re-encoding, no decoded pixels) with the label and the sample's index; `DST/vitrain-shards.json` names
+the classes, the splits and the format version. A validation split is carved from train when SRC has none.
+
+S3 output is written to a local staging folder first and uploaded with vitrain's verified uploader (same
+AWS credential chain and endpoint settings as the checkpoint upload); the metadata file goes up last, so a
+half-finished upload is never mistaken for a data set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vitrain.data.sources import ARCHIVE_SUFFIXES, unpack_archive
+from vitrain.errors import DataError, UserError
+
+log = logging.getLogger(__name__)
+logging.getLogger("litdata").setLevel(logging.WARNING)  # per-worker cache sizing notes at INFO
+
+METADATA_FILE = "vitrain-shards.json"
+FORMAT_NAME = "vitrain-shards"
+# bump when what a sample holds or how splits are laid out changes; readers refuse other versions
+FORMAT_VERSION = 1
+SPLITS = ("train", "val", "test")
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp")
+DEFAULT_CHUNK_BYTES = "64MB"  # litdata's recommended chunk size for object storage
+
+
+@dataclass(frozen=True)
+class Source:
+    """Image files per split, each with its label index into `classes`."""
+
+    classes: list[str]
+    splits: dict[str, list[tuple[str, int]]]
+
+
+def find_source(root: Path) -> Path:
+    """The folder holding `train/`: `root` itself or its only sub-folder (an unpacked archive)."""
+    for candidate in (root, *([p for p in root.iterdir() if p.is_dir()] if root.is_dir() else [])):
+        if (candidate / "train").is_dir():
+            return candidate
+    raise DataError(
+        f"{root} has no train/<class>/ folder: give a train/<class>/ tree (with val/ or test/) or an archive of one"
+    )
+
+
+def scan(root: Path) -> Source:
+    """Classes from train/, files of every split present; refuse empty classes and class sets that differ."""
+    classes = sorted(p.name for p in (root / "train").iterdir() if p.is_dir() and not p.name.startswith("."))
+    if not classes:
+        raise DataError(f"{root / 'train'} has no class folders: put the images in train/<class>/")
+    splits: dict[str, list[tuple[str, int]]] = {}
+    for split in SPLITS:
+        d = root / split
+        if not d.is_dir():
+            continue
+        found = sorted(p.name for p in d.iterdir() if p.is_dir() and not p.name.startswith("."))
+        if split != "train" and found != classes:
+            extra, missing = sorted(set(found) - set(classes)), sorted(set(classes) - set(found))
+            raise DataError(
+                f"{d} has other classes than train/ (extra: {extra or 'none'}, missing: {missing or 'none'}): "
+                "every split needs the same class folders"
+            )
+        files: list[tuple[str, int]] = []
+        for label, cls in enumerate(classes):
+            images = sorted(
+                p for p in (d / cls).iterdir()
+                if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES and not p.name.startswith(".")
+            )  # fmt: skip
+            if not images:
+                raise DataError(
+                    f"{d / cls} holds no {'/'.join(IMAGE_SUFFIXES)} images: add some or remove the folder"
+                )
+            files.extend((str(p), label) for p in images)
+        splits[split] = files
+    return Source(classes, splits)
+
+
+def carve_val(files: list[tuple[str, int]], val_size: int | float, seed: int) -> tuple[list, list]:
+    """(train, val) from one list, by a fixed permutation: the same split every time the shards are written."""
+    n = len(files)
+    count = round(val_size * n) if isinstance(val_size, float) and val_size < 1 else int(val_size)
+    if not 0 < count < n:
+        raise DataError(f"--val-size {val_size} must leave 1..{n - 1} images for validation (train has {n})")
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    return [files[i] for i in sorted(perm[count:])], [files[i] for i in sorted(perm[:count])]
+
+
+def read_sample(item: tuple[str, int, int]) -> dict[str, Any]:
+    """One sample as stored: the file's bytes untouched, its label and its index within the split."""
+    path, label, index = item
+    return {"image": Path(path).read_bytes(), "label": label, "index": index}
+
+
+def unreadable(path: str) -> str | None:
+    """Why `path` is not a usable image (truncated, not an image), or None; checked by PIL without decoding
+    every pixel, so writing ImageNet stays I/O bound."""
+    from PIL import Image
+
+    try:
+        with Image.open(path) as img:
+            img.verify()
+    except Exception as e:  # PIL raises many types for bad files
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def find_unreadable(paths: list[str], workers: int) -> list[tuple[str, str]]:
+    """(path, why) of every file that is not a usable image, checked by `workers` processes."""
+    import multiprocessing
+
+    if workers <= 1 or len(paths) < 1000:
+        reasons = [unreadable(p) for p in paths]
+    else:
+        with multiprocessing.get_context("fork").Pool(workers) as pool:
+            reasons = pool.map(unreadable, paths, chunksize=256)
+    return [(p, why) for p, why in zip(paths, reasons, strict=True) if why]
+
+
+def write_split(files: list[tuple[str, int]], out_dir: Path, chunk_bytes: str, workers: int) -> None:
+    import litdata
+
+    inputs = [(path, label, i) for i, (path, label) in enumerate(files)]
+    with warnings.catch_warnings():
+        warnings.simplefilter(
+            "ignore", UserWarning
+        )  # "an item was larger than the chunk size" on tiny chunks
+        litdata.optimize(
+            fn=read_sample,
+            inputs=inputs,
+            output_dir=str(out_dir),
+            chunk_bytes=chunk_bytes,
+            num_workers=max(1, min(workers, len(inputs))),
+            mode="overwrite",
+            # fork: a worker starts in milliseconds (spawn re-imports torch: seconds per worker)
+            start_method="fork",
+            verbose=False,
+        )
+
+
+def write_shards(
+    src: str | os.PathLike,
+    dst: str,
+    val_size: int | float = 0.05,
+    split_seed: int = 0,
+    chunk_bytes: str = DEFAULT_CHUNK_BYTES,
+    workers: int | None = None,
+    cache_dir: str | os.PathLike | None = None,
+) -> dict[str, Any]:
+    """Write SRC as shards at DST (a folder or s3://bucket/prefix); returns the metadata written."""
+    from vitrain.s3 import S3Store, is_s3_uri, parse_s3_uri
+
+    remote = is_s3_uri(dst)
+    store = S3Store() if remote else None
+    if remote:
+        target = parse_s3_uri(dst)
+        store.preflight(target)  # credentials and bucket, in seconds, before any work
+    source_path = Path(src).expanduser().absolute()
+    if not source_path.exists():
+        raise DataError(
+            f"{source_path} does not exist: give an image folder (train/<class>/...) or an archive of one"
+        )
+    cache = Path(cache_dir or os.environ.get("VITRAIN_CACHE") or "~/.cache/vitrain").expanduser()
+    if source_path.is_file() and source_path.name.endswith(ARCHIVE_SUFFIXES):
+        source_path = unpack_archive(source_path, cache / "unpacked")
+    source = scan(find_source(source_path))
+    splits = dict(source.splits)
+
+    workers = workers or max(1, (os.cpu_count() or 1))
+    bad = find_unreadable([p for files in splits.values() for p, _ in files], workers)
+    if bad:
+        for path, why in bad[:20]:
+            log.warning("skipping %s (%s)", path, why)
+        log.warning("skipped %d unreadable file(s) of %d", len(bad), sum(map(len, splits.values())))
+        skip = {p for p, _ in bad}
+        splits = {k: [f for f in v if f[0] not in skip] for k, v in splits.items()}
+    if "val" not in splits:
+        splits["train"], splits["val"] = carve_val(splits["train"], val_size, split_seed)
+        log.info(
+            "no val/ in %s: carved %d validation images from train (seed %d)",
+            src,
+            len(splits["val"]),
+            split_seed,
+        )
+
+    metadata = {
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        "classes": source.classes,
+        "splits": {k: len(v) for k, v in splits.items()},
+        "skipped": [p for p, _ in bad],
+        "source": str(src),
+    }
+    if remote:
+        stage = Path(tempfile.mkdtemp(prefix="shards-", dir=_mkdir(cache / "staging")))
+    else:
+        stage = Path(dst).expanduser().absolute()
+        stage.mkdir(parents=True, exist_ok=True)
+        (stage / METADATA_FILE).unlink(missing_ok=True)  # a rewrite in progress is not a data set
+    try:
+        for split, files in splits.items():
+            log.info("writing %s: %d images", split, len(files))
+            write_split(files, stage / split, chunk_bytes, workers)
+        if remote:
+            for split in splits:
+                store.upload_tree(stage / split, target.child(split))
+            meta_file = stage / METADATA_FILE
+            meta_file.write_text(json.dumps(metadata, indent=1))
+            store.upload_file(meta_file, target.child(METADATA_FILE))
+        else:
+            tmp = stage / f".{METADATA_FILE}.tmp"
+            tmp.write_text(json.dumps(metadata, indent=1))
+            tmp.replace(stage / METADATA_FILE)
+    finally:
+        if remote:
+            shutil.rmtree(stage, ignore_errors=True)
+    log.info("wrote %s to %s", metadata["splits"], dst)
+    return metadata
+
+
+def _mkdir(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m vitrain.data.shards", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("src", help="train/<class>/ (+ val/ or test/) folder, or a .tar/.tar.gz of one")
+    parser.add_argument("dst", help="output folder or s3://bucket/prefix")
+    parser.add_argument(
+        "--val-size",
+        type=float,
+        default=0.05,
+        help="carved from train when SRC has no val/: a count, or a fraction below 1",
+    )
+    parser.add_argument("--split-seed", type=int, default=0)
+    parser.add_argument("--chunk-bytes", default=DEFAULT_CHUNK_BYTES)
+    parser.add_argument("--workers", type=int, default=None, help="writer processes (default: all cores)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    val_size = int(args.val_size) if args.val_size >= 1 else args.val_size
+    try:
+        write_shards(args.src, args.dst, val_size, args.split_seed, args.chunk_bytes, args.workers)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,343 @@
+"""Shards written by `make shards` (vitrain/data/shards.py), read with litdata from a local folder or S3.
+
+Training streams with litdata's `StreamingDataset` + `StreamingDataLoader`: chunks are fetched into a local
+cache ahead of use and evicted after, each rank and worker reads its own part of the epoch, and the loader's
+`state_dict` (which Lightning stores in every checkpoint) resumes in the middle of an epoch. Validation and
+test read the same shards by index through the shared base's samplers, because a streaming eval would have to
+drop or pad samples to give every rank whole batches; the base's `UnrepeatedDistributedSampler` counts every
+sample exactly once.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from litdata import StreamingDataLoader, StreamingDataset
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset
+
+from vitrain.data.base import ImageDataModule, Splits, sample_seed, seed_sample
+from vitrain.data.shards import FORMAT_NAME, FORMAT_VERSION, METADATA_FILE
+from vitrain.errors import DataError
+
+log = logging.getLogger(__name__)
+# litdata logs its cache sizing and mmap choices at INFO once per worker and split
+logging.getLogger("litdata").setLevel(logging.WARNING)
+
+
+# --- metadata ---------------------------------------------------------------------------------------------
+
+
+def read_metadata(location: str, endpoint_url: str | None = None) -> dict[str, Any]:
+    """The shards' metadata file, local or on S3; every way it can be unusable is a one-line error.
+
+    Read with vitrain's S3 client before litdata touches the bucket: litdata's own client retries a missing
+    bucket or absent credentials for a long time instead of failing."""
+    from vitrain.s3 import S3Options, S3Store, is_s3_uri, parse_s3_uri
+
+    where = f"{location.rstrip('/')}/{METADATA_FILE}"
+    if is_s3_uri(location):
+        uri = parse_s3_uri(location).child(METADATA_FILE)
+        store = S3Store(S3Options(endpoint_url=endpoint_url))
+        try:
+            body = store.client.get_object(Bucket=uri.bucket, Key=uri.key)["Body"].read()
+        except Exception as exc:
+            err = store.error(exc, f"reading {uri}")
+            if type(err).__name__ == "S3ObjectNotFound":
+                raise DataError(
+                    f"no shards at {location} ({METADATA_FILE} not found): write them with `make shards SRC=<folder> DST={location}`"
+                ) from None
+            raise err from None
+        text = body.decode("utf-8", "replace")
+    else:
+        path = Path(location).expanduser()
+        if not path.is_dir():
+            raise DataError(
+                f"shard folder {path} does not exist: write it with `make shards SRC=<image folder> DST={path}`"
+            )
+        if not (path / METADATA_FILE).is_file():
+            what = (
+                "is empty"
+                if not any(path.iterdir())
+                else f"has no {METADATA_FILE} (not written by `make shards`, or unfinished)"
+            )
+            raise DataError(
+                f"shard folder {path} {what}: write it with `make shards SRC=<image folder> DST={path}`"
+            )
+        text = (path / METADATA_FILE).read_text()
+    try:
+        meta = json.loads(text)
+    except json.JSONDecodeError:
+        raise DataError(f"{where} is not valid JSON: write the shards again with `make shards`") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
+        raise DataError(f"{where} does not describe vitrain shards: write them again with `make shards`")
+    if meta.get("version") != FORMAT_VERSION:
+        raise DataError(
+            f"shards at {location} have format version {meta.get('version')}, this vitrain reads version "
+            f"{FORMAT_VERSION}: write them again with `make shards SRC=<image folder> DST={location}`"
+        )
+    for split in ("train", "val"):
+        if not meta.get("splits", {}).get(split):
+            raise DataError(
+                f"shards at {location} have no {split} split: write them again with `make shards`"
+            )
+    return meta
+
+
+# --- samples ----------------------------------------------------------------------------------------------
+
+
+def decode_rgb(data: bytes) -> Any:
+    """Encoded bytes -> RGB PIL image (grayscale, palette, RGBA and CMYK converted)."""
+    from PIL import Image
+
+    img = Image.open(io.BytesIO(data))
+    return img.convert("RGB") if img.mode != "RGB" else img
+
+
+class SampleTransform:
+    """A stored sample -> (image tensor, label). CPU: decode + timm's per-sample transform, seeded by
+    (seed, epoch, index) so a sample's augmentation does not depend on rank, worker or a resume.
+    `raw=True` (GPU decode) hands the encoded bytes on as a uint8 tensor for the batch decoder."""
+
+    def __init__(self, transform: Any, seed: int, raw: bool = False) -> None:
+        self.transform, self.seed, self.raw = transform, seed, raw
+
+    def __call__(self, item: dict[str, Any], epoch: int) -> tuple[Tensor, int]:
+        if self.raw:
+            return torch.frombuffer(bytearray(item["image"]), dtype=torch.uint8), item["label"]
+        seed_sample(sample_seed(self.seed, epoch, item["index"]))
+        return self.transform(decode_rgb(item["image"])), item["label"]
+
+
+def collate(batch: list[tuple[Tensor, int]]) -> tuple[Tensor | list[Tensor], Tensor]:
+    """Stack decoded images; encoded ones (varied lengths) stay a list for the GPU decoder."""
+    images, labels = zip(*batch, strict=True)
+    same = all(isinstance(x, Tensor) and x.dim() == 3 for x in images)
+    return (torch.stack(images) if same else list(images)), torch.tensor(labels, dtype=torch.long)
+
+
+class ShardStream(StreamingDataset):
+    """litdata's StreamingDataset, each sample passed through a SampleTransform with the epoch it is in."""
+
+    def __init__(self, sample: SampleTransform, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.sample = sample
+
+    def __next__(self) -> tuple[Tensor, int]:
+        return self.sample(super().__next__(), self.current_epoch)
+
+
+class ShardIndexDataset(Dataset):
+    """The shards of one split read by index (map-style), for exact evaluation with the base's samplers.
+    The litdata reader is opened lazily in the process that reads (each loader worker has its own)."""
+
+    def __init__(self, length: int, sample: SampleTransform, **stream_kwargs: Any) -> None:
+        self.length, self.sample, self.stream_kwargs = length, sample, stream_kwargs
+        self._stream: Any = None
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> tuple[Tensor, int]:
+        if self._stream is None:
+            self._stream = StreamingDataset(shuffle=False, **self.stream_kwargs)
+            # opening it as an iterator sets up the chunk cache: reads by index then fetch whole chunks into
+            # it (litdata's default for index reads is one ranged GET per sample)
+            iter(self._stream)
+        return self.sample(self._stream[index], 0)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_stream": None}
+
+    collate = staticmethod(collate)
+
+
+# --- the datamodule ---------------------------------------------------------------------------------------
+
+
+class StreamingDataModule(ImageDataModule):
+    """Shards from `make shards`, local or `s3://`; see configs/datamodule/streaming.yaml."""
+
+    def __init__(
+        self,
+        *args: Any,
+        max_cache_size: str | None = "50GB",
+        endpoint_url: str | None = None,
+        decode_device: str = "cpu",
+        auto_augment: str | None = None,
+        re_prob: float = 0.0,
+        hflip: float = 0.5,
+        **kwargs: Any,
+    ) -> None:
+        if decode_device not in ("cpu", "cuda"):
+            raise DataError(f"datamodule.decode_device={decode_device!r}: choose cpu or cuda")
+        super().__init__(*args, **kwargs)
+        self._meta: dict[str, Any] | None = None
+        self._gpu_decoder: Any = None
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        if self._meta is None:
+            _allow_http_endpoints(self.hparams.endpoint_url)
+            self._meta = read_metadata(str(self.hparams.data_dir), self.hparams.endpoint_url)
+        return self._meta
+
+    def find_classes(self) -> list[str]:
+        return list(self.metadata["classes"])
+
+    def _split_dir(self, split: str) -> str:
+        root = str(self.hparams.data_dir)
+        return (
+            f"{root.rstrip('/')}/{split}"
+            if root.startswith("s3://")
+            else str(Path(root).expanduser() / split)
+        )
+
+    def _stream_kwargs(self, split: str) -> dict[str, Any]:
+        hp = self.hparams
+        options = {"endpoint_url": hp.endpoint_url} if hp.endpoint_url else None
+        kwargs: dict[str, Any] = {"input_dir": self._split_dir(split), "storage_options": options}
+        if str(hp.data_dir).startswith("s3://"):
+            # one local chunk cache per split; litdata evicts beyond max_cache_size
+            kwargs["cache_dir"] = str(
+                Path(hp.cache_dir).expanduser() / "shards" / _cache_key(self._split_dir(split))
+            )
+            kwargs["max_cache_size"] = hp.max_cache_size
+        return kwargs
+
+    def build_transform(self, train: bool) -> Any:
+        """timm's per-sample transform from the model's data config (RandomResizedCrop + flip [+ RandAugment,
+        random erasing] for training; resize + center crop with crop_pct for evaluation)."""
+        from timm.data import create_transform
+
+        hp, spec = self.hparams, self._spec
+        kwargs: dict[str, Any] = {
+            "input_size": self.img_size,
+            "is_training": train,
+            "mean": self.mean,
+            "std": self.std,
+        }
+        if spec.get("interpolation"):
+            kwargs["interpolation"] = spec["interpolation"]
+        if train:
+            kwargs.update(auto_augment=hp.auto_augment, re_prob=hp.re_prob, hflip=hp.hflip)
+        elif spec.get("crop_pct"):
+            kwargs["crop_pct"] = spec["crop_pct"]
+        return create_transform(**kwargs)
+
+    def decode_on(self) -> torch.device | None:
+        """The device that decodes training batches (this process's GPU), or None: loader workers decode."""
+        if self.hparams.decode_device != "cuda":
+            return None
+        device = self.trainer.strategy.root_device if self.trainer is not None else torch.device("cuda")
+        if device.type != "cuda" or not torch.cuda.is_available():
+            log.info(
+                "datamodule.decode_device=cuda: no CUDA device in this process, decoding on the CPU instead"
+            )
+            return None
+        return device
+
+    def load_splits(self) -> Splits:
+        meta, hp = self.metadata, self.hparams
+        device = self.decode_on()
+        if device is not None:
+            from vitrain.data.gpu_decode import GpuDecoder
+
+            # its crops and flips draw from a generator of its own, seeded per (seed, rank)
+            seed = sample_seed(hp.shuffle_seed, 0, self._world()[1])
+            self._gpu_decoder = GpuDecoder(
+                self.img_size, self.mean, self.std, hflip=hp.hflip, device=device, seed=seed
+            )
+        train_sample = SampleTransform(
+            self.build_transform(train=True), hp.shuffle_seed, raw=device is not None
+        )
+        eval_sample = SampleTransform(self.build_transform(train=False), hp.shuffle_seed)
+        world, rank = self._world()
+        train = ShardStream(
+            sample=train_sample,
+            shuffle=True,
+            drop_last=True,
+            seed=hp.shuffle_seed,
+            **self._stream_kwargs("train"),
+        )
+        train.distributed_env = litdata_env(world, rank)
+        test_split = "test" if meta["splits"].get("test") else "val"
+        if test_split == "val":
+            log.info("the shards have no test split: testing on val")
+        return Splits(
+            train=train,
+            val=ShardIndexDataset(meta["splits"]["val"], eval_sample, **self._stream_kwargs("val")),
+            test=ShardIndexDataset(
+                meta["splits"][test_split], eval_sample, **self._stream_kwargs(test_split)
+            ),
+        )
+
+    @staticmethod
+    def subset(dataset: Dataset, n: int) -> Dataset:
+        raise DataError(
+            "datamodule.train_subset does not apply to streaming shards: write a smaller shard set instead"
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        if self.train_set is None:
+            raise RuntimeError("call setup() before asking for a dataloader")
+        workers = self.num_workers()
+        # StreamingDataLoader: litdata's state_dict (epoch, samples yielded per worker) lands in Lightning's
+        # checkpoint and resumes the epoch where it stopped
+        return StreamingDataLoader(
+            self.train_set,
+            batch_size=self._batch,
+            num_workers=workers,
+            pin_memory=self.hparams.pin_memory,
+            persistent_workers=workers > 0,
+            collate_fn=collate,
+            drop_last=True,
+        )
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """GPU decode: the encoded bytes of a training batch become augmented images on the GPU."""
+        x, y = batch
+        if self._gpu_decoder is not None and isinstance(x, list):
+            return self._gpu_decoder(x, train=True), y
+        return batch
+
+
+def litdata_env(world_size: int, global_rank: int) -> Any:
+    """The ranks as Lightning numbers them, for litdata (which otherwise guesses from torch.distributed and
+    the GPUs per machine). Always one "node": litdata 0.2.76's node-local reshuffle (epochs after the first
+    with several nodes) gives a chunk that straddles two nodes to both, so samples repeat within an epoch
+    (found while testing this); one global shuffle per epoch is a partition for any number of nodes, at the
+    price of less chunk-cache reuse between epochs."""
+    # private litdata name (vitrain/compat.py candidate): litdata has no public way to be told the ranks
+    from litdata.utilities.env import _DistributedEnv
+
+    return _DistributedEnv(world_size=world_size, global_rank=global_rank, num_nodes=1)
+
+
+def _cache_key(location: str) -> str:
+    import hashlib
+
+    return hashlib.sha256(location.encode()).hexdigest()[:16]
+
+
+def _allow_http_endpoints(endpoint_url: str | None = None) -> None:
+    """litdata fetches chunks with obstore, which refuses plain-HTTP endpoints (a MinIO in the cluster, a
+    test server) unless told; boto3 and the rest of vitrain accept them, so allow them when one is set."""
+    endpoint = (
+        endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or ""
+    )
+    if endpoint.startswith("http://"):
+        # private litdata name (vitrain/compat.py candidate): the client options obstore stores are built with
+        from litdata.streaming import downloader
+
+        downloader._OBSTORE_CLIENT_OPTIONS["allow_http"] = "true"
+
+
+_allow_http_endpoints()  # also in loader workers started with spawn (they import this module to unpickle)

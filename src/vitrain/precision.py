@@ -1,0 +1,130 @@
+"""`trainer.precision=auto`: the fastest precision that trains correctly on the machine in hand.
+
+bf16 autocast is a gain only where the hardware computes in bf16: GPUs of compute capability >= 8.0, and CPUs
+with native bf16 instructions (AVX-512 BF16 or AMX on x86, BF16 on ARM) that oneDNN is allowed to use. On a
+CPU without them torch emulates bf16, and a small ViT trained 18x slower than in fp32 (issue 12). Older GPUs
+(capability < 8.0) have fp16 tensor cores: 16-mixed. Everything else trains in 32-true.
+
+Under FSDP2 (`trainer=fsdp`, Lightning's ModelParallelStrategy) `auto` picks the autocast precision only;
+the strategy's own `mixed_precision` (bf16 weights in the all-gather and the compute, fp32 reduction) is a
+separate choice and stays as configured. Lightning refuses 16-mixed there, so an older GPU gets 32-true.
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_only
+from omegaconf import DictConfig
+
+log = logging.getLogger(__name__)
+
+AUTO = "auto"
+
+
+def cpu_bf16_support() -> tuple[bool, str]:
+    """(native bf16 on this CPU, why), from what torch reports.
+
+    Two conditions: the CPU has bf16 instructions (`torch.cpu.get_capabilities()`, cpuinfo), and oneDNN,
+    which runs torch's bf16 matmuls on CPU, may use bf16 kernels (`_is_mkldnn_bf16_supported`: False when
+    `ONEDNN_MAX_CPU_ISA` caps it below AVX-512, or without AVX-512 at all). The second alone is not enough:
+    it is also True on AVX-512 CPUs without BF16 instructions, where oneDNN converts and runs fp32.
+    """
+    caps = torch.cpu.get_capabilities()
+    if platform.machine().lower() in ("arm64", "aarch64"):
+        native = [name for name in ("bf16", "sve_bf16") if caps.get(name)]
+    else:
+        native = [name for name in ("avx512_bf16", "amx_bf16") if caps.get(name)]
+    if not native:
+        return False, f"{caps.get('cpu_name') or 'CPU'} has no bf16 instructions"
+    # private op (no public equivalent in torch 2.14); inductor uses the same call
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return False, f"{caps.get('cpu_name') or 'CPU'} has {'+'.join(native)}, but oneDNN may not use it"
+    return True, f"{caps.get('cpu_name') or 'CPU'} with native {'+'.join(native)}"
+
+
+def choose_precision(
+    device: str,
+    *,
+    cuda_capability: tuple[int, int] | None = None,
+    cpu_native_bf16: bool = False,
+    sharded: bool = False,
+) -> str:
+    """The decision alone, on capabilities given (tests inject them): see the module docstring."""
+    if device == "cuda":
+        if cuda_capability is not None and cuda_capability >= (8, 0):
+            return "bf16-mixed"
+        # Lightning's ModelParallelStrategy (FSDP2) supports no 16-mixed
+        return "32-true" if sharded else "16-mixed"
+    if device == "cpu":
+        return "bf16-mixed" if cpu_native_bf16 else "32-true"
+    return "32-true"
+
+
+def _device_type(accelerator: Any) -> str:
+    """cuda, cpu or other, as Lightning will pick it for `trainer.accelerator`."""
+    from lightning.pytorch.accelerators import CUDAAccelerator, MPSAccelerator
+
+    name = str(accelerator).lower() if isinstance(accelerator, str) else type(accelerator).__name__.lower()
+    if name in ("cuda", "cudaaccelerator"):
+        return "cuda"
+    if name in ("cpu", "cpuaccelerator"):
+        return "cpu"
+    if name in ("gpu", "auto"):
+        # Lightning's order for both: MPS, then CUDA, then (auto) CPU
+        if MPSAccelerator.is_available():
+            return "mps"
+        if CUDAAccelerator.is_available():
+            return "cuda"
+        return "cpu" if name == "auto" else "cuda"
+    return name
+
+
+def _first_cuda_index(devices: Any) -> int:
+    if isinstance(devices, (list, tuple)) and devices:
+        return int(devices[0])
+    if isinstance(devices, str) and "," in devices:
+        return int(next(d for d in devices.split(",") if d.strip()))
+    return 0
+
+
+def _is_sharded(strategy: Any) -> bool:
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    target = strategy.get("_target_") if isinstance(strategy, (dict, DictConfig)) else None
+    if target is None:
+        return isinstance(strategy, ModelParallelStrategy)
+    from hydra.utils import get_class
+
+    return issubclass(get_class(target), ModelParallelStrategy)
+
+
+def resolve_precision(trainer_cfg: DictConfig | dict[str, Any]) -> Any:
+    """`trainer_cfg.precision`, with `auto` replaced by the choice for this machine (logged).
+
+    Call it before the Trainer exists: every rank computes the same answer from the same hardware, so no
+    collective is needed. The CUDA branch reads the capability of the run's first device (this initialises
+    CUDA in the process, as the Trainer does next anyway).
+    """
+    precision = trainer_cfg.get("precision", "32-true")
+    if str(precision) != AUTO:
+        return precision
+    device = _device_type(trainer_cfg.get("accelerator", "auto"))
+    sharded = _is_sharded(trainer_cfg.get("strategy"))
+    if device == "cuda":
+        index = _first_cuda_index(trainer_cfg.get("devices", 1))
+        capability = torch.cuda.get_device_capability(index)
+        why = f"{torch.cuda.get_device_name(index)}, compute capability {capability[0]}.{capability[1]}"
+        chosen = choose_precision(device, cuda_capability=capability, sharded=sharded)
+    elif device == "cpu":
+        native, why = cpu_bf16_support()
+        chosen = choose_precision(device, cpu_native_bf16=native)
+    else:
+        why = f"accelerator {device}"
+        chosen = choose_precision(device)
+    if rank_zero_only.rank == 0:
+        log.info(f"trainer.precision=auto -> {chosen} ({why})")
+    return chosen

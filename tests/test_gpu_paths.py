@@ -1,0 +1,294 @@
+"""What of the GPU paths a CPU can check (docs/gpu.md says what only a GPU shows: `make gpu-check`).
+
+Two real gloo processes (spawned once for the module) run the parallelize step and FSDP2 as a GPU run does:
+no collective on CPU tensors before the model is on its device (NCCL refuses them), identical initial
+weights on every rank from the common seed, evaluation under `torch.inference_mode` followed by a training
+step, hybrid sharding meshes, and a different augmentation stream per rank with per-rank RNG restore.
+"""
+
+from __future__ import annotations
+
+import json
+import traceback
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
+
+from helpers import compose_cfg, tiny_overrides
+from vitrain.callbacks import throughput
+from vitrain.callbacks.resume import gather_from_ranks, offset_by_rank
+from vitrain.checkpoints import AtomicCheckpointIO
+from vitrain.distributed import fsdp
+from vitrain.distributed.fsdp import FSDP2Strategy, gather_for_eval, hybrid_mesh, reshard_after_eval
+from vitrain.distributed.parallelize import parallelize
+from vitrain.models.timm_net import create_net
+
+WORLD = 2
+NET = {
+    "model_name": "vit_tiny_patch16_224",
+    "pretrained": False,
+    "num_classes": 10,
+    "img_size": 32,
+    "patch_size": 8,
+    "embed_dim": 32,
+    "depth": 2,
+    "num_heads": 2,
+}
+
+
+class MeshOnly:
+    """What `parallelize` reads from an FSDP2Strategy: its options and its mesh (a real gloo mesh here;
+    the strategy's own `fsdp_mesh` needs a Lightning trainer around it)."""
+
+    def __init__(self, mesh: Any, **options: Any) -> None:
+        self.fsdp_options = {"mixed_precision": None, "reshard_after_forward": True, **options}
+        self._mesh = mesh
+
+    def fsdp_mesh(self) -> Any:
+        return self._mesh
+
+
+def seeded_net() -> torch.nn.Module:
+    torch.manual_seed(42)  # what L.seed_everything(cfg.seed) does on every rank before the model is built
+    return create_net(NET, None)
+
+
+def _check(results: dict[str, Any], name: str, fn: Any) -> None:
+    try:
+        results[name] = fn()
+    except Exception:
+        results[name] = {"error": traceback.format_exc()}
+
+
+def _worker(rank: int, store: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    results: dict[str, Any] = {}
+    mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("data_parallel",))
+
+    def no_collective_and_same_weights() -> dict[str, Any]:
+        reference = {k: v.clone() for k, v in seeded_net().state_dict().items()}
+        net = seeded_net()
+        called = []
+        original = dist.broadcast
+        dist.broadcast = lambda *a, **k: called.append("broadcast") or original(*a, **k)
+        try:
+            parallelize(net, MeshOnly(mesh))
+        finally:
+            dist.broadcast = original
+        full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in net.state_dict().items()}
+        same = all(torch.equal(full[k], reference[k]) for k in reference)
+        return {"collectives": called, "equal_to_seeded": same, "sharded": fsdp.is_sharded(net)}
+
+    def eval_under_inference_mode_then_train() -> dict[str, Any]:
+        net = seeded_net()
+        parallelize(net, MeshOnly(mesh))
+        optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
+        x = torch.randn(4, 3, 32, 32)
+        with torch.inference_mode():  # as Lightning evaluates on GPUs
+            gather_for_eval(net)
+            net(x)
+            reshard_after_eval(net, True)
+        for _ in range(2):
+            loss = net(x).logsumexp(-1).mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        return {"loss": float(loss)}
+
+    def hybrid(shard: int) -> dict[str, Any]:
+        hmesh = hybrid_mesh("cpu", WORLD, shard)
+        net = seeded_net()
+        parallelize(net, MeshOnly(hmesh))
+        torch.manual_seed(100 + rank)  # different data per rank: gradients are averaged across replicas
+        net(torch.randn(2, 3, 32, 32)).sum().backward()
+        grad = net.head.weight.grad
+        grad = grad.full_tensor() if hasattr(grad, "full_tensor") else grad
+        grads = gather_from_ranks(grad.sum().item(), WORLD)
+        return {"shape": list(hmesh.shape), "names": list(hmesh.mesh_dim_names), "grad_sums": grads}
+
+    def rng_streams() -> dict[str, Any]:
+        torch.manual_seed(42)
+        offset_by_rank(rank)
+        draws = gather_from_ranks(torch.rand(4).tolist(), WORLD)
+        saved = gather_from_ranks(_collect_rng_states(include_cuda=False), WORLD)
+        expected = torch.rand(4).tolist()
+        torch.manual_seed(7)  # anything else
+        _set_rng_states(saved[rank])  # what ExactResume restores on this rank
+        return {"draws": draws, "restored_equal": torch.rand(4).tolist() == expected}
+
+    _check(results, "init", no_collective_and_same_weights)
+    _check(results, "inference_then_train", eval_under_inference_mode_then_train)
+    _check(results, "hybrid_2x1", lambda: hybrid(1))
+    _check(results, "hybrid_1x2", lambda: hybrid(2))
+    _check(results, "rng", rng_streams)
+    Path(out, f"rank{rank}.json").write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    out = tmp_path_factory.mktemp("gpu_paths")
+    mp.spawn(_worker, args=(str(out / "store"), str(out)), nprocs=WORLD, join=True)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+
+
+def _ok(result: dict[str, Any]) -> dict[str, Any]:
+    assert "error" not in result, result.get("error")
+    return result
+
+
+def test_fsdp_start_up_issues_no_collective_and_ranks_start_identical(two_ranks: list[dict[str, Any]]):
+    for rank in two_ranks:
+        init = _ok(rank["init"])
+        assert init["collectives"] == [], "a collective on CPU tensors fails on GPUs (NCCL-only group)"
+        assert init["sharded"] and init["equal_to_seeded"]
+
+
+def test_fsdp_trains_after_evaluating_under_inference_mode(two_ranks: list[dict[str, Any]]):
+    for rank in two_ranks:
+        assert torch.isfinite(torch.tensor(_ok(rank["inference_then_train"])["loss"]))
+
+
+def test_hybrid_sharding_meshes(two_ranks: list[dict[str, Any]]):
+    for rank in two_ranks:
+        two_replicas, one_group = _ok(rank["hybrid_2x1"]), _ok(rank["hybrid_1x2"])
+        assert two_replicas["shape"] == [2, 1] and one_group["shape"] == [1, 2]
+        assert two_replicas["names"] == ["replicate", "shard"]
+        # replicas average their gradients: both ranks hold the same gradient
+        for result in (two_replicas, one_group):
+            assert result["grad_sums"][0] == pytest.approx(result["grad_sums"][1])
+
+
+def test_ranks_draw_different_augmentations_and_restore_their_own(two_ranks: list[dict[str, Any]]):
+    for rank in two_ranks:
+        rng = _ok(rank["rng"])
+        assert rng["draws"][0] != rng["draws"][1]
+        assert rng["restored_equal"]
+    torch.manual_seed(42)
+    assert two_ranks[0]["rng"]["draws"][0] == torch.rand(4).tolist(), "rank 0 draws as one process does"
+
+
+def test_hybrid_shard_size_must_divide_the_world():
+    with pytest.raises(ValueError, match="divide the world size"):
+        hybrid_mesh("cpu", 4, 3)
+    with pytest.raises(ValueError, match="hybrid_shard"):
+        FSDP2Strategy(hybrid_shard=-1)
+
+
+def test_checkpoints_load_to_the_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Rank 0 saved `cuda:0` tensors: loaded without map_location they land on GPU 0 in every process."""
+    path = tmp_path / "x.ckpt"
+    torch.save({"state_dict": {"w": torch.ones(2)}}, path)
+    seen = []
+    original = torch.load
+    monkeypatch.setattr(
+        torch, "load", lambda *a, **k: seen.append(k.get("map_location")) or original(*a, **k)
+    )
+    AtomicCheckpointIO().load_checkpoint(path)
+    from vitrain.tuning import TrustedCheckpointIO
+
+    TrustedCheckpointIO().load_checkpoint(path)
+    assert seen == ["cpu", "cpu"]
+
+
+def test_step_values_are_logged_as_cpu_tensors_on_log_steps_only(
+    tmp_path: Path, tiny_cifar: Path, data_cache: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """A logged GPU tensor is read with .item() by the progress bar after every batch: a host sync per step.
+    On a CPU only the form can be checked: CPU tensors, logged on the logger's steps only."""
+    from vitrain.training import build
+
+    cfg = compose_cfg(
+        "train",
+        [*tiny_overrides(tiny_cifar, data_cache), "trainer.log_every_n_steps=2", "+trainer.limit_train_batches=5",
+         "trainer.limit_val_batches=1", "test=false", "logger=csv", "callbacks=none"],
+        tmp_path,
+    )  # fmt: skip
+    objects = build(cfg)
+    model, trainer = objects["model"], objects["trainer"]
+    logged: list[tuple[int, str, Any]] = []
+    original = model.log
+
+    def spy(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        if name in ("train/loss_step", "lr"):
+            logged.append((trainer.global_step, name, value))
+        original(name, value, *args, **kwargs)
+
+    monkeypatch.setattr(model, "log", spy)
+    trainer.fit(model, datamodule=objects["datamodule"])
+    steps = sorted({step for step, name, _ in logged if name == "train/loss_step"})
+    assert steps == [1, 3], steps  # the batches after which Lightning writes logs (every 2nd step)
+    for _, _, value in logged:
+        assert isinstance(value, torch.Tensor) and value.device.type == "cpu"
+
+
+def test_peak_flops_table():
+    bf16, fp32 = torch.bfloat16, torch.float32
+    assert throughput.peak_flops("NVIDIA H100 80GB HBM3", bf16) == 989e12
+    assert throughput.peak_flops("NVIDIA H100 PCIe", bf16) == 756e12
+    assert throughput.peak_flops("NVIDIA H100 NVL", bf16) == 835e12
+    assert throughput.peak_flops("NVIDIA H200", bf16) == 989e12  # dense, not the with-sparsity figure
+    assert throughput.peak_flops("NVIDIA GH200 480GB", bf16) == 989e12
+    assert throughput.peak_flops("NVIDIA A100-SXM4-80GB", bf16) == 312e12
+    assert throughput.peak_flops("NVIDIA L4", bf16) == 121e12
+    assert throughput.peak_flops("NVIDIA A100-SXM4-40GB", fp32, tf32=False) == 19.5e12
+    assert throughput.peak_flops("NVIDIA A100-SXM4-40GB", fp32, tf32=True) == 156e12
+    assert throughput.peak_flops("Some Future GPU", bf16) is None
+    assert throughput.peak_flops("NVIDIA H100 80GB HBM3", torch.int8) is None
+
+
+def test_compute_dtype_follows_the_fsdp_policy():
+    from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+
+    fp32 = Precision()  # trainer.precision=32-true: the plugin says fp32, the blocks compute in bf16
+    assert throughput.compute_dtype(fp32, FSDP2Strategy(mixed_precision="bf16")) is torch.bfloat16
+    assert throughput.compute_dtype(fp32, FSDP2Strategy()) is torch.float32
+    assert throughput.compute_dtype(MixedPrecision("bf16-mixed", "cpu"), None) is torch.bfloat16
+
+
+def test_bench_and_callback_share_one_peak_table():
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    try:
+        import gpu as bench_gpu
+    finally:
+        sys.path.pop(0)
+    assert bench_gpu.peak_flops is throughput.peak_flops
+
+
+def test_tuner_searches_on_the_runs_first_device():
+    from vitrain.tuning import first_device
+
+    assert first_device([2, 3]) == [2]
+    assert first_device("2,3") == [2]
+    assert first_device(4) == 1 and first_device("auto") == 1
+
+
+def test_gpu_check_script_without_a_gpu(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture):
+    """`make gpu-check` on a machine without CUDA says so and exits 2; its checks are listed and documented.
+    (`python bench/gpu_check.py --cpu-dry-run` runs all its commands on CPU processes: minutes, not in CI.)"""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    try:
+        import gpu_check
+    finally:
+        sys.path.pop(0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(sys, "argv", ["gpu_check.py"])
+    assert gpu_check.main() == 2
+    assert "no CUDA GPU visible" in capsys.readouterr().err
+    assert all(fn.__doc__ for fn in gpu_check.CHECKS.values())
+    assert gpu_check.setting(["+trainer.max_epochs=1", "a=1"], trainer__max_epochs=3, ckpt_path="x") == [
+        "a=1",
+        "trainer.max_epochs=3",
+        "ckpt_path=x",
+    ]

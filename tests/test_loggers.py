@@ -1,0 +1,246 @@
+"""Every logger in a short real run: W&B offline files, a real MLflow tracking server, several at once."""
+
+import csv
+import json
+import struct
+import urllib.parse
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from helpers import compose_cfg, tiny_overrides
+from vitrain.loggers import LoggerError
+from vitrain.training import train
+
+SECRET = "hf_vitrain-test-secret-0123456789"
+SCALARS = {"train/loss_step", "train/loss_epoch", "train/acc1", "val/loss", "val/acc1", "val/acc5", "lr"}
+
+
+@pytest.fixture
+def wandb_offline(
+    monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[None]:
+    """W&B offline, its settings and caches in a temp dir, no login anywhere."""
+    home = tmp_path_factory.mktemp("wandb_home")
+    for var, value in {
+        "WANDB_MODE": "offline",
+        "WANDB_SILENT": "true",
+        "WANDB_CONFIG_DIR": str(home / "config"),
+        "WANDB_CACHE_DIR": str(home / "cache"),
+        "WANDB_DATA_DIR": str(home / "data"),
+        "WANDB_ARTIFACT_DIR": str(home / "artifacts"),
+        "NETRC": str(home / "netrc"),
+    }.items():
+        monkeypatch.setenv(var, value)
+    for var in ("WANDB_API_KEY", "WANDB_PROJECT", "WANDB_ENTITY", "WANDB_RUN_ID", "WANDB_DIR"):
+        monkeypatch.delenv(var, raising=False)
+    import wandb
+
+    wandb.teardown()  # W&B keeps the settings of its first run per process: start from these
+    yield
+    wandb.teardown()
+
+
+def wandb_records(run_dir: Path) -> list[Any]:
+    """The records of the one offline W&B run under `run_dir`, parsed with W&B's own protobuf messages.
+
+    wandb 0.31 ships no Python reader for its `.wandb` transaction log (the Go core writes it): the file
+    is a LevelDB-style log, a 7-byte header (":W&B", magic, version) then 32 KiB blocks of records, each
+    with a (crc32, length, type) header; a record spans blocks as FIRST/MIDDLE/LAST pieces.
+    """
+    import zlib
+
+    from wandb.proto import wandb_internal_pb2
+
+    files = list(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
+    assert len(files) == 1, files
+    data = files[0].read_bytes()
+    assert data[:4] == b":W&B"
+    block, pos, pending, records = 32768, 7, b"", []
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        if left < 7:  # a block's tail too short for a header is padding
+            pos += left
+            continue
+        crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if kind == 0 and length == 0:
+            pos += left
+            continue
+        chunk = data[pos + 7 : pos + 7 + length]
+        assert zlib.crc32(bytes([kind]) + chunk) == crc, "corrupt record"
+        pos += 7 + length
+        pending += chunk
+        if kind in (1, 4):  # FULL or LAST
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            records.append(record)
+            pending = b""
+    return records
+
+
+def _key(item: Any) -> str:
+    return item.key or "/".join(item.nested_key)
+
+
+def wandb_history(records: list[Any]) -> dict[str, list[float]]:
+    series: dict[str, list[float]] = {}
+    for record in records:
+        if record.WhichOneof("record_type") == "history":
+            for item in record.history.item:
+                series.setdefault(_key(item), []).append(json.loads(item.value_json))
+    return series
+
+
+def wandb_config(records: list[Any]) -> dict[str, Any]:
+    config: dict[str, Any] = {}
+    for record in records:
+        kind = record.WhichOneof("record_type")
+        updates = (
+            record.run.config.update if kind == "run" else record.config.update if kind == "config" else []
+        )
+        for item in updates:
+            config[_key(item)] = json.loads(item.value_json)
+    return config
+
+
+def files_containing(root: Path, needle: str) -> list[Path]:
+    return [p for p in root.rglob("*") if p.is_file() and needle.encode() in p.read_bytes()]
+
+
+def test_wandb_offline_run_holds_the_scalars_and_the_redacted_config(
+    tmp_path: Path, tiny_cifar: Path, data_cache: Path, wandb_offline: None, monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.setenv("HF_TOKEN", SECRET)
+    overrides = [
+        *tiny_overrides(tiny_cifar, data_cache),
+        "logger=wandb",
+        "trainer.max_epochs=2",
+        "+extras.hub_token=${oc.env:HF_TOKEN}",  # masked by its key's name
+        "+extras.note=token-${oc.env:HF_TOKEN}",  # masked by its value
+    ]
+    metrics, _ = train(compose_cfg("train", overrides, tmp_path))
+
+    records = wandb_records(tmp_path)
+    history = wandb_history(records)
+    assert history.keys() >= SCALARS, sorted(history)
+    assert len(history["val/acc1"]) == 2 and history["val/acc1"][-1] == pytest.approx(metrics["val/acc1"])
+    assert history["test/acc1"] == [pytest.approx(metrics["test/acc1"])]
+    config = wandb_config(records)
+    assert config["datamodule"]["batch_size"] == 8 and config["model"]["net"]["embed_dim"] == 32
+    assert config["extras"]["hub_token"] == "***" and config["extras"]["note"] == "token-***"
+    assert not files_containing(tmp_path, SECRET), "the secret reached a file of the run"
+
+
+def test_wandb_without_a_login_fails_in_one_line(
+    tmp_path: Path, tiny_cifar: Path, data_cache: Path, wandb_offline: None, monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.setenv("WANDB_MODE", "online")
+    cfg = compose_cfg("train", [*tiny_overrides(tiny_cifar, data_cache), "logger=wandb"], tmp_path)
+    with pytest.raises(LoggerError, match=r"WandbLogger could not start: .*API key.*WANDB_MODE=offline"):
+        train(cfg)
+
+
+# --- MLflow: a real tracking server --------------------------------------------------------------------
+
+
+def mlflow_get(server: str, endpoint: str, **params: str) -> dict[str, Any]:
+    """GET on the tracking server's REST API (no MLflow client involved)."""
+    url = f"{server}/api/2.0/mlflow/{endpoint}?{urllib.parse.urlencode(params)}"
+    with urllib.request.urlopen(url, timeout=30) as response:
+        return json.loads(response.read())
+
+
+def mlflow_runs(server: str, experiment_name: str) -> list[dict[str, Any]]:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(server)
+    experiment = client.get_experiment_by_name(experiment_name)
+    assert experiment is not None, f"no experiment {experiment_name} on the server"
+    return [
+        mlflow_get(server, "runs/get", run_id=r.info.run_id)["run"]
+        for r in client.search_runs([experiment.experiment_id])
+    ]
+
+
+def test_mlflow_logs_params_metrics_and_the_best_checkpoint_to_a_server(
+    tmp_path: Path, tiny_cifar: Path, data_cache: Path, mlflow_server: str, monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
+    experiment = f"test-{uuid.uuid4().hex[:8]}"
+    overrides = [
+        *tiny_overrides(tiny_cifar, data_cache),
+        "logger=mlflow",
+        f"logger.mlflow.experiment_name={experiment}",
+        "logger.mlflow.log_best_checkpoint=true",
+        "trainer.max_epochs=2",
+    ]
+    metrics, objects = train(compose_cfg("train", overrides, tmp_path))
+
+    [run] = mlflow_runs(mlflow_server, experiment)
+    assert run["info"]["status"] == "FINISHED"
+    latest = {m["key"]: m for m in run["data"]["metrics"]}
+    assert SCALARS | {"test/acc1"} <= latest.keys(), sorted(latest)
+    assert latest["test/acc1"]["value"] == pytest.approx(metrics["test/acc1"])
+    history = mlflow_get(
+        mlflow_server, "metrics/get-history", run_id=run["info"]["run_id"], metric_key="val/acc1"
+    )
+    assert len(history["metrics"]) == 2
+    params = {p["key"]: p["value"] for p in run["data"]["params"]}
+    assert params["datamodule/batch_size"] == "8" and params["model/net/embed_dim"] == "32"
+
+    # the best checkpoint, byte for byte, as an artifact served by the tracking server
+    from mlflow.tracking import MlflowClient
+
+    best = Path(objects["best_model_path"])
+    client = MlflowClient(mlflow_server)
+    listed = [Path(a.path).name for a in client.list_artifacts(run["info"]["run_id"], "checkpoints")]
+    assert listed == [best.name]
+    tags = {t["key"]: t["value"] for t in run["data"]["tags"]}
+    assert tags["best_checkpoint"] == best.name
+    fetched = client.download_artifacts(
+        run["info"]["run_id"], f"checkpoints/{best.name}", str(tmp_path / "dl")
+    )
+    assert Path(fetched).read_bytes() == best.read_bytes()
+    assert torch.load(fetched, weights_only=False)["run_config"]["model"]["net"]["embed_dim"] == 32
+
+
+def test_many_loggers_log_the_same_scalars(
+    tmp_path: Path,
+    tiny_cifar: Path,
+    data_cache: Path,
+    wandb_offline: None,
+    mlflow_server: str,
+    monkeypatch: pytest.MonkeyPatch,
+):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
+    experiment = f"test-many-{uuid.uuid4().hex[:8]}"
+    overrides = [
+        *tiny_overrides(tiny_cifar, data_cache),
+        "logger=many",
+        f"logger.mlflow.experiment_name={experiment}",
+    ]
+    cfg = compose_cfg("train", overrides, tmp_path)
+    assert set(cfg.logger) == {"tensorboard", "csv", "mlflow", "wandb"}
+    _, objects = train(cfg)
+    assert len(objects["loggers"]) == 4
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    with (tmp_path / "csv" / "metrics.csv").open() as f:
+        csv_keys = {k for row in csv.DictReader(f) for k, v in row.items() if v}
+    [run] = mlflow_runs(mlflow_server, experiment)
+    logged = {
+        "tensorboard": set(events.Tags()["scalars"]),
+        "csv": csv_keys,
+        "mlflow": {m["key"] for m in run["data"]["metrics"]},
+        "wandb": set(wandb_history(wandb_records(tmp_path))),
+    }
+    for name, keys in logged.items():
+        assert SCALARS | {"test/acc1"} <= keys, (name, sorted(keys))

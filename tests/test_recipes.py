@@ -1,0 +1,314 @@
+"""Any timm family (issue 14), FSDP units, EMA, mixup/cutmix, per-image RandAugment, layer-wise LR decay."""
+
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+import timm
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from helpers import PYTHON, ROOT, TINY_VIT, compose_cfg, run_cli, tiny_overrides
+from test_distributed import RUN_TIMEOUT, free_port, launch_env
+from vitrain import checkpoints
+from vitrain.callbacks.ema import EMA
+from vitrain.data.augment import OPS, RandomAugment
+from vitrain.distributed.fsdp import FSDP2Strategy, shard_units
+from vitrain.errors import DataError, ModelError, UserError
+from vitrain.evaluation import evaluate
+from vitrain.models.classifier import ImageClassifier, make_mixup
+from vitrain.models.timm_net import create_net
+from vitrain.training import train
+
+# --- any family -------------------------------------------------------------------------------------
+
+
+def test_resnet18_with_default_model_config_on_cpu(tmp_path: Path, tiny_cifar: Path, data_cache: Path):
+    """The issue's command: only the model name changes (and a small input, for speed)."""
+    overrides = [o for o in tiny_overrides(tiny_cifar, data_cache) if not o.startswith(("model", "+model"))]
+    cfg = compose_cfg(
+        "train",
+        [
+            *overrides,
+            "model.net.model_name=resnet18",
+            "datamodule.img_size=32",
+            "+trainer.limit_train_batches=2",
+        ],
+        tmp_path,
+    )
+    assert "img_size" not in cfg.model.net and "patch_size" not in cfg.model.net
+    metrics, objects = train(cfg)
+    assert objects["trainer"].global_step == 2
+    assert "test/acc1" in metrics
+    # the input spec from timm's data config for the model: ImageNet mean/std only when pretrained
+    assert objects["model"].input_spec["img_size"] == 224  # timm's size, the datamodule's 32 wins
+    assert objects["datamodule"].img_size == 32
+
+
+def test_keyword_of_another_family_is_one_line_error(tmp_path: Path, tiny_cifar: Path, data_cache: Path):
+    done = run_cli(
+        "train.py",
+        [
+            *tiny_overrides(tiny_cifar, data_cache),
+            "model.net.model_name=resnet18",
+            f"hydra.run.dir={tmp_path}",
+        ],
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    lines = [ln for ln in done.stderr.strip().splitlines() if ln.strip()]
+    assert "Traceback" not in done.stderr
+    assert "model.net.img_size is not a keyword of resnet18 (ResNet)" in lines[-1]
+
+
+def test_unknown_model_and_bad_options_are_model_errors():
+    with pytest.raises(ModelError, match=re.escape("unknown timm model model.net.model_name=resnet181")):
+        create_net({"model_name": "resnet181"})
+    with pytest.raises(
+        ModelError, match=re.escape("model.net.class_token is not a keyword of convnext_atto")
+    ):
+        create_net({"model_name": "convnext_atto", "class_token": False})
+    with pytest.raises(ModelError, match=re.escape("model.mixup")):
+        make_mixup({"mixup_alpha": 0.8, "alpha": 1}, 10, 0.1)
+
+
+@pytest.mark.parametrize(
+    ("name", "unit"),
+    [
+        ("vit_tiny_patch16_224", "Block"),
+        ("resnet50", "Bottleneck"),
+        ("convnext_atto", "ConvNeXtBlock"),
+        ("efficientnet_b0", "InvertedResidual"),
+        ("test_resnet", "Sequential"),  # one block per stage: timm's feature_info stages
+    ],
+)
+def test_fsdp_units_for_every_family(name: str, unit: str):
+    net = timm.create_model(name)
+    units = shard_units(net)
+    assert unit in {type(u).__name__ for u in units}
+    total = sum(p.numel() for p in net.parameters())
+    assert sum(p.numel() for u in units for p in u.parameters()) > 0.5 * total
+    ids = {id(u) for u in units}
+    assert not any(id(d) in ids for u in units for d in u.modules() if d is not u)  # no unit inside another
+
+
+def families_job(strategy: str, data: Path, cache: Path, out: Path, *extra: str) -> dict[str, list[dict]]:
+    launcher = [
+        PYTHON,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1",
+        "--nproc-per-node=2",
+        f"--master-port={free_port()}",
+    ]
+    cmd = [
+        *launcher,
+        str(ROOT / "tests" / "families_job.py"),
+        strategy,
+        str(data),
+        str(cache),
+        str(out),
+        *extra,
+    ]
+    done = subprocess.run(
+        cmd, cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=2 * RUN_TIMEOUT
+    )
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    results: dict[str, list[dict]] = {}
+    for path in sorted(out.glob("*.rank*.json")):
+        results.setdefault(path.name.split(".rank")[0], []).append(json.loads(path.read_text()))
+    return results
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(2 * RUN_TIMEOUT)
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_vit_resnet_convnext_train_on_two_processes(
+    strategy: str, tmp_path: Path, tiny_cifar: Path, data_cache: Path
+):
+    # Lightning's clipping and accumulation flags under both strategies (2 batches, 1 optimizer step); FSDP in
+    # bf16: BatchNorm (ResNet) must run as its own fp32 unit (vitrain/distributed/fsdp.py)
+    extra = ["trainer.gradient_clip_val=1.0", "trainer.accumulate_grad_batches=2"]
+    if strategy == "fsdp":
+        extra.append("trainer.strategy.mixed_precision=bf16")
+    results = families_job(strategy, tiny_cifar, data_cache, tmp_path, *extra)
+    assert set(results) == {"vit", "resnet18", "convnext_atto"}
+    for family, ranks in results.items():
+        assert len(ranks) == 2, family
+        for r in ranks:
+            assert r["world_size"] == 2 and r["global_step"] == 1 and r["finite"], (family, r)
+            if strategy == "fsdp":
+                assert r["sharded_units"] > 2 and r["dtensor_params"] > 0, (family, r)
+            else:
+                assert r["sharded_units"] == 0
+
+
+# --- EMA ----------------------------------------------------------------------------------------------
+
+
+def ema_overrides(tiny_cifar: Path, data_cache: Path, *extra: str) -> list[str]:
+    return [
+        *tiny_overrides(tiny_cifar, data_cache),
+        "callbacks=[default,ema]",
+        "callbacks.ema.decay=0.9",
+        "trainer.max_epochs=2",
+        "datamodule.train_subset=48",
+        "model.optimizer.lr=0.01",
+        "callbacks.model_checkpoint.save_top_k=-1",  # every epoch's checkpoint: the resume test starts from epoch 0's
+        *extra,
+    ]
+
+
+@pytest.fixture(scope="module")
+def ema_run(tmp_path_factory: pytest.TempPathFactory, tiny_cifar: Path, data_cache: Path):
+    run_dir = tmp_path_factory.mktemp("ema")
+    metrics, objects = train(compose_cfg("train", ema_overrides(tiny_cifar, data_cache), run_dir))
+    return run_dir, metrics, objects
+
+
+def test_ema_weights_are_checkpointed_tested_and_evaluated(ema_run, tmp_path: Path):
+    run_dir, metrics, objects = ema_run
+    best = checkpoints.load(Path(objects["best_model_path"]))
+    ema, raw = best["state_dict"], best["current_model_state"]
+    assert any(not torch.equal(ema[k], raw[k]) for k in ema if k.startswith("net."))
+    # test ran on the best checkpoint's EMA weights, not on its raw `current_model_state`
+    tested = objects["model"].state_dict()
+    assert all(torch.equal(tested[k], v) for k, v in ema.items() if k.startswith("net."))
+    last = checkpoints.load(run_dir / "checkpoints" / "last.ckpt")
+    # test after fit ran on the best checkpoint's EMA weights; eval.py on the same file agrees exactly
+    evaluated = evaluate(
+        compose_cfg(
+            "eval", [f"ckpt_path={objects['best_model_path']}", "extras.print_config=false"], tmp_path
+        )
+    )[0]
+    assert evaluated["test/acc1"] == pytest.approx(metrics["test/acc1"])
+    # same weights; the loss may differ in the last digits (eval.py may pick another precision)
+    assert evaluated["test/loss"] == pytest.approx(metrics["test/loss"], rel=1e-3)
+    assert "averaging_state" in last and last["callbacks"]
+
+
+def test_ema_resume_is_exact(ema_run, tmp_path: Path, tiny_cifar: Path, data_cache: Path):
+    """Resumed from epoch 0's checkpoint, the second epoch ends with the raw and the EMA weights (and the
+    averaging count) bitwise those of the uninterrupted run."""
+    run_dir, _, _ = ema_run
+    (epoch0,) = (run_dir / "checkpoints").glob("epoch000-*.ckpt")
+    resumed = tmp_path / "resumed"
+    train(
+        compose_cfg(
+            "train", ema_overrides(tiny_cifar, data_cache, f"ckpt_path={epoch0}", "test=false"), resumed
+        )
+    )
+    straight = checkpoints.load(run_dir / "checkpoints" / "last.ckpt")
+    again = checkpoints.load(resumed / "checkpoints" / "last.ckpt")
+    for key in ("current_model_state", "averaging_state", "state_dict"):
+        assert straight[key].keys() == again[key].keys()
+        for name, value in straight[key].items():
+            assert torch.equal(value, again[key][name]), (key, name)
+
+
+def test_ema_refuses_fsdp_in_one_line():
+    trainer = type("T", (), {"strategy": FSDP2Strategy()})()
+    with pytest.raises(UserError, match=re.escape("callbacks.ema does not work with trainer=fsdp")):
+        EMA().setup(trainer, None, "fit")
+
+
+# --- mixup / cutmix, layer-wise LR decay, grad checkpointing ----------------------------------------
+
+
+def tiny_classifier(**kwargs) -> ImageClassifier:
+    net = {"model_name": "vit_tiny_patch16_224", "num_classes": 10, "img_size": 32, "patch_size": 8,
+           "embed_dim": 32, "depth": 4, "num_heads": 2}  # fmt: skip
+    optimizer = lambda params: torch.optim.AdamW(params, lr=1e-3, weight_decay=0.05)  # noqa: E731
+    optimizer.keywords = {"lr": 1e-3, "weight_decay": 0.05}  # what a Hydra partial carries
+    return ImageClassifier(net=net, optimizer=optimizer, **kwargs)
+
+
+def test_mixup_gives_soft_targets_and_soft_loss():
+    model = tiny_classifier(mixup={"mixup_alpha": 0.8, "cutmix_alpha": 1.0}, label_smoothing=0.1)
+    assert model.mixup is not None
+    x, y = torch.randn(8, 3, 32, 32), torch.arange(8) % 10
+    mixed, soft = model.mixup(x.clone(), y)
+    assert soft.shape == (8, 10) and torch.allclose(soft.sum(1), torch.ones(8))
+    assert (soft > 0.2).sum(1).min() >= 1 and not torch.equal(mixed, x)
+    loss = model.soft_loss(model(mixed), soft)
+    assert torch.isfinite(loss)
+    assert tiny_classifier().mixup is None  # alphas 0: plain cross-entropy
+
+
+def test_layer_decay_param_groups():
+    model = tiny_classifier(layer_decay=0.5)
+    groups = model.configure_optimizers()["optimizer"].param_groups
+    name = {id(p): n for n, p in model.net.named_parameters()}
+    lr_of = {name[id(p)]: g["lr"] for g in groups for p in g["params"]}
+    assert lr_of["head.weight"] == pytest.approx(1e-3)
+    assert lr_of["blocks.3.mlp.fc1.weight"] == pytest.approx(1e-3 * 0.5)
+    assert lr_of["blocks.0.mlp.fc1.weight"] == pytest.approx(1e-3 * 0.5**4)
+    assert lr_of["patch_embed.proj.weight"] == pytest.approx(1e-3 * 0.5**5)
+    wd_of = {name[id(p)]: g["weight_decay"] for g in groups for p in g["params"]}
+    assert wd_of["blocks.0.norm1.weight"] == 0 and wd_of["pos_embed"] == 0 and wd_of["head.weight"] == 0.05
+    with pytest.raises(ModelError, match=re.escape("model.layer_decay=1.5")):
+        tiny_classifier(layer_decay=1.5)
+
+
+def test_recipe_options_train_together(tmp_path: Path, tiny_cifar: Path, data_cache: Path):
+    """mixup + cutmix, RandAugment, random erasing, LLRD, grad checkpointing, clipping, accumulation."""
+    overrides = [
+        *tiny_overrides(tiny_cifar, data_cache),
+        "model.mixup.mixup_alpha=0.8",
+        "model.mixup.cutmix_alpha=1.0",
+        "model.layer_decay=0.75",
+        "model.grad_checkpointing=true",
+        "datamodule.auto_augment=rand-m9-n2-mstd0.5",
+        "datamodule.re_prob=0.25",
+        "trainer.gradient_clip_val=1.0",
+        "trainer.accumulate_grad_batches=2",
+        "+trainer.limit_train_batches=4",
+        "test=false",
+    ]
+    _, objects = train(compose_cfg("train", overrides, tmp_path))
+    assert objects["trainer"].global_step == 2
+    assert objects["model"].net.grad_checkpointing is True
+    assert all(torch.isfinite(p).all() for p in objects["model"].parameters())
+
+
+# --- per-image random augmentation -------------------------------------------------------------------
+
+
+def test_each_image_gets_its_own_op_and_magnitude():
+    torch.manual_seed(0)
+    augment = RandomAugment.from_name("rand-m9-n2-mstd0.5")
+    ops, mag = augment.sample(64, torch.device("cpu"))
+    assert len(ops.unique()) > 5 and len(mag.unique()) > 32
+    # the same image twice, two different ops: two different results, each the op's own output
+    image = torch.randint(0, 256, (1, 3, 32, 32), dtype=torch.uint8)
+    batch = image.repeat(2, 1, 1, 1)
+    names = ["Solarize", "Posterize"]
+    out = augment.apply(batch, torch.tensor([augment.ops.index(n) for n in names]), torch.tensor([0.5, 1.0]))
+    assert not torch.equal(out[0], out[1])
+    assert torch.equal(out[0:1], OPS["Solarize"](image, torch.tensor([0.5]), augment.ranges))
+    assert torch.equal(out[1:2], OPS["Posterize"](image, torch.tensor([1.0]), augment.ranges))
+    # one op, two magnitudes: different results too
+    solarize = torch.full((2,), augment.ops.index("Solarize"))
+    out = augment.apply(batch, solarize, torch.tensor([0.1, 0.9]))
+    assert not torch.equal(out[0], out[1])
+
+
+@pytest.mark.parametrize("spec", ["rand-m9-n2-mstd0.5", "rand-m5-n1", "trivial"])
+def test_random_augment_keeps_uint8_shape(spec: str):
+    x = torch.randint(0, 256, (16, 3, 32, 32), dtype=torch.uint8)
+    out = RandomAugment.from_name(spec)(x)
+    assert out.dtype == torch.uint8 and out.shape == x.shape and not torch.equal(out, x)
+
+
+def test_bad_augment_names_are_data_errors():
+    with pytest.raises(DataError, match=re.escape("datamodule.auto_augment='autoaug'")):
+        RandomAugment.from_name("autoaug")
+    with pytest.raises(DataError, match=re.escape("unknown option 'x'")):
+        RandomAugment.from_name("rand-m9-x3")
+
+
+def test_callbacks_ema_config_composes(tmp_path: Path):
+    cfg = compose_cfg("train", [*TINY_VIT, "callbacks=[default,ema]"], tmp_path)
+    assert cfg.callbacks.ema._target_ == "vitrain.callbacks.ema.EMA"
+    assert isinstance(ModelCheckpoint, type)

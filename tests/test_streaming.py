@@ -1,0 +1,429 @@
+"""datamodule=streaming: `make shards` from an image folder to a folder and to S3 (moto server), training
+from both on 1 and 2 processes, exact evaluation on an odd split, mid-epoch resume of the streaming loader,
+GPU-decode code path on the CPU, and the one-line errors."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from PIL import Image
+from torchvision.io import encode_jpeg
+
+from data_factory import pattern_image
+from helpers import ROOT, TINY_VIT, compose_cfg, run_cli
+from vitrain.data import streaming
+from vitrain.data.shards import FORMAT_VERSION, METADATA_FILE, write_shards
+from vitrain.data.shards import main as shards_main
+from vitrain.data.streaming import StreamingDataModule, litdata_env
+from vitrain.errors import DataError
+from vitrain.training import train
+
+CLASSES = ("ant", "bee", "cat")
+N_TRAIN = 22  # per class: 66 train images
+N_VAL = 3  # per class: 9 validation images (odd, for 2 ranks)
+RUN_TIMEOUT = 300
+
+
+def _img(label: int, index: int, size: tuple[int, int]) -> torch.Tensor:
+    h, w = size
+    return pattern_image(label, index, size=max(h, w))[:, :h, :w].contiguous()
+
+
+@pytest.fixture(scope="session")
+def photos(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """train/ and val/ of 3 classes, JPEGs of 40..160 px per side; in train also a grayscale JPEG, an RGBA
+    PNG and one corrupt file (which `make shards` skips)."""
+    root = tmp_path_factory.mktemp("photos")
+    gen = torch.Generator().manual_seed(0)
+    for split, n in (("train", N_TRAIN), ("val", N_VAL)):
+        for label, cls in enumerate(CLASSES):
+            d = root / split / cls
+            d.mkdir(parents=True)
+            for i in range(n):
+                h, w = (int(v) for v in torch.randint(40, 161, (2,), generator=gen))
+                index = (
+                    100 + 50 * i if split == "val" else i
+                )  # val: colours far apart, JPEG keeps them distinct
+                (d / f"{i:03d}.jpg").write_bytes(
+                    encode_jpeg(_img(label, index, (h, w)), quality=90).numpy().tobytes()
+                )
+    gray = pattern_image(0, 500, size=64)[:1]
+    (root / "train" / "ant" / "gray.jpg").write_bytes(encode_jpeg(gray).numpy().tobytes())
+    rgba = pattern_image(1, 501, size=48, channels=4).permute(1, 2, 0).numpy()
+    Image.fromarray(rgba, mode="RGBA").save(root / "train" / "bee" / "rgba.png")
+    (root / "train" / "cat" / "broken.jpg").write_bytes(b"\xff\xd8\xff\xe0 not really a jpeg")
+    return root
+
+
+N_TRAIN_READABLE = 3 * N_TRAIN + 2  # + gray + rgba, broken skipped
+N_VAL_ALL = 3 * N_VAL
+
+
+@pytest.fixture(scope="session")
+def local_shards(photos: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    dst = tmp_path_factory.mktemp("shards") / "photos"
+    write_shards(photos, str(dst), chunk_bytes="24KB", workers=2, cache_dir=tmp_path_factory.mktemp("wcache"))
+    return dst
+
+
+def _overrides(data_dir: str, cache: Path, batch_size: int = 8) -> list[str]:
+    return [
+        *TINY_VIT,
+        "model.net.num_classes=3",
+        "datamodule=streaming",
+        f"datamodule.data_dir={data_dir}",
+        f"datamodule.cache_dir={cache}",
+        f"datamodule.batch_size={batch_size}",
+        "datamodule.eval_batch_size=4",
+        "datamodule.num_workers=1",
+        "trainer.accelerator=cpu",
+        "trainer.max_epochs=1",
+        "trainer.log_every_n_steps=1",
+        "extras.print_config=false",
+        "logger=csv",
+    ]
+
+
+def _read_index(stream: streaming.StreamingDataset) -> list[int]:
+    return sorted(int(stream[i]["index"]) for i in range(len(stream)))
+
+
+# --- writing ------------------------------------------------------------------------------------------
+
+
+def test_shards_hold_every_image_once_as_encoded_bytes(photos: Path, local_shards: Path):
+    meta = json.loads((local_shards / METADATA_FILE).read_text())
+    assert meta["version"] == FORMAT_VERSION and meta["classes"] == list(CLASSES)
+    assert meta["splits"] == {"train": N_TRAIN_READABLE, "val": N_VAL_ALL}
+    assert [Path(p).name for p in meta["skipped"]] == ["broken.jpg"]
+    train = streaming.StreamingDataset(str(local_shards / "train"))
+    assert _read_index(train) == list(range(N_TRAIN_READABLE))
+    # the stored bytes are the file's bytes (no re-encoding), with its label
+    files = sorted(p for c in CLASSES for p in (photos / "train" / c).iterdir() if p.name != "broken.jpg")
+    stored = {hashlib.sha1(train[i]["image"]).hexdigest(): train[i]["label"] for i in range(len(train))}
+    for path in files:
+        assert stored[hashlib.sha1(path.read_bytes()).hexdigest()] == CLASSES.index(path.parent.name)
+
+
+def test_shards_cli_from_archive_and_bad_sources(
+    photos: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    import tarfile
+
+    archive = tmp_path / "photos.tar.gz"
+    with tarfile.open(archive, "w:gz") as tf:
+        tf.add(photos / "train", arcname="photos/train")  # no val/: carved from train
+    monkeypatch.setenv("VITRAIN_CACHE", str(tmp_path / "cache"))  # where the archive is unpacked
+    argv = [str(archive), str(tmp_path / "out"), "--val-size", "7", "--chunk-bytes", "64KB", "--workers", "1"]
+    assert shards_main(argv) == 0  # what `make shards SRC=... DST=... SHARDS_ARGS=...` runs
+    meta = json.loads((tmp_path / "out" / METADATA_FILE).read_text())
+    assert meta["splits"] == {"train": N_TRAIN_READABLE - 7, "val": 7}
+
+    (tmp_path / "bad" / "train" / "ant").mkdir(parents=True)
+    with pytest.raises(DataError, match=r"train/ant holds no"):
+        write_shards(tmp_path / "bad", str(tmp_path / "o2"))
+    (tmp_path / "bad" / "train" / "ant" / "a.jpg").write_bytes(
+        (photos / "train" / "ant" / "000.jpg").read_bytes()
+    )
+    (tmp_path / "bad" / "val" / "bee").mkdir(parents=True)
+    with pytest.raises(
+        DataError, match=r"other classes than train/ \(extra: \['bee'\], missing: \['ant'\]\)"
+    ):
+        write_shards(tmp_path / "bad", str(tmp_path / "o2"))
+    with pytest.raises(DataError, match="no train/<class>/ folder"):
+        write_shards(tmp_path / "bad" / "val", str(tmp_path / "o2"))
+
+
+# --- reading: errors -----------------------------------------------------------------------------------
+
+
+def test_bad_shard_locations_are_one_line_errors(local_shards: Path, tmp_path: Path):
+    def classes(path: Path | str) -> list[str]:
+        return StreamingDataModule(data_dir=str(path), cache_dir=str(tmp_path)).classes
+
+    with pytest.raises(DataError, match="does not exist: write it with `make shards"):
+        classes(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match="is empty: write it with `make shards"):
+        classes(tmp_path / "empty")
+    old = tmp_path / "old"
+    old.mkdir()
+    meta = json.loads((local_shards / METADATA_FILE).read_text())
+    (old / METADATA_FILE).write_text(json.dumps({**meta, "version": FORMAT_VERSION + 1}))
+    with pytest.raises(
+        DataError, match=f"format version {FORMAT_VERSION + 1}, this vitrain reads version {FORMAT_VERSION}"
+    ):
+        classes(old)
+
+
+def test_s3_errors_are_one_line(
+    s3_bucket: str,
+    s3_env: str,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture,
+):
+    from vitrain.s3 import S3BucketNotFound, S3CredentialsError
+
+    with pytest.raises(DataError, match=f"no shards at s3://{s3_bucket}/none"):
+        _ = StreamingDataModule(data_dir=f"s3://{s3_bucket}/none", cache_dir=str(tmp_path)).classes
+    with pytest.raises(S3BucketNotFound, match="bucket does not exist"):
+        _ = StreamingDataModule(data_dir="s3://no-such-bucket-h13b/x", cache_dir=str(tmp_path)).classes
+    assert shards_main([str(tmp_path), "s3://no-such-bucket-h13b/x"]) == 2  # make shards: before reading SRC
+    assert capsys.readouterr().err.strip().startswith("error: S3: cannot write to s3://no-such-bucket-h13b/x")
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    with pytest.raises(S3CredentialsError, match="no usable AWS credentials"):
+        _ = StreamingDataModule(data_dir=f"s3://{s3_bucket}/x", cache_dir=str(tmp_path)).classes
+
+
+# --- sampling ------------------------------------------------------------------------------------------
+
+
+class IndexSample:
+    """Stands in for SampleTransform: the sample's index as its 'image', to see what a loader delivered."""
+
+    def __call__(self, item: dict, epoch: int) -> tuple[torch.Tensor, int]:
+        return torch.full((1, 1, 1), float(item["index"])), item["label"]
+
+
+def _datamodule(shards: Path, tmp_path: Path, batch_size: int, workers: int) -> StreamingDataModule:
+    dm = StreamingDataModule(
+        data_dir=str(shards),
+        cache_dir=str(tmp_path),
+        batch_size=batch_size,
+        eval_batch_size=4,
+        num_workers=workers,
+    )
+    dm.set_input_spec(32, (0.5,) * 3, (0.5,) * 3)
+    return dm
+
+
+def test_train_epoch_over_two_ranks_sees_each_sample_at_most_once(local_shards: Path, tmp_path: Path):
+    """The ranks' streams (2 workers each) partition one shuffled epoch: no sample twice, all but fewer than
+    a global batch x workers used, and the next epoch is another order."""
+    per_epoch = []
+    for epoch in range(2):
+        seen: list[int] = []
+        for rank in range(2):
+            dm = _datamodule(local_shards, tmp_path, batch_size=4, workers=2)
+            dm.setup("fit")
+            dm.train_set.sample = IndexSample()
+            dm.train_set.distributed_env = litdata_env(2, rank)
+            loader = dm.train_dataloader()
+            loader.current_epoch = epoch  # what the loader counts after `epoch` finished epochs
+            ranks = [int(v) for x, _ in loader for v in x.flatten()]
+            assert len(ranks) == len(loader) * 4
+            seen += ranks
+        assert len(seen) == len(set(seen)), "a sample was read twice in one epoch"
+        assert N_TRAIN_READABLE - 2 * 2 * 4 < len(seen) <= N_TRAIN_READABLE
+        per_epoch.append(seen)
+    assert per_epoch[0] != per_epoch[1]
+
+
+def test_eval_reads_every_sample_once_on_two_ranks(local_shards: Path, tmp_path: Path):
+    """9 validation images on 2 ranks: 5 + 4, none padded or dropped (the base's UnrepeatedDistributedSampler)."""
+    from torch.utils.data import DataLoader
+
+    from vitrain.data.base import make_sampler
+
+    dm = _datamodule(local_shards, tmp_path, batch_size=4, workers=1)
+    dm.setup("fit")
+    dm.val_set.sample = IndexSample()
+    seen = []
+    for rank in range(2):
+        sampler = make_sampler(dm.val_set, train=False, num_replicas=2, rank=rank, seed=0)
+        loader = DataLoader(
+            dm.val_set, batch_size=4, sampler=sampler, num_workers=1, collate_fn=streaming.collate
+        )
+        seen.append([int(v) for x, _ in loader for v in x.flatten()])
+    assert sorted(len(s) for s in seen) == [4, 5]
+    assert sorted(seen[0] + seen[1]) == list(range(N_VAL_ALL))
+
+
+# --- training ------------------------------------------------------------------------------------------
+
+
+def test_train_from_local_shards_one_process(local_shards: Path, tmp_path: Path):
+    metrics, objects = train(
+        compose_cfg(
+            "train", [*_overrides(str(local_shards), tmp_path), "+trainer.limit_train_batches=3"], tmp_path
+        )
+    )
+    assert objects["trainer"].global_step == 3
+    assert 0 <= metrics["val/acc1"] <= 1 and "test/acc1" in metrics
+
+
+@pytest.mark.slow
+def test_shards_on_s3_train_one_process(photos: Path, s3_bucket: str, s3_env: str, tmp_path: Path):
+    uri = f"s3://{s3_bucket}/data/photos"
+    write_shards(photos, uri, chunk_bytes="24KB", workers=2, cache_dir=tmp_path / "wcache")
+    import boto3
+
+    keys = {o["Key"] for o in boto3.client("s3").list_objects_v2(Bucket=s3_bucket)["Contents"]}
+    assert f"data/photos/{METADATA_FILE}" in keys and "data/photos/train/index.json" in keys
+    metrics, objects = train(
+        compose_cfg(
+            "train", [*_overrides(uri, tmp_path / "cache"), "+trainer.limit_train_batches=3"], tmp_path
+        )
+    )
+    assert objects["trainer"].global_step == 3 and "val/acc1" in metrics
+    assert any((tmp_path / "cache" / "shards").rglob("chunk-*.bin")), "chunks were cached locally"
+
+
+class EvalSamples(L.Callback):
+    """Writes, per rank, a digest of every validation image it evaluated (the DDP test adds it by name)."""
+
+    def __init__(self, out: str) -> None:
+        self.out, self.seen = Path(out), []
+
+    def on_validation_batch_start(self, trainer: L.Trainer, pl_module, batch, *args) -> None:
+        if not trainer.sanity_checking:
+            self.seen += [hashlib.sha1(x.numpy().tobytes()).hexdigest() for x in batch[0]]
+
+    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module) -> None:
+        if not trainer.sanity_checking:
+            (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(self.seen))
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.timeout(RUN_TIMEOUT)
+def test_ddp_two_processes_from_local_shards_exact_eval(local_shards: Path, tmp_path: Path):
+    """2 DDP processes train from the shards; the 9 validation images are evaluated 5 + 4, none twice."""
+    args = [*_overrides(str(local_shards), tmp_path, batch_size=8), "trainer=ddp", "trainer.devices=2",
+            "trainer.accelerator=cpu", "+trainer.limit_train_batches=3", f"hydra.run.dir={tmp_path / 'run'}",
+            "+callbacks.eval_samples._target_=test_streaming.EvalSamples", f"+callbacks.eval_samples.out={tmp_path}"]  # fmt: skip
+    done = run_cli("train.py", args, env={"PYTHONPATH": str(ROOT / "tests")}, timeout=RUN_TIMEOUT)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    assert "GLOBAL_RANK: 1, MEMBER: 2/2" in done.stdout + done.stderr
+    assert (tmp_path / "run" / "checkpoints" / "last.ckpt").is_file()
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert sorted(map(len, ranks)) == [4, 5]
+    assert len(set(ranks[0]) | set(ranks[1])) == N_VAL_ALL
+
+
+# --- resume ----------------------------------------------------------------------------------------------
+
+
+class Recorder(L.LightningModule):
+    """A one-parameter model that records the sample indices of every training batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1))
+        self.seen: list[int] = []
+
+    def training_step(self, batch, batch_idx):
+        x, _ = batch
+        self.seen += [int(v) for v in x.flatten()]
+        return (self.w * x.float().mean()).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def _fit(dm: StreamingDataModule, model: Recorder, root: Path, **kwargs) -> L.Trainer:
+    trainer = L.Trainer(
+        accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, limit_val_batches=0, use_distributed_sampler=False, default_root_dir=root,
+        **kwargs,
+    )  # fmt: skip
+    trainer.fit(model, datamodule=dm)
+    return trainer
+
+
+class SaveAt(L.Callback):
+    """Save a checkpoint after training batch `step`, where the SIGTERM callback saves (a kill after it
+    loses nothing)."""
+
+    def __init__(self, step: int, path: Path) -> None:
+        self.step, self.path = step, path
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args) -> None:
+        if trainer.global_step == self.step:
+            trainer.save_checkpoint(self.path)
+
+
+def test_mid_epoch_resume_continues_the_epoch(
+    local_shards: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """Checkpoint after 3 of 8 batches (2 loader workers), resume from it: the batches before the save and
+    the resumed run's batches are the samples of one uninterrupted epoch, each once, in the same order."""
+    monkeypatch.setattr(streaming.SampleTransform, "__call__", IndexSample.__call__)
+
+    def dm() -> StreamingDataModule:
+        return _datamodule(local_shards, tmp_path, batch_size=8, workers=2)
+
+    ckpt = tmp_path / "mid.ckpt"
+    whole = Recorder()
+    _fit(dm(), whole, tmp_path, max_epochs=1, callbacks=[SaveAt(3, ckpt)])
+    assert len(whole.seen) == 8 * (N_TRAIN_READABLE // 8) and len(set(whole.seen)) == len(whole.seen)
+    saved = torch.load(ckpt, weights_only=False)["loops"]["fit_loop"]
+    assert saved["state_dict"]["combined_loader"][0]["num_samples_yielded"] == 24
+
+    rest = Recorder()
+    L.Trainer(
+        accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, limit_val_batches=0, use_distributed_sampler=False, max_epochs=1,
+    ).fit(rest, datamodule=dm(), ckpt_path=ckpt)  # fmt: skip
+    assert whole.seen[:24] + rest.seen == whole.seen
+
+
+# --- GPU decode ------------------------------------------------------------------------------------------
+
+
+def test_gpu_decode_path_runs_on_cpu(local_shards: Path):
+    """The batch decoder (nvJPEG on a GPU) with device=cpu: JPEG, grayscale and PNG bytes become normalised
+    model-size images; a CPU-only process falls back to worker decoding with one info line."""
+    from vitrain.data.gpu_decode import GpuDecoder
+
+    train = streaming.StreamingDataset(str(local_shards / "train"))
+    blobs = [torch.frombuffer(bytearray(train[i]["image"]), dtype=torch.uint8) for i in range(len(train))]
+    decoder = GpuDecoder(32, (0.5,) * 3, (0.5,) * 3, device="cpu", seed=0)
+    x = decoder(blobs, train=True)
+    assert x.shape == (len(blobs), 3, 32, 32) and x.dtype == torch.float32
+    assert x.min() >= -1.0 - 1e-4 and x.max() <= 1.0 + 1e-4
+    ev = decoder(blobs[:4], train=False)
+    assert torch.equal(ev, decoder(blobs[:4], train=False)), "eval decode is deterministic"
+
+
+def test_decode_device_cuda_falls_back_on_cpu(
+    local_shards: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+):
+    dm = StreamingDataModule(
+        data_dir=str(local_shards), cache_dir=str(tmp_path), batch_size=4, decode_device="cuda"
+    )
+    dm.set_input_spec(32, (0.5,) * 3, (0.5,) * 3)
+    with caplog.at_level("INFO"):
+        dm.setup("fit")
+    if not torch.cuda.is_available():
+        assert "decoding on the CPU instead" in caplog.text
+        x, _ = next(iter(dm.train_dataloader()))
+        assert x.shape == (4, 3, 32, 32)
+    with pytest.raises(DataError, match="decode_device='tpu'"):
+        StreamingDataModule(data_dir=str(local_shards), cache_dir=str(tmp_path), decode_device="tpu")
+
+
+def test_gpu_decode_wiring_trains(local_shards: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """decode_device=cuda end to end with the decoder on the CPU: workers hand over encoded bytes, the
+    training process decodes and augments them into model-size batches before the transfer."""
+    seen = []
+    monkeypatch.setattr(StreamingDataModule, "decode_on", lambda self: torch.device("cpu"))
+
+    class Shapes(Recorder):
+        def training_step(self, batch, batch_idx):
+            seen.append(tuple(batch[0].shape))
+            return (self.w * batch[0].mean()).sum()
+
+    dm = StreamingDataModule(
+        data_dir=str(local_shards), cache_dir=str(tmp_path), batch_size=8, num_workers=1, decode_device="cuda"
+    )
+    dm.set_input_spec(32, (0.5,) * 3, (0.5,) * 3)
+    _fit(dm, Shapes(), tmp_path, max_steps=2)
+    assert seen == [(8, 3, 32, 32)] * 2
