@@ -225,6 +225,8 @@ def compose(overrides: Sequence[str], output_dir: Path) -> Any:
     with open_dict(cfg):
         cfg.paths.output_dir = str(output_dir)
         del cfg.hydra
+        if cfg.model.net.get("num_classes") is None:  # models built here without a datamodule: CIFAR-10's
+            cfg.model.net.num_classes = 10
     return cfg
 
 

@@ -174,7 +174,7 @@ def test_weights_equal_single_process(
 
 def initial_weights(data: Path, cache: Path, tmp_path: Path) -> dict[str, torch.Tensor]:
     """The weights every run starts from: train.py seeds with 42 before building the model."""
-    cfg = compose_cfg("train", overrides(data, cache), tmp_path)
+    cfg = compose_cfg("train", [*overrides(data, cache), "model.net.num_classes=10"], tmp_path)
     L.seed_everything(cfg.seed)
     model = hydra.utils.instantiate(cfg.model)
     return {k: v.float() for k, v in model.state_dict().items() if k.startswith("net.")}

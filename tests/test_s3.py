@@ -211,7 +211,8 @@ def test_fetch_rejects_corrupt_object(s3_bucket: str, s3_env: str, tmp_path: Pat
     )
     with pytest.raises(S3VerifyError, match="sha256"):
         fetch_checkpoint(f"s3://{s3_bucket}/bad.ckpt", tmp_path / "cache")
-    assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]  # nothing unverified is cached
+    # nothing unverified is cached (an empty lock file may stay)
+    assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file() and p.suffix != ".lock"]
     with pytest.raises(S3ObjectNotFound):
         fetch_checkpoint(f"s3://{s3_bucket}/missing.ckpt", tmp_path / "cache")
 
@@ -234,6 +235,46 @@ def test_sharded_folder_upload_and_fetch(s3_bucket: str, s3_env: str, tmp_path: 
     shard = next(folder.glob("*.distcp"))
     shard.unlink()  # another node's shard, on a filesystem rank zero does not see
     assert not _sharded_complete(folder)
+
+
+def test_fsdp_folder_fetched_by_concurrent_ranks_downloads_once(
+    s3_bucket: str, s3_env: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """Ranks that torchrun/SLURM start together fetch the same folder at once: one download per file."""
+    import threading
+
+    import torch.distributed.checkpoint as dcp
+
+    folder = tmp_path / "last.ckpt"
+    dcp.save({"w": torch.randn(8, 8)}, checkpoint_id=str(folder))
+    torch.save({"epoch": 1}, folder / "meta.pt")
+    S3Store().upload_tree(folder, S3Uri(s3_bucket, "runs/r/checkpoints/last.ckpt"))
+    files = len([p for p in folder.rglob("*") if p.is_file()])
+
+    downloads: list[str] = []
+    original = S3Store._download_verified
+
+    def slow_first(self, uri, head, dest):  # the first download lasts long enough for the other rank to start
+        downloads.append(uri.key)
+        if len(downloads) == 1:
+            time.sleep(0.5)
+        return original(self, uri, head, dest)
+
+    monkeypatch.setattr(S3Store, "_download_verified", slow_first)
+    start, results = threading.Barrier(2), []
+
+    def rank() -> None:
+        store = S3Store()
+        start.wait()
+        results.append(store.fetch(S3Uri(s3_bucket, "runs/r/checkpoints/last.ckpt"), tmp_path / "cache"))
+
+    threads = [threading.Thread(target=rank) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert len(results) == 2 and results[0] == results[1] and len(downloads) == files
+    assert all((results[0] / p.name).read_bytes() == p.read_bytes() for p in folder.iterdir())
 
 
 def test_preflight_passes_and_leaves_no_marker(s3_bucket: str, s3_env: str):
@@ -631,6 +672,45 @@ def test_distributed_run_uploads_from_rank_zero_once(
         assert output.count(f"S3: uploaded s3://{s3_bucket}/{prefix}/{rel} ") == 1
     fetched = fetch_checkpoint(f"s3://{s3_bucket}/{prefix}", tmp_path / "cache")
     assert all((fetched / rel).read_bytes() == (best / rel).read_bytes() for rel in local)
+    _resume_fsdp_folder_from_s3(overrides, env, tmp_path, s3_bucket, s3_env)
+
+
+def _resume_fsdp_folder_from_s3(
+    first: list[str], env: dict[str, str], tmp_path: Path, bucket: str, endpoint: str
+) -> None:
+    """A second FSDP x2 run on an empty disk resumes from the first run's `last` folder in the bucket."""
+    from helpers import run_cli
+
+    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    prefix = "runs/run/checkpoints/last.ckpt"
+    uri = f"s3://{bucket}/{prefix}"
+    cache, run_dir = tmp_path / "cache2", tmp_path / "run2"
+    overrides = [
+        *(o for o in first if not o.startswith(("trainer.max_epochs", "hydra.run.dir"))),
+        "trainer.max_epochs=3",  # one more epoch
+        f"ckpt_path={uri}",
+        f"paths.cache_dir={cache}",
+        f"hydra.run.dir={run_dir}",
+    ]
+    done = run_cli("train.py", overrides, env={**env, "S3_BUCKET": bucket}, timeout=300)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-4000:]
+
+    # downloaded once (rank zero; rank one follows its decision), into the cache, every file verified
+    local = sorted(p.relative_to(last).as_posix() for p in last.rglob("*") if p.is_file())
+    assert output.count(f"S3: fetched {uri}/ ({len(local)} files) -> ") == 1, output[-4000:]
+    (copy,) = [p.parent for p in cache.rglob(".metadata")]
+    assert copy.is_relative_to(cache / "s3" / bucket) and copy.name == "last.ckpt"
+    for rel in local:
+        recorded = _client(endpoint).head_object(Bucket=bucket, Key=f"{prefix}/{rel}")["Metadata"]["sha256"]
+        assert file_digest(copy / rel, MiB, MiB).sha256 == recorded  # what _download_verified checked
+        assert (copy / rel).read_bytes() == (last / rel).read_bytes()
+    assert f"Restored all states from the checkpoint at {copy}" in output, output[-4000:]
+
+    before = torch.load(last / "meta.pt", weights_only=False)
+    after = torch.load(run_dir / "checkpoints" / "last.ckpt" / "meta.pt", weights_only=False)
+    assert before["epoch"] == 1 and after["epoch"] == 2
+    assert after["global_step"] == before["global_step"] + 3  # limit_train_batches=3: one epoch more
 
 
 # --- resume from S3: a new machine with an empty disk -----------------------------------------------------------
@@ -706,5 +786,7 @@ def test_ckpt_path_on_s3_that_is_missing_or_corrupt_stops_in_one_line(
     error = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     expected = "no object and no folder at" if case == "missing" else "sha256"
     assert len(error) == 1 and expected in error[0] and key in error[0], error
-    assert not [p for p in cache.rglob("*") if p.is_file()], "nothing unverified is kept"
+    assert not [p for p in cache.rglob("*") if p.is_file() and p.suffix != ".lock"], (
+        "nothing unverified is kept"
+    )
     assert not (tmp_path / "run" / "checkpoints").exists()

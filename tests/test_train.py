@@ -64,7 +64,9 @@ def test_local_weights_file_is_loaded_with_resized_head(tmp_path: Path):
     )
     weights = tmp_path / "imagenet.pth"
     torch.save(source.state_dict(), weights)
-    cfg = compose_cfg("train", [*TINY_VIT, f"model.weights_file={weights}"], tmp_path)
+    cfg = compose_cfg(
+        "train", [*TINY_VIT, f"model.weights_file={weights}", "model.net.num_classes=10"], tmp_path
+    )
     model = hydra.utils.instantiate(cfg.model)
     assert model.net.head.out_features == 10
     assert torch.equal(model.net.blocks[1].mlp.fc1.weight, source.blocks[1].mlp.fc1.weight)

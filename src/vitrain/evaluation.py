@@ -11,9 +11,11 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.table import Table
+from torchmetrics.classification import MulticlassAccuracy
 
 from vitrain import checkpoints
 from vitrain.checkpoints import CheckpointError
+from vitrain.models.classifier import check_classes
 from vitrain.precision import resolve_precision
 from vitrain.utils.config import instantiate_dict
 
@@ -59,14 +61,24 @@ def evaluate(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
     if cfg.get("seed") is not None:
         L.seed_everything(cfg.seed, workers=True)
 
+    # the data first: a checkpoint trained on other classes is refused before its weights are read
+    datamodule: L.LightningDataModule = hydra.utils.instantiate(run_cfg.datamodule)
+    classes = list(datamodule.classes)
+    check_classes(checkpoint.get("class_names"), classes, str(cfg.ckpt_path))
     model: L.LightningModule = hydra.utils.instantiate(run_cfg.model)
+    if int(model.net.num_classes) != len(classes):
+        raise CheckpointError(
+            f"{cfg.ckpt_path} has a {model.net.num_classes}-class head, the data has {len(classes)} classes: "
+            "evaluate it on the data it was trained on"
+        )
     try:
         model.load_state_dict(checkpoint["state_dict"])
     except RuntimeError as err:
         first = next((line.strip() for line in str(err).splitlines()[1:] if line.strip()), str(err)[:200])
         raise CheckpointError(f"{path} does not fit model {run_cfg.model.net.model_name}: {first}") from err
-    datamodule: L.LightningDataModule = hydra.utils.instantiate(run_cfg.datamodule)
     datamodule.set_input_spec(**model.input_spec)
+    # synced across ranks by torchmetrics at compute(): every sample once, as for the other metrics
+    model.per_class_acc = MulticlassAccuracy(num_classes=len(classes), average=None, validate_args=False)
 
     trainer: L.Trainer = hydra.utils.instantiate(
         cfg.trainer,
@@ -77,11 +89,24 @@ def evaluate(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
     run = trainer.test if cfg.split == "test" else trainer.validate
     run(model=model, datamodule=datamodule, verbose=False)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    per_class = dict(zip(classes, model.per_class_acc.compute().tolist(), strict=True))
 
     if trainer.is_global_zero:
         print_table(metrics, f"{cfg.split} metrics of {cfg.ckpt_path}")
+        print_table(per_class, f"{cfg.split} accuracy per class")
         out = Path(cfg.paths.output_dir) / "metrics.json"
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"ckpt_path": str(cfg.ckpt_path), "split": cfg.split, **metrics}, indent=2))
+        out.write_text(
+            json.dumps(
+                {"ckpt_path": str(cfg.ckpt_path), "split": cfg.split, **metrics, "per_class_acc": per_class},
+                indent=2,
+            )
+        )
         log.info(f"Metrics written to {out}")
-    return metrics, {"trainer": trainer, "model": model, "datamodule": datamodule, "checkpoint_path": path}
+    return metrics, {
+        "per_class_acc": per_class,
+        "trainer": trainer,
+        "model": model,
+        "datamodule": datamodule,
+        "checkpoint_path": path,
+    }

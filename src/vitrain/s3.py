@@ -31,6 +31,7 @@ from botocore.exceptions import (
     PartialCredentialsError,
     ProfileNotFound,
 )
+from filelock import FileLock
 from s3transfer.utils import ChunksizeAdjuster
 
 from vitrain.errors import UserError
@@ -281,7 +282,9 @@ class S3Store:
         """Download an object, or every object under a prefix, into a verified cache; return the local path.
 
         The cache is keyed by bucket/key/ETag(s), so a re-uploaded object is fetched again and an unchanged
-        one is not. Entries only appear (by atomic rename) once verified, so concurrent ranks are safe.
+        one is not. Entries only appear (by atomic rename) once verified. Ranks that fetch at once (torchrun
+        or SLURM start every local rank itself, before any process group exists for a barrier) take a file
+        lock per entry: the first downloads, the others wait and read its copy, so a node downloads once.
         """
         if not uri.key:
             raise UserError(f"{uri}: give a key or prefix inside the bucket, not the bucket itself")
@@ -296,16 +299,16 @@ class S3Store:
             raise self.error(exc, f"reading {uri}") from exc
 
         target = cache_dir / uri.bucket / rel / _etag_dir(head["ETag"]) / rel.name
-        if target.is_file() and target.stat().st_size == head["ContentLength"]:
-            log.info("S3: %s is cached at %s", uri, target)
-            return target
-        target.parent.mkdir(parents=True, exist_ok=True)
-        partial = target.with_name(f".{target.name}.{uuid.uuid4().hex}.partial")
-        try:
-            self._download_verified(uri, head, partial)
-            os.replace(partial, target)
-        finally:
-            partial.unlink(missing_ok=True)
+        with _entry_lock(target):
+            if target.is_file() and target.stat().st_size == head["ContentLength"]:
+                log.info("S3: %s is cached at %s", uri, target)
+                return target
+            partial = target.with_name(f".{target.name}.{uuid.uuid4().hex}.partial")
+            try:
+                self._download_verified(uri, head, partial)
+                os.replace(partial, target)
+            finally:
+                partial.unlink(missing_ok=True)
         log.info("S3: fetched %s -> %s", uri, target)
         return target
 
@@ -322,27 +325,28 @@ class S3Store:
             raise S3ObjectNotFound(f"S3: no object and no folder at {uri}")
         version = hashlib.sha256(repr(listing).encode()).hexdigest()[:16]
         target = base / version / Path(prefix.rstrip("/")).name
-        if target.is_dir():
-            log.info("S3: %s/ is cached at %s", uri, target)
-            return target
-        staging = target.with_name(f".{target.name}.{uuid.uuid4().hex}.partial")
-        try:
-            for key, _etag, _size in listing:
-                obj = S3Uri(uri.bucket, key)
-                try:
-                    head = self.client.head_object(Bucket=uri.bucket, Key=key)
-                except Exception as exc:
-                    raise self.error(exc, f"reading {obj}") from exc
-                dest = staging / _safe_relpath(key[len(prefix) :])
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                self._download_verified(obj, head, dest)
+        with _entry_lock(target):
+            if target.is_dir():
+                log.info("S3: %s/ is cached at %s", uri, target)
+                return target
+            staging = target.with_name(f".{target.name}.{uuid.uuid4().hex}.partial")
             try:
-                os.replace(staging, target)
-            except OSError:
-                if not target.is_dir():  # another rank won the race: use its copy
-                    raise
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
+                for key, _etag, _size in listing:
+                    obj = S3Uri(uri.bucket, key)
+                    try:
+                        head = self.client.head_object(Bucket=uri.bucket, Key=key)
+                    except Exception as exc:
+                        raise self.error(exc, f"reading {obj}") from exc
+                    dest = staging / _safe_relpath(key[len(prefix) :])
+                    dest.parent.mkdir(parents=True, exist_ok=True)
+                    self._download_verified(obj, head, dest)
+                try:
+                    os.replace(staging, target)
+                except OSError:
+                    if not target.is_dir():  # a process without the lock (NFS without locking) won the race
+                        raise
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
         log.info("S3: fetched %s/ (%d files) -> %s", uri, len(listing), target)
         return target
 
@@ -385,6 +389,13 @@ def default_cache_dir() -> Path:
 
 def _files(folder: Path) -> Iterator[Path]:
     return (p for p in sorted(folder.rglob("*")) if p.is_file())
+
+
+def _entry_lock(target: Path) -> FileLock:
+    """An inter-process lock for one cache entry (a lock file beside it, left in place: deleting it would
+    let a waiter and a newcomer lock different files)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    return FileLock(target.with_name(f".{target.name}.lock"))
 
 
 def _safe_relpath(key: str) -> Path:

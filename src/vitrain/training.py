@@ -9,9 +9,10 @@ import hydra
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from omegaconf import DictConfig
+from omegaconf import DictConfig, open_dict
 
 from vitrain.checkpoints import CheckpointError
+from vitrain.errors import DataError
 from vitrain.loggers import MetricRecord, finish_runs, log_run_config
 from vitrain.precision import resolve_precision
 from vitrain.reporting.files import STATS_FILE, read_json, write_json
@@ -29,8 +30,7 @@ log = logging.getLogger(__name__)
 def build(cfg: DictConfig) -> dict[str, Any]:
     """Datamodule, model, callbacks, loggers and trainer, exactly as the config says."""
     datamodule: L.LightningDataModule = hydra.utils.instantiate(cfg.datamodule)
-    model: L.LightningModule = hydra.utils.instantiate(cfg.model)
-    datamodule.set_input_spec(**model.input_spec)
+    model: L.LightningModule = build_model(cfg, datamodule)
     model.run_config = to_container(cfg)
     callbacks = instantiate_dict(cfg.get("callbacks"))
     loggers = instantiate_dict(cfg.get("logger"))
@@ -47,6 +47,29 @@ def build(cfg: DictConfig) -> dict[str, Any]:
         "loggers": loggers,
         "trainer": trainer,
     }
+
+
+def build_model(cfg: DictConfig, datamodule: L.LightningDataModule) -> L.LightningModule:
+    """The model with its head sized to the classes the datamodule found (written into `cfg`, so the config
+    a checkpoint stores has the number); the datamodule learns the model's input spec in return."""
+    classes = list(datamodule.classes)
+    with open_dict(cfg):
+        cfg.model.net.num_classes = head_size(cfg.model.net.get("num_classes"), classes)
+    model: L.LightningModule = hydra.utils.instantiate(cfg.model)
+    model.class_names = classes
+    datamodule.set_input_spec(**model.input_spec)
+    return model
+
+
+def head_size(configured: int | None, classes: list[str]) -> int:
+    """`model.net.num_classes` when given (it must match the data), else the data's class count."""
+    if configured is not None and int(configured) != len(classes):
+        shown = ", ".join(classes[:5]) + (f", ... ({len(classes) - 5} more)" if len(classes) > 5 else "")
+        raise DataError(
+            f"model.net.num_classes={configured} but the data has {len(classes)} classes ({shown}): "
+            "leave model.net.num_classes=null to follow the data"
+        )
+    return len(classes)
 
 
 def use_tensor_cores_for_fp32(trainer: L.Trainer) -> None:

@@ -163,8 +163,11 @@ class CIFAR10DataModule(LightningDataModule):
 
     # --- input spec -------------------------------------------------------------------------------
 
-    def set_input_spec(self, img_size: int, mean: Sequence[float], std: Sequence[float]) -> None:
-        """The model's input size and normalisation; values given in the config take precedence."""
+    def set_input_spec(
+        self, img_size: int, mean: Sequence[float] | None, std: Sequence[float] | None, **_: Any
+    ) -> None:
+        """The model's input size and normalisation (None: CIFAR-10's statistics); values given in the
+        config take precedence. Other timm data-config keys (crop_pct) do not apply to batch augmentation."""
         self._spec = (int(img_size), _floats(mean), _floats(std))
 
     @property

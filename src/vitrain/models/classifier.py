@@ -13,6 +13,7 @@ from torch import nn
 from torchmetrics import MeanMetric, MetricCollection
 from torchmetrics.classification import MulticlassAccuracy
 
+from vitrain.checkpoints import CheckpointError
 from vitrain.distributed.parallelize import parallelize
 from vitrain.errors import ModelError
 from vitrain.models.timm_net import create_net, input_spec
@@ -86,6 +87,10 @@ class ImageClassifier(L.LightningModule):
         self.train_loss = MeanMetric(nan_strategy="disable")
         # the composed Hydra config of the run, stored in every checkpoint so eval.py can rebuild it
         self.run_config: dict[str, Any] | None = None
+        # the data's class names in label order (set by training.build_model), stored in every checkpoint
+        self.class_names: list[str] | None = None
+        # accuracy per class, tracked only when eval.py asks for it (vitrain/evaluation.py)
+        self.per_class_acc: MulticlassAccuracy | None = None
 
     def configure_model(self) -> None:
         # activation checkpointing, compile, sharding, in that order, as the strategy asks
@@ -132,6 +137,8 @@ class ImageClassifier(L.LightningModule):
         # turned into a GPU tensor each batch (a host-to-device copy: a sync)
         loss.update(F.cross_entropy(logits, y, reduction="none"))
         metrics.update(logits, y)
+        if self.per_class_acc is not None:
+            self.per_class_acc.update(logits, y)
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         self._eval_step(batch, self.val_metrics, self.val_loss)
@@ -174,6 +181,28 @@ class ImageClassifier(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if self.run_config is not None:
             checkpoint["run_config"] = self.run_config
+        if self.class_names is not None:
+            checkpoint["class_names"] = list(self.class_names)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Refuse, in one line, a checkpoint trained on other classes than the data now given (runs before
+        the weights are loaded, which would fail on the head's shape with a long message)."""
+        check_classes(checkpoint.get("class_names"), self.class_names, "ckpt_path")
+
+
+def check_classes(saved: list[str] | None, found: list[str] | None, what: str) -> None:
+    """The classes a checkpoint was trained on must be the data's, in the same label order."""
+    if saved is None or found is None or list(saved) == list(found):
+        return
+    if len(saved) != len(found):
+        detail = f"{len(saved)} classes, the data has {len(found)}"
+    else:
+        i = next(i for i, (a, b) in enumerate(zip(saved, found, strict=True)) if a != b)
+        detail = f"class {i} is {saved[i]!r}, the data's is {found[i]!r}"
+    raise CheckpointError(
+        f"{what}: the checkpoint was trained on other classes ({detail}): evaluate or resume it on the same "
+        "class folders, or fine-tune from its weights with model.weights_file=... instead"
+    )
 
 
 def make_mixup(options: Mapping[str, Any] | None, num_classes: int, label_smoothing: float) -> Mixup | None:

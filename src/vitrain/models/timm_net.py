@@ -11,7 +11,6 @@ import timm
 import torch
 from torch import nn
 
-from vitrain.data.cifar10 import CIFAR10_MEAN, CIFAR10_STD
 from vitrain.errors import ModelError
 
 
@@ -31,6 +30,8 @@ def create_net(net: Mapping[str, Any], weights_file: str | None = None) -> nn.Mo
     """
     kwargs = dict(net)
     name = kwargs.pop("model_name")
+    if kwargs.get("num_classes") is None:  # set from the data by training.build_model; else timm's default
+        kwargs.pop("num_classes", None)
     _check_model_name(name)
     if weights_file:
         path = Path(weights_file).expanduser()
@@ -75,19 +76,21 @@ def create_net(net: Mapping[str, Any], weights_file: str | None = None) -> nn.Mo
 
 
 def input_spec(net: nn.Module, pretrained: bool, img_size: int | None) -> dict[str, Any]:
-    """Input size and normalisation the network expects, from timm's data config for the model.
+    """Input size, resize/crop and normalisation the network expects, from timm's data config for the model.
 
     The size: `model.net.img_size` when given (a ViT built for 32 px), else the patch embedding's, else
     timm's default for the model (224 px for most; a ResNet or ConvNeXt also runs at any other size:
-    `datamodule.img_size=32`). Normalisation: the pretrained weights' mean/std; from scratch the dataset's
-    own statistics (CIFAR-10's). The datamodule's own img_size/mean/std take precedence over both.
+    `datamodule.img_size=32`). Normalisation: the pretrained weights' mean/std; from scratch None, and the
+    datamodule uses its data set's own statistics (CIFAR-10's, or ImageNet's for an image folder). The
+    datamodule's own img_size/mean/std take precedence over both.
     """
     cfg = timm.data.resolve_model_data_config(net)
     embed_size = getattr(getattr(net, "patch_embed", None), "img_size", None)
     size = img_size or (embed_size[-1] if isinstance(embed_size, tuple) else None) or cfg["input_size"][-1]
+    spec = {"img_size": size, "interpolation": cfg["interpolation"], "crop_pct": cfg["crop_pct"]}
     if pretrained:
-        return {"img_size": size, "mean": tuple(cfg["mean"]), "std": tuple(cfg["std"])}
-    return {"img_size": size, "mean": CIFAR10_MEAN, "std": CIFAR10_STD}
+        return {**spec, "mean": tuple(cfg["mean"]), "std": tuple(cfg["std"])}
+    return {**spec, "mean": None, "std": None}
 
 
 def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
