@@ -31,7 +31,7 @@ eval:  ## make eval CKPT=path/to/checkpoint.ckpt
 	$(PY) src/eval.py ckpt_path=$(CKPT)
 
 report:  ## make report RUN=logs/train/runs/<id> (or a multiruns/<id> sweep dir): rebuild report.md/json, plots
-	PYTHONPATH=src $(PY) -m vitrain.report $(RUN)
+	PYTHONPATH=src $(PY) -m vitrain.reporting $(RUN)
 
 shards:  ## make shards SRC=<image folder or .tar(.gz)> DST=<folder or s3://bucket/prefix> [SHARDS_ARGS="--val-size 0.05"]
 	PYTHONPATH=src $(PY) -m vitrain.data.shards $(SRC) $(DST) $(SHARDS_ARGS)

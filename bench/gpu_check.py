@@ -119,7 +119,7 @@ class Ctx:
             f"trainer.limit_test_batches={eval_batches}",
             "trainer.log_every_n_steps=10",
             "callbacks.throughput.window_size=10",
-            "callbacks.run_report.gpu_sample_interval=1.0",
+            "callbacks.run_stats.gpu_sample_interval=1.0",
             "logger=tensorboard",
             "extras.print_config=false",
         ]

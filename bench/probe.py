@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import time
-from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -21,7 +19,8 @@ import torch
 from common import synced_clock
 from lightning.pytorch.callbacks import Callback
 
-from vitrain.callbacks.report import proc_status, reset_peak_rss
+from vitrain.reporting.measuring import proc_status, reset_peak_rss
+from vitrain.utils.atomic import write_atomic
 
 GB = 1024**3
 
@@ -111,11 +110,7 @@ class BenchProbe(Callback):
         rank = self.record.get("rank", 0)
         if "__RANK__" not in self.out and rank != 0:
             return
-        path = Path(self.out.replace("__RANK__", str(rank)))
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(self.record, indent=1))
-        tmp.replace(path)
+        write_atomic(self.out.replace("__RANK__", str(rank)), json.dumps(self.record, indent=1))
 
 
 def _lr_ratio(trainer: L.Trainer) -> float | None:

@@ -95,7 +95,7 @@ def test_pip_install_into_a_fresh_venv(tmp_path: Path):
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
 
     where = subprocess.run(
-        [python, "-c", "import vitrain, vitrain.report; print(vitrain.__file__)"],
+        [python, "-c", "import vitrain, vitrain.reporting.report; print(vitrain.__file__)"],
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -106,7 +106,7 @@ def test_pip_install_into_a_fresh_venv(tmp_path: Path):
         "vitrain came from the repository, not the install"
     )
     cli = subprocess.run(
-        [python, "-m", "vitrain.report", "--help"], cwd=tmp_path, env=env, capture_output=True, text=True
+        [python, "-m", "vitrain.reporting", "--help"], cwd=tmp_path, env=env, capture_output=True, text=True
     )
     assert cli.returncode == 0 and "usage:" in cli.stdout, cli.stderr[-2000:]
     requires = subprocess.run(

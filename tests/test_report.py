@@ -119,7 +119,7 @@ def test_secrets_never_reach_the_report(run_dir: Path):
 
 
 def test_report_is_rebuilt_from_the_run_dir(run_dir: Path, tmp_path: Path):
-    """`make report RUN=<dir>` = `python -m vitrain.report <dir>`: same figures from the files alone."""
+    """`make report RUN=<dir>` = `python -m vitrain.reporting <dir>`: same figures from the files alone."""
     copy = shutil.copytree(run_dir, tmp_path / "copy")
     before = json.loads((copy / "report.json").read_text())
     for name in ("report.md", "report.json"):
@@ -127,7 +127,7 @@ def test_report_is_rebuilt_from_the_run_dir(run_dir: Path, tmp_path: Path):
     shutil.rmtree(copy / "plots")
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     done = subprocess.run(
-        [PYTHON, "-m", "vitrain.report", str(copy)], env=env, capture_output=True, text=True, timeout=120
+        [PYTHON, "-m", "vitrain.reporting", str(copy)], env=env, capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0, done.stderr[-3000:]
     after = json.loads((copy / "report.json").read_text())

@@ -20,7 +20,7 @@ from omegaconf import open_dict
 
 from helpers import CONFIGS, ROOT, run_cli, tiny_overrides
 from vitrain.distributed.multirun import DistributedMultirun, job_command
-from vitrain.sweep import write_summary
+from vitrain.reporting.sweep import write_summary
 from vitrain.training import best_value
 from vitrain.utils.run_id import register_resolvers
 

@@ -2,6 +2,7 @@
 
 import logging
 import os
+from pathlib import Path
 from typing import Any
 
 import hydra
@@ -14,10 +15,14 @@ from vitrain.checkpoints import CheckpointError
 from vitrain.errors import DataError
 from vitrain.loggers import MetricRecord, finish_runs, log_run_config
 from vitrain.precision import resolve_precision
-from vitrain.report import finish_run
+from vitrain.reporting.files import STATS_FILE, read_json, write_json
+from vitrain.reporting.measuring import metric_floats
+from vitrain.reporting.report import write_report
+from vitrain.reporting.run_stats import checkpoint_paths
 from vitrain.resume import DECIDED_ENV, checkpoint_to_resume
 from vitrain.tuning import search_batch_size
 from vitrain.utils.config import instantiate_dict, to_container
+from vitrain.utils.secrets import redact
 
 log = logging.getLogger(__name__)
 
@@ -76,10 +81,6 @@ def use_tensor_cores_for_fp32(trainer: L.Trainer) -> None:
         torch.set_float32_matmul_precision("high")
 
 
-def _scalars(metrics: dict[str, Any]) -> dict[str, float]:
-    return {k: float(v) for k, v in metrics.items()}
-
-
 def best_value(metric: str, metrics: dict[str, float], trainer: L.Trainer) -> float | None:
     """The best value of `metric` in the run: the score of the ModelCheckpoint that monitors it (the same on
     every rank), else, with a warning, its last value. What a sweeper optimises (`optimized_metric`)."""
@@ -120,7 +121,7 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
         finally:
             if decided is None:
                 os.environ.pop(DECIDED_ENV, None)
-    metrics = _scalars(trainer.callback_metrics)
+    metrics = metric_floats(trainer.callback_metrics)
 
     checkpoint = trainer.checkpoint_callback
     best = checkpoint.best_model_path if isinstance(checkpoint, ModelCheckpoint) else ""
@@ -134,7 +135,36 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
         else:
             log.warning("No best checkpoint found: testing the current weights")
             trainer.test(model=model, datamodule=datamodule)
-        metrics.update(_scalars(trainer.callback_metrics))
+        metrics.update(metric_floats(trainer.callback_metrics))
     finish_run(objects)  # rank zero: report.md/json and plots in the run dir
     finish_runs()  # W&B's run is process-wide: the next job of a sweep needs its own
     return metrics, objects
+
+
+def finish_run(objects: dict[str, Any]) -> dict[str, Any] | None:
+    """The end of a training task, on global rank zero: checkpoint paths and S3 keys into run_stats.json,
+    then the report, then (when an S3 upload callback is there) the report files to S3.
+
+    A failure here is logged, never raised: the run itself has succeeded."""
+    trainer = objects["trainer"]
+    if not trainer.is_global_zero:
+        return None
+    run_dir = Path(objects["cfg"].paths.output_dir)
+    try:
+        from vitrain.callbacks.s3_upload import S3CheckpointUpload  # boto3: only once a run is over
+
+        stats = read_json(run_dir / STATS_FILE) or {}
+        # recorded at the end of fit: testing the best checkpoint restores ModelCheckpoint's state from it
+        stats["checkpoints"] = stats.get("checkpoints") or checkpoint_paths(trainer)
+        uploaders = [c for c in trainer.callbacks if isinstance(c, S3CheckpointUpload)]
+        if uploaders:
+            stats["s3"] = {"uploaded": uploaders[0].uploaded, "failures": uploaders[0].failures}
+        write_json(run_dir / STATS_FILE, redact(stats))
+        report = write_report(run_dir)
+        log.info("Run report: %s", run_dir / "report.md")
+        for uploader in uploaders:
+            uploader.upload_run_files(trainer)
+        return report
+    except Exception:
+        log.exception("Writing the run report failed (the run itself succeeded)")
+        return None

@@ -37,11 +37,11 @@ from lightning.pytorch.plugins import TorchCheckpointIO
 from lightning.pytorch.tuner import Tuner
 from omegaconf import DictConfig, open_dict
 
-from vitrain.callbacks.report import GB, peak_rss_bytes, reset_peak_memory
 from vitrain.distributed.ranks import devices_per_node, global_rank_from_env
 from vitrain.errors import UserError
 from vitrain.precision import resolve_precision
-from vitrain.report import SEARCH_FILE
+from vitrain.reporting.files import SEARCH_FILE
+from vitrain.reporting.measuring import GB, peak_rss_bytes, reset_peak_memory
 
 log = logging.getLogger(__name__)
 

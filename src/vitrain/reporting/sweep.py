@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 import logging
 from pathlib import Path
 from typing import Any
 
-import yaml
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig
+
+from vitrain.reporting.files import REPORT_JSON, REPORT_MD, STATS_FILE, read_json, read_overrides
+from vitrain.reporting.markdown import table
+from vitrain.utils.atomic import write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -54,22 +56,18 @@ def job_dirs(sweep_dir: Path) -> list[Path]:
     found = [
         p
         for p in Path(sweep_dir).iterdir()
-        if p.is_dir() and any((p / name).exists() for name in (".hydra", "report.json", "run_stats.json"))
+        if p.is_dir() and any((p / name).exists() for name in (".hydra", REPORT_JSON, STATS_FILE))
     ]
     return sorted(found, key=lambda p: (0, int(p.name), "") if p.name.isdigit() else (1, 0, p.name))
 
 
-def _overrides(job: Path, report: dict[str, Any] | None) -> list[str]:
-    if report is not None:
-        return list(report.get("overrides") or [])
-    path = job / ".hydra" / "overrides.yaml"
-    return list(yaml.safe_load(path.read_text()) or []) if path.is_file() else []
-
-
 def summary_rows(sweep_dir: Path) -> list[dict[str, Any]]:
     rows = []
-    jobs = [(job, _read(job / "report.json")) for job in job_dirs(sweep_dir)]
-    overrides = {job: _overrides(job, report) for job, report in jobs}
+    jobs = [(job, read_json(job / REPORT_JSON)) for job in job_dirs(sweep_dir)]
+    overrides = {
+        job: list(report.get("overrides") or []) if report is not None else read_overrides(job) or []
+        for job, report in jobs
+    }
     shared = set.intersection(*(set(o) for o in overrides.values())) if overrides else set()
     for job, report in jobs:
         row: dict[str, Any] = dict.fromkeys(COLUMNS)
@@ -81,7 +79,7 @@ def summary_rows(sweep_dir: Path) -> list[dict[str, Any]]:
         if report is None:
             row["status"] = "no report (failed or running)"
         else:
-            row.update(status="done", report=f"{job.name}/report.md")
+            row.update(status="done", report=f"{job.name}/{REPORT_MD}")
             for column, read in COLUMNS.items():
                 if read is not None:
                     try:
@@ -92,14 +90,8 @@ def summary_rows(sweep_dir: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def _read(path: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
 def _cell(value: Any) -> str:
+    """A summary cell: empty when unknown (also in the CSV), 4 significant digits for floats."""
     if value is None:
         return ""
     if isinstance(value, float):
@@ -107,23 +99,28 @@ def _cell(value: Any) -> str:
     return str(value)
 
 
-def render_markdown(sweep_dir: Path, rows: list[dict[str, Any]]) -> str:
+def render_summary(sweep_dir: Path, rows: list[dict[str, Any]]) -> str:
+    header = [c for c in COLUMNS if c != "dir"]
+
+    def cells(row: dict[str, Any]) -> list[str]:
+        out = [_cell(row[c]) for c in header]
+        return [
+            f"[{text}]({text})"
+            if name == "report" and text
+            else f"`{text}`"
+            if name == "overrides" and text
+            else text
+            for name, text in zip(header, out, strict=True)
+        ]
+
     lines = [
         f"# Sweep summary: `{Path(sweep_dir).name}`",
         "",
         f"Sweep dir `{Path(sweep_dir).resolve()}`: {len(rows)} job(s). Images/s count training batches "
         "of all devices; peak memory is per device (GPU: reserved; CPU: peak RSS of each process).",
         "",
+        *table(header, (cells(row) for row in rows), cell=str),
     ]
-    header = [c for c in COLUMNS if c != "dir"]
-    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for row in rows:
-        cells = [
-            f"[{row['report']}]({row['report']})" if c == "report" and row[c] else _cell(row[c])
-            for c in header
-        ]
-        cells = [f"`{c}`" if name == "overrides" and c else c for name, c in zip(header, cells, strict=True)]
-        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -135,21 +132,17 @@ def write_summary(sweep_dir: str | Path) -> list[Path]:
     writer = csv.DictWriter(buffer, fieldnames=list(COLUMNS))
     writer.writeheader()
     writer.writerows({k: _cell(v) for k, v in row.items()} for row in rows)
-    written = []
-    for name, text in (("summary.md", render_markdown(sweep_dir, rows)), ("summary.csv", buffer.getvalue())):
-        path = sweep_dir / name
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(text)
-        tmp.replace(path)
-        written.append(path)
-    return written
+    return [
+        write_atomic(sweep_dir / "summary.md", render_summary(sweep_dir, rows)),
+        write_atomic(sweep_dir / "summary.csv", buffer.getvalue()),
+    ]
 
 
 class SweepSummary(Callback):
     """Hydra callback: the sweep's summary after each job and at the end of the sweep."""
 
     def _write(self, config: DictConfig) -> None:
-        # imported here: it loads torch, which `python -m vitrain.report` does without
+        # imported here: it loads torch, which `python -m vitrain.reporting` does without
         from vitrain.distributed.ranks import is_global_zero_from_env
 
         if config.hydra.mode != RunMode.MULTIRUN or not is_global_zero_from_env():

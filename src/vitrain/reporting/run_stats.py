@@ -1,22 +1,16 @@
-"""Collects what a run's report needs and cannot re-read later from the run dir: `run_stats.json`.
+"""What a run's report needs and cannot re-read later from the run dir: the `RunStats` callback writes it
+to `run_stats.json`.
 
-The metric record (metrics.jsonl, vitrain.loggers.MetricRecord) holds the metric curves; this callback
-adds timings, images/s, peak memory of every device, GPU utilisation samples and how the run was set up (strategy, world size, precision, batch sizes,
-Hydra overrides). `vitrain.report` turns both into report.md / report.json. Every rank measures its own
-device; the figures are gathered to global rank zero, which alone writes.
+The metric record (metrics.jsonl, vitrain.loggers.MetricRecord) holds the metric curves; this callback adds timings, images/s, peak memory of every
+device, GPU utilisation samples and how the run was set up (strategy, world size, precision, batch sizes,
+Hydra overrides). `vitrain.reporting.report` turns both into report.md / report.json. Every rank measures
+its own device; the figures are gathered to global rank zero, which alone writes.
 """
 
 from __future__ import annotations
 
-import json
-import logging
-import os
-import resource
 import socket
-import subprocess
-import threading
 import time
-from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -26,11 +20,9 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from vitrain.callbacks.throughput import ImageThroughputMonitor, batch_size
-from vitrain.report import STATS_FILE
+from vitrain.reporting.files import STATS_FILE, write_json
+from vitrain.reporting.measuring import UtilisationSampler, device_memory, metric_floats, reset_peak_memory
 from vitrain.utils.secrets import redact
-
-log = logging.getLogger(__name__)
-GB = 1024**3
 
 # resolved config entries worth repeating in the report (dotted paths)
 CONFIG_KEYS = (
@@ -51,130 +43,7 @@ CONFIG_KEYS = (
 )
 
 
-# --- memory ---------------------------------------------------------------------------------------------
-
-
-def proc_status(field: str) -> int | None:
-    """A /proc/self/status field in bytes (VmRSS, VmHWM); None off Linux."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(f"{field}:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def peak_rss_bytes() -> int:
-    """The process's peak resident memory since the last `reset_peak_rss` (Linux VmHWM), else since start."""
-    peak = proc_status("VmHWM")
-    if peak is not None:
-        return peak
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kB on Linux
-
-
-def reset_peak_rss() -> bool:
-    """Start a new peak-RSS window (Linux >= 4.0): the previous job of a sweep or a batch-size search must
-    not count. False where the kernel does not allow it: the peak then covers the process's lifetime."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        return True
-    except OSError:
-        return False
-
-
-def reset_peak_memory(device: torch.device) -> bool:
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    return reset_peak_rss()
-
-
-def device_memory(device: torch.device) -> dict[str, float]:
-    """Peak memory of this process in GB: host RSS, and on a GPU what PyTorch allocated and reserved."""
-    memory = {"peak_rss_gb": peak_rss_bytes() / GB}
-    if device.type == "cuda":
-        memory["max_allocated_gb"] = torch.cuda.max_memory_allocated(device) / GB
-        memory["max_reserved_gb"] = torch.cuda.max_memory_reserved(device) / GB
-    return memory
-
-
-# --- GPU utilisation ------------------------------------------------------------------------------------
-
-
-class UtilisationSampler:
-    """Samples this process's GPU utilisation in a thread: NVML through `torch.cuda.utilization` (needs
-    nvidia-ml-py), else `nvidia-smi`."""
-
-    def __init__(self, device: torch.device, interval: float) -> None:
-        self.device, self.interval = device, interval
-        self.samples: list[tuple[float, float]] = []
-        self.unavailable: str | None = None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._read: Callable[[], float] | None = None
-        if device.type != "cuda":
-            self.unavailable = f"no GPU ({device.type})"
-            return
-        problems = []
-        for read in (self._nvml, self._nvidia_smi):
-            try:
-                read()
-                self._read = read
-                return
-            except Exception as err:
-                problems.append(str(err))
-        self.unavailable = "neither NVML nor nvidia-smi answered: " + "; ".join(problems)
-
-    def _nvml(self) -> float:
-        return float(torch.cuda.utilization(self.device))
-
-    def _nvidia_smi(self) -> float:
-        # nvidia-smi numbers GPUs physically; CUDA_VISIBLE_DEVICES may renumber them for this process
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
-        index = self.device.index or 0
-        physical = visible[index].strip() if index < len(visible) and visible[index].strip() else str(index)
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits", "-i", physical],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        )
-        return float(out.stdout.strip().splitlines()[0])
-
-    def start(self) -> None:
-        if self.unavailable is None and self._thread is None:
-            self._t0 = time.monotonic()
-            self._thread = threading.Thread(target=self._run, name="gpu-utilisation", daemon=True)
-            self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=self.interval + 5)
-            self._thread = None
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            try:
-                self.samples.append((round(time.monotonic() - self._t0, 1), self._read()))
-            except Exception as err:
-                self.unavailable = f"GPU utilisation could not be read: {err}"
-                return
-
-    def summary(self) -> list[float]:
-        values = [u for _, u in self.samples]
-        return [
-            sum(values) / len(values) if values else float("nan"),
-            max(values, default=float("nan")),
-            len(values),
-        ]
-
-
-# --- the callback ---------------------------------------------------------------------------------------
-
-
-class RunReport(Callback):
+class RunStats(Callback):
     """Writes `<run_dir>/run_stats.json` on global rank zero after fit and after test."""
 
     def __init__(self, run_dir: str, gpu_sample_interval: float = 5.0) -> None:
@@ -242,7 +111,11 @@ class RunReport(Callback):
         if trainer.sanity_checking or trainer.state.fn != "fit":
             return
         self.stats["val_history"].append(
-            {"epoch": trainer.current_epoch, "step": trainer.global_step, **_metrics(trainer, "val/")}
+            {
+                "epoch": trainer.current_epoch,
+                "step": trainer.global_step,
+                **metric_floats(trainer.callback_metrics, "val/"),
+            }
         )
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -289,7 +162,7 @@ class RunReport(Callback):
         self.stats["test"] = {
             "wall_time_s": round(self._sync(trainer) - self._test_t0, 3),
             "ckpt_path": trainer.ckpt_path,
-            **_metrics(trainer, "test/"),
+            **metric_floats(trainer.callback_metrics, "test/"),
         }
         self.stats["memory"] = self._gather_memory(trainer)  # the peak now covers fit and test
         if trainer.is_global_zero:
@@ -300,10 +173,7 @@ class RunReport(Callback):
             self._sampler.stop()
 
     def save(self) -> Path:
-        path = self.run_dir / STATS_FILE
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(redact(self.stats), indent=2, default=str) + "\n")
-        return path
+        return write_json(self.run_dir / STATS_FILE, redact(self.stats))
 
     # -- helpers --
 
@@ -425,10 +295,6 @@ def _select(config: dict[str, Any], dotted: str) -> Any:
             return None
         node = node[part]
     return node
-
-
-def _metrics(trainer: L.Trainer, prefix: str) -> dict[str, float]:
-    return {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(prefix)}
 
 
 def _now() -> str:

@@ -1,0 +1,177 @@
+"""The text of report.md, and the table helpers the sweep summary shares."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from vitrain.utils.secrets import scrub
+
+
+def fmt(value: Any, digits: int = 4) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}g}"
+    return str(value)
+
+
+def _precision(report: dict[str, Any]) -> str:
+    """`bf16-mixed (auto)` when `trainer.precision=auto` chose it for the machine."""
+    asked = (report.get("config") or {}).get("trainer.precision")
+    return fmt(report.get("precision")) + (" (auto)" if asked == "auto" else "")
+
+
+def table(
+    header: Iterable[str], rows: Iterable[Iterable[Any]], cell: Callable[[Any], str] = fmt
+) -> list[str]:
+    """A markdown table's lines; `cell` turns each value into its text."""
+    header = list(header)
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(cell(c) for c in row) + " |" for row in rows]
+    return lines
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    """report.md from the report dict (`vitrain.reporting.report.build_report`, plus its plots)."""
+    bs = report["batch_size"]
+    procs = report["world_size"]
+    layout = (
+        f"{procs} process{'es' if procs != 1 else ''} ({report['num_nodes']} node(s) x "
+        f"{report['devices_per_node']} device(s))"
+        if procs
+        else "-"
+    )
+    search = report["max_batch_size"]
+    mfu = fmt(report["mfu"]) if report["mfu"] is not None else f"n/a: {report['mfu_note']}"
+    lines = [
+        f"# Run report: `{Path(report['run_dir']).name}`",
+        "",
+        f"Run dir `{report['run_dir']}`; generated {report['generated']}. "
+        "Rebuild with `python -m vitrain.reporting <run dir>`.",
+        "",
+        *table(
+            ["", ""],
+            [
+                ["experiment", report["experiment"]],
+                ["overrides", " ".join(f"`{o}`" for o in report["overrides"]) or "-"],
+                ["model", report["config"].get("model.net.model_name")],
+                ["strategy", f"{fmt(report['strategy'])} on {fmt(report['accelerator'])}, {layout}"],
+                ["precision", _precision(report)],
+                [
+                    "batch size",
+                    f"{fmt(bs.get('global'))} global, {fmt(bs.get('per_device'))} per device"
+                    f" (accumulate {fmt(bs.get('accumulate_grad_batches'))})",
+                ],
+                ["epochs", report["epochs"]],
+                [
+                    "training wall time",
+                    f"{fmt(report['wall_time_s'])} s (fit), {fmt(report['time_per_epoch_s'])} s per epoch",
+                ],
+                [
+                    "throughput",
+                    f"{fmt(report['throughput_images_per_s'])} images/s (training batches, all devices)",
+                ],
+                ["MFU", mfu],
+                ["peak memory", f"{fmt(report['peak_memory_gb'])} GB (largest device)"],
+                [
+                    "max batch size",
+                    f"{search['global']} global, {search['per_device']} per device"
+                    if search
+                    else "not searched (`+tune=batch_size`)",
+                ],
+            ],
+        ),
+        "",
+        "## Metrics",
+        "",
+    ]
+    metrics = report["metrics"]
+    rows = [
+        [tag, b["value"], b["step"], metrics["final"].get(tag, {}).get("value")]
+        for tag, b in sorted(metrics["best"].items())
+    ]
+    rows += [
+        [tag, None, None, f["value"]]
+        for tag, f in sorted(metrics["final"].items())
+        if tag not in metrics["best"]
+    ]
+    lines += table(["metric", "best", "at step", "final"], rows) if rows else ["No validation metrics."]
+    lines += [
+        "",
+        *(
+            table(["test metric", "value"], sorted(metrics["test"].items()))
+            if metrics["test"]
+            else ["No test metrics."]
+        ),
+    ]
+
+    lines += ["", "## Memory (peak per device)", ""]
+    memory = report["memory"] or {}
+    devices = memory.get("per_device") or []
+    if devices:
+        keys = [k for k in devices[0] if k != "rank"]
+        lines += [f"{memory.get('device_name')}, {memory.get('peak_window')}.", ""]
+        lines += table(["rank", *keys], [[d["rank"], *(d.get(k) for k in keys)] for d in devices])
+    else:
+        lines.append("Not recorded.")
+
+    lines += ["", "## GPU utilisation", ""]
+    util = report["gpu_utilization"]
+    if util.get("available"):
+        lines += table(
+            ["rank", "mean %", "max %", "samples"],
+            [[d["rank"], d["mean_pct"], d["max_pct"], d["samples"]] for d in util["per_device"]],
+        )
+    else:
+        lines.append(f"Not available: {util.get('reason')}.")
+
+    if search:
+        lines += [
+            "",
+            "## Maximum batch size",
+            "",
+            *table(
+                ["", ""],
+                [
+                    ["per device", search.get("per_device")],
+                    ["global", f"{search.get('global')} ({search.get('world_size')} processes)"],
+                    [
+                        "searched with",
+                        f"{search.get('accelerator')}, {search.get('precision')}, 1 device; "
+                        f"strategy of the run: {search.get('strategy')}",
+                    ],
+                    ["memory cap", f"{fmt(search.get('max_memory_gb'))} GB"],
+                    [
+                        "trials",
+                        ", ".join(
+                            f"{t['batch_size']}: {fmt(t.get('peak_gb'))} GB" for t in search.get("trials", [])
+                        ),
+                    ],
+                    ["stopped by", search.get("stopped_by")],
+                ],
+            ),
+        ]
+
+    ckpts = report["checkpoints"] or {}
+    lines += ["", "## Checkpoints", ""]
+    lines.append(
+        f"- best: `{ckpts.get('best')}`"
+        + (
+            f" ({ckpts.get('monitor')} = {fmt(ckpts.get('best_score'))})"
+            if ckpts.get("best_score") is not None
+            else ""
+        )
+    )
+    lines.append(f"- last: `{ckpts.get('last')}`")
+    s3 = report["s3"]
+    if s3:
+        lines += [f"- S3: `{uri}`" for uri in s3.get("uploaded", []) if "/checkpoints/" in uri]
+        lines += [f"- S3 failure: {message}" for message in s3.get("failures", [])]
+
+    plots = report.get("plots") or {}
+    if plots:
+        lines += ["", "## Curves", "", *(f"![{name}]({path})" for name, path in plots.items())]
+    return scrub("\n".join(lines) + "\n")
