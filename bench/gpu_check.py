@@ -438,7 +438,8 @@ def check_gpu_decode(ctx: Ctx) -> Outcome:
     expect(figures["mean_abs_pixel_diff"] < 3.0, f"GPU decode differs from the CPU decode: {figures}")
     shards = ctx.out / "gpu_decode_shards"
     write_shards(ctx.data, str(shards), val_size=32, workers=4, cache_dir=ctx.cache)
-    model = [o for o in ctx.base() if o.startswith("model.")]
+    # the ViT keys (img_size, patch_size) of the base runs come with experiment=cifar's model=vit
+    model = ["model=vit", *(o for o in ctx.base() if o.startswith("model."))]
     run_dir = ctx.run(
         "gpu_decode",
         "train.py",

@@ -189,7 +189,13 @@ def test_val_metrics_exact_and_eval_on_one_process(name: str, request: pytest.Fi
     distributed = val_metrics(run.dir)
     done = run_cli(
         "eval.py",
-        [f"ckpt_path={run.dir / 'checkpoints' / 'last.ckpt'}", "split=val", f"hydra.run.dir={tmp_path}"],
+        # the run validated in fp32: eval's default `auto` would pick bf16 on a CPU with native bf16
+        [
+            f"ckpt_path={run.dir / 'checkpoints' / 'last.ckpt'}",
+            "split=val",
+            "trainer.precision=32-true",
+            f"hydra.run.dir={tmp_path}",
+        ],
         timeout=RUN_TIMEOUT,
     )
     assert done.returncode == 0, done.stderr[-4000:]
