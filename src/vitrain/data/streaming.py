@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from vitrain.data.base import ImageDataModule, Splits, sample_seed, seed_sample
 from vitrain.data.shards import FORMAT_NAME, FORMAT_VERSION, METADATA_FILE
+from vitrain.data.transforms import timm_transform
 from vitrain.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -215,22 +216,10 @@ class StreamingDataModule(ImageDataModule):
     def build_transform(self, train: bool) -> Any:
         """timm's per-sample transform from the model's data config (RandomResizedCrop + flip [+ RandAugment,
         random erasing] for training; resize + center crop with crop_pct for evaluation)."""
-        from timm.data import create_transform
-
-        hp, spec = self.hparams, self._spec
-        kwargs: dict[str, Any] = {
-            "input_size": self.img_size,
-            "is_training": train,
-            "mean": self.mean,
-            "std": self.std,
-        }
-        if spec.get("interpolation"):
-            kwargs["interpolation"] = spec["interpolation"]
-        if train:
-            kwargs.update(auto_augment=hp.auto_augment, re_prob=hp.re_prob, hflip=hp.hflip)
-        elif spec.get("crop_pct"):
-            kwargs["crop_pct"] = spec["crop_pct"]
-        return create_transform(**kwargs)
+        hp = self.hparams
+        return timm_transform(
+            train, self.img_size, self.mean, self.std, self._spec, hp.auto_augment, hp.re_prob, hp.hflip
+        )
 
     def decode_on(self) -> torch.device | None:
         """The device that decodes training batches (this process's GPU), or None: loader workers decode."""
