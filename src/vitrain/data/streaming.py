@@ -188,7 +188,14 @@ class StreamingDataModule(ImageDataModule):
         if self._meta is None:
             _allow_http_endpoints(self.hparams.endpoint_url)
             self._meta = read_metadata(str(self.hparams.data_dir), self.hparams.endpoint_url)
+            # unreadable files `make shards` left out: counted in the run report like image_folder's skips
+            self.skipped = [(str(p), "skipped by make shards") for p in self._meta.get("skipped") or []]
         return self._meta
+
+    def split_sizes(self) -> dict[str, int | None]:
+        """Images per split as written (the training stream's own length is per rank and worker)."""
+        splits = self.metadata["splits"]
+        return {"train": splits["train"], "val": splits["val"], "test": splits.get("test") or splits["val"]}
 
     def find_classes(self) -> list[str]:
         return list(self.metadata["classes"])

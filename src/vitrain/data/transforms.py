@@ -27,7 +27,9 @@ def timm_transform(
     if spec.get("interpolation"):
         kwargs["interpolation"] = spec["interpolation"]
     if train:
-        kwargs.update(auto_augment=auto_augment, re_prob=re_prob, hflip=hflip)
+        # re_mode pixel (per-pixel normal noise in the erased box): timm's train.py and DeiT's default, and what
+        # the in-memory path (augment.py) does; create_transform's own default is a constant fill
+        kwargs.update(auto_augment=auto_augment, re_prob=re_prob, re_mode="pixel", hflip=hflip)
     elif spec.get("crop_pct"):
         kwargs["crop_pct"] = spec["crop_pct"]
     return create_transform(**kwargs)
