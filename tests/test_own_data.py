@@ -4,12 +4,14 @@ counted in the run report, and `datamodule=image_folder` / `datamodule=streaming
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import random
 from pathlib import Path
 
 import pytest
+import torch
 
 from data_factory import PhotoFolder, make_photo_folder
 from helpers import TINY_VIT, compose_cfg, run_cli
@@ -167,3 +169,45 @@ def test_streaming_trains_under_fsdp_on_two_processes(drawn: PhotoFolder, tmp_pa
     data = report["data"]
     assert data["images"]["train"] == drawn.n_train and data["skipped_files"] == 1
     assert data["skipped_examples"][0]["path"] == str(drawn.corrupt)
+
+
+def test_jpeg_cut_short_is_found_before_training(tmp_path: Path):
+    """PIL's verify passes a JPEG whose scan data is cut short; the pre-training check still finds it (baseline
+    and progressive), and passes whole JPEGs: with bytes after the end marker, CMYK, grayscale."""
+    from PIL import Image
+
+    from vitrain.data.shards import find_unreadable
+
+    noise = Image.fromarray(torch.randint(0, 256, (90, 120, 3), dtype=torch.uint8).numpy())
+
+    def jpeg(img: Image.Image = noise, **kwargs) -> bytes:
+        buf = io.BytesIO()
+        img.save(buf, "JPEG", **kwargs)
+        return buf.getvalue()
+
+    whole, progressive = jpeg(), jpeg(progressive=True)
+    files = {
+        "whole.jpg": whole,
+        "trailing.jpg": whole + bytes(4096),
+        "cmyk.jpg": jpeg(noise.convert("CMYK")),
+        "gray.jpg": jpeg(noise.convert("L")),
+        "cut.jpg": whole[: len(whole) * 3 // 4],
+        "cut_progressive.jpg": progressive[: len(progressive) * 3 // 4],
+    }
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+    bad = find_unreadable([str(tmp_path / n) for n in files], workers=1)
+    assert sorted(Path(p).name for p, _ in bad) == ["cut.jpg", "cut_progressive.jpg"]
+    assert all("truncated" in why for _, why in bad)
+
+    root = tmp_path / "tree"
+    for split in ("train", "val"):
+        for cls in ("a", "b"):
+            (root / split / cls).mkdir(parents=True)
+            for i in range(2):
+                (root / split / cls / f"{i}.jpg").write_bytes(whole)
+    (root / "train" / "b" / "cut.jpg").write_bytes(files["cut.jpg"])
+    with pytest.raises(
+        DataError, match=r"train/b/cut\.jpg is not a readable image \(OSError: image file is truncated"
+    ):
+        ImageFolderDataModule(str(root), str(tmp_path / "c"), batch_size=2).setup("fit")
