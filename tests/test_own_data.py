@@ -211,3 +211,16 @@ def test_jpeg_cut_short_is_found_before_training(tmp_path: Path):
         DataError, match=r"train/b/cut\.jpg is not a readable image \(OSError: image file is truncated"
     ):
         ImageFolderDataModule(str(root), str(tmp_path / "c"), batch_size=2).setup("fit")
+
+
+def test_timm_transform_erases_with_noise_and_crops_by_the_model(tmp_path: Path):
+    """One helper builds both datamodules' transforms: random erasing in pixel mode (DeiT, timm's train.py,
+    the in-memory path), the eval resize from the model's crop_pct."""
+    from vitrain.data.transforms import timm_transform
+
+    spec = {"interpolation": "bicubic", "crop_pct": 0.5}
+    train_t = timm_transform(True, 32, (0.5,) * 3, (0.5,) * 3, spec, "rand-m9-mstd0.5-inc1", 0.25, 0.5)
+    erasing = [t for t in train_t.transforms if type(t).__name__ == "RandomErasing"]
+    assert len(erasing) == 1 and erasing[0].mode == "pixel" and erasing[0].probability == 0.25
+    eval_t = timm_transform(False, 32, (0.5,) * 3, (0.5,) * 3, spec)
+    assert eval_t.transforms[0].size == 64  # 32 / crop_pct 0.5, then a 32 px center crop
