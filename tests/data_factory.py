@@ -7,12 +7,15 @@ labelling and splitting kept each image with its label: red = label_value(label)
 from __future__ import annotations
 
 import pickle
+import random
 import tarfile
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+from PIL import Image
 from torchvision.io import encode_jpeg, encode_png
 
 CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
@@ -89,3 +92,45 @@ def make_targz(src_dir: Path, out_path: Path, arcname: str | None = None) -> Pat
 def _pickle(path: Path, obj: dict) -> None:
     with path.open("wb") as f:
         pickle.dump(obj, f, protocol=2)
+
+
+@dataclass(frozen=True)
+class PhotoFolder:
+    """What `make_photo_folder` wrote: the tree, its classes in label order and the counts a run should see."""
+
+    root: Path
+    classes: tuple[str, ...]
+    n_train: int  # readable training images (the corrupt file not counted)
+    n_val: int
+    corrupt: Path
+
+
+def make_photo_folder(
+    root: Path, seed: int, n_train: int = 4, n_val: int = 1, min_classes: int = 3, max_classes: int = 17
+) -> PhotoFolder:
+    """An ImageNet-layout tree, root/{train,val}/<wnid>/, with a class count drawn from
+    [min_classes, max_classes] by `seed`: JPEGs of random sizes (24..72 px a side), plus in train a grayscale
+    JPEG, an RGBA PNG and one corrupt file (a JPEG header and nothing else)."""
+    rng = random.Random(seed)
+    count = rng.randint(min_classes, max_classes)
+    # ImageNet-like folder names (n + 8 digits); sorted, since labels follow the sorted folder names
+    classes = tuple(sorted({f"n{rng.randrange(10**8):08d}" for _ in range(count * 2)})[:count])
+    root = Path(root)
+    for split, n in (("train", n_train), ("val", n_val)):
+        for label, cls in enumerate(classes):
+            d = root / split / cls
+            d.mkdir(parents=True, exist_ok=True)
+            for i in range(n):
+                h, w = rng.randint(24, 72), rng.randint(24, 72)
+                # a flat colour per class (up to 17: pattern_image's label colours stop at 10)
+                img = torch.tensor([15 * label, (37 * i) % 256, (53 * label) % 256], dtype=torch.uint8)
+                img = img.view(3, 1, 1).expand(3, h, w).contiguous()
+                (d / f"{i:03d}.JPEG").write_bytes(encode_jpeg(img, quality=90).numpy().tobytes())
+    train = root / "train"
+    gray = pattern_image(0, 200, size=40)[:1]
+    (train / classes[0] / "gray.jpg").write_bytes(encode_jpeg(gray).numpy().tobytes())
+    rgba = pattern_image(1, 201, size=36, channels=4).permute(1, 2, 0).contiguous().numpy()
+    Image.fromarray(rgba, mode="RGBA").save(train / classes[1] / "rgba.png")
+    corrupt = train / classes[2] / "corrupt.jpg"
+    corrupt.write_bytes(b"\xff\xd8\xff\xe0 not really a jpeg")
+    return PhotoFolder(root, classes, count * n_train + 2, count * n_val, corrupt)

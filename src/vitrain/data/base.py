@@ -209,6 +209,8 @@ class ImageDataModule(LightningDataModule):
         self._classes: list[str] | None = None
         self._spec: dict[str, Any] = {}
         self._batch = self._eval_batch = batch_size
+        #: (path, why) of files left out as unreadable; the run report counts them (`data_facts`)
+        self.skipped: list[tuple[str, str]] = []
 
     # --- classes ----------------------------------------------------------------------------------
 
@@ -263,6 +265,23 @@ class ImageDataModule(LightningDataModule):
         return None
 
     # --- data -------------------------------------------------------------------------------------
+
+    def split_sizes(self) -> dict[str, int | None]:
+        """Images per split after `setup` (None: not loaded)."""
+        sets = {"train": self.train_set, "val": self.val_set, "test": self.test_set}
+        return {name: None if ds is None else len(ds) for name, ds in sets.items()}
+
+    def data_facts(self, examples: int = 5) -> dict[str, Any]:
+        """What the run report says about the data (run_stats.json `data`): classes, images per split, and
+        the files left out as unreadable, counted, with the first few named."""
+        return {
+            "datamodule": type(self).__name__,
+            "data_dir": str(self.hparams.data_dir),
+            "num_classes": len(self._classes) if self._classes else None,
+            "images": self.split_sizes(),
+            "skipped_files": len(self.skipped),
+            "skipped_examples": [{"path": p, "why": why} for p, why in self.skipped[:examples]],
+        }
 
     def setup(self, stage: str | None = None) -> None:
         hp = self.hparams

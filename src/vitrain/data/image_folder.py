@@ -26,6 +26,7 @@ from torch.utils.data import Dataset
 from vitrain.data.base import ImageDataModule, Splits, sample_seed, seed_sample
 from vitrain.data.shards import Source, carve_val, find_source, find_unreadable, scan
 from vitrain.data.sources import unpack_archive
+from vitrain.data.transforms import timm_transform
 from vitrain.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -135,22 +136,10 @@ class ImageFolderDataModule(ImageDataModule):
     def build_transform(self, train: bool) -> Any:
         """timm's per-sample transform from the model's data config: RandomResizedCrop + flip (+ an
         auto-augment string, random erasing) for training; resize + center crop with crop_pct for eval."""
-        from timm.data import create_transform
-
-        hp, spec = self.hparams, self._spec
-        kwargs: dict[str, Any] = {
-            "input_size": self.img_size,
-            "is_training": train,
-            "mean": self.mean,
-            "std": self.std,
-        }
-        if spec.get("interpolation"):
-            kwargs["interpolation"] = spec["interpolation"]
-        if train:
-            kwargs.update(auto_augment=hp.auto_augment, re_prob=hp.re_prob, hflip=hp.hflip)
-        elif spec.get("crop_pct"):
-            kwargs["crop_pct"] = spec["crop_pct"]
-        return create_transform(**kwargs)
+        hp = self.hparams
+        return timm_transform(
+            train, self.img_size, self.mean, self.std, self._spec, hp.auto_augment, hp.re_prob, hp.hflip
+        )
 
     @staticmethod
     def subset(dataset: Dataset, n: int) -> Dataset:

@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from vitrain.data.base import ImageDataModule, Splits, sample_seed, seed_sample
 from vitrain.data.shards import FORMAT_NAME, FORMAT_VERSION, METADATA_FILE
+from vitrain.data.transforms import timm_transform
 from vitrain.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -187,7 +188,14 @@ class StreamingDataModule(ImageDataModule):
         if self._meta is None:
             _allow_http_endpoints(self.hparams.endpoint_url)
             self._meta = read_metadata(str(self.hparams.data_dir), self.hparams.endpoint_url)
+            # unreadable files `make shards` left out: counted in the run report like image_folder's skips
+            self.skipped = [(str(p), "skipped by make shards") for p in self._meta.get("skipped") or []]
         return self._meta
+
+    def split_sizes(self) -> dict[str, int | None]:
+        """Images per split as written (the training stream's own length is per rank and worker)."""
+        splits = self.metadata["splits"]
+        return {"train": splits["train"], "val": splits["val"], "test": splits.get("test") or splits["val"]}
 
     def find_classes(self) -> list[str]:
         return list(self.metadata["classes"])
@@ -215,22 +223,10 @@ class StreamingDataModule(ImageDataModule):
     def build_transform(self, train: bool) -> Any:
         """timm's per-sample transform from the model's data config (RandomResizedCrop + flip [+ RandAugment,
         random erasing] for training; resize + center crop with crop_pct for evaluation)."""
-        from timm.data import create_transform
-
-        hp, spec = self.hparams, self._spec
-        kwargs: dict[str, Any] = {
-            "input_size": self.img_size,
-            "is_training": train,
-            "mean": self.mean,
-            "std": self.std,
-        }
-        if spec.get("interpolation"):
-            kwargs["interpolation"] = spec["interpolation"]
-        if train:
-            kwargs.update(auto_augment=hp.auto_augment, re_prob=hp.re_prob, hflip=hp.hflip)
-        elif spec.get("crop_pct"):
-            kwargs["crop_pct"] = spec["crop_pct"]
-        return create_transform(**kwargs)
+        hp = self.hparams
+        return timm_transform(
+            train, self.img_size, self.mean, self.std, self._spec, hp.auto_augment, hp.re_prob, hp.hflip
+        )
 
     def decode_on(self) -> torch.device | None:
         """The device that decodes training batches (this process's GPU), or None: loader workers decode."""

@@ -24,6 +24,27 @@ def _precision(report: dict[str, Any]) -> str:
     return fmt(report.get("precision")) + (" (auto)" if asked == "auto" else "")
 
 
+def _data(data: dict[str, Any] | None) -> str:
+    """`ImageFolderDataModule, 3 classes; 66 train / 9 val / 9 test images`."""
+    if not data:
+        return "not recorded"
+    sizes = data.get("images") or {}
+    images = " / ".join(f"{fmt(sizes.get(s))} {s}" for s in ("train", "val", "test"))
+    return f"{data.get('datamodule')}, {fmt(data.get('num_classes'))} classes; {images} images"
+
+
+def _skipped(data: dict[str, Any] | None) -> str:
+    """The count of unreadable files left out, with the first few named; 0 when none."""
+    if not data or data.get("skipped_files") is None:
+        return "not recorded"
+    count = data["skipped_files"]
+    names = [Path(e["path"]).name for e in data.get("skipped_examples") or []]
+    if not count:
+        return "0"
+    more = ", ..." if count > len(names) else ""
+    return f"{count} (unreadable, left out: {', '.join(f'`{n}`' for n in names)}{more})"
+
+
 def table(
     header: Iterable[str], rows: Iterable[Iterable[Any]], cell: Callable[[Any], str] = fmt
 ) -> list[str]:
@@ -65,6 +86,8 @@ def render_markdown(report: dict[str, Any]) -> str:
                     f"{fmt(bs.get('global'))} global, {fmt(bs.get('per_device'))} per device"
                     f" (accumulate {fmt(bs.get('accumulate_grad_batches'))})",
                 ],
+                ["data", _data(report.get("data"))],
+                ["skipped files", _skipped(report.get("data"))],
                 ["epochs", report["epochs"]],
                 [
                     "training wall time",

@@ -124,6 +124,7 @@ def build_report(run_dir: Path, scalars: Scalars | None = None) -> dict[str, Any
             **(stats.get("batch_size") or {}),
             "accumulate_grad_batches": stats.get("accumulate_grad_batches"),
         },
+        "data": stats.get("data"),
         "epochs": len(epochs) or None,
         "global_step": fit.get("global_step"),
         "wall_time_s": fit.get("wall_time_s"),

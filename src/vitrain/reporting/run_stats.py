@@ -1,9 +1,10 @@
 """What a run's report needs and cannot re-read later from the run dir: the `RunStats` callback writes it
 to `run_stats.json`.
 
-The metric record (metrics.jsonl, vitrain.loggers.MetricRecord) holds the metric curves; this callback adds timings, images/s, peak memory of every
-device, GPU utilisation samples and how the run was set up (strategy, world size, precision, batch sizes,
-Hydra overrides). `vitrain.reporting.report` turns both into report.md / report.json. Every rank measures
+The metric record (metrics.jsonl, vitrain.loggers.MetricRecord) holds the metric curves; this callback adds
+timings, images/s, peak memory of every device, GPU utilisation samples, how the run was set up (strategy,
+world size, precision, batch sizes, Hydra overrides) and the data (classes, images per split, unreadable
+files skipped). `vitrain.reporting.report` turns both into report.md / report.json. Every rank measures
 its own device; the figures are gathered to global rank zero, which alone writes.
 """
 
@@ -266,6 +267,9 @@ def _run_info(trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any
         },
         "hydra": _hydra_info(),
     }
+    facts = getattr(datamodule, "data_facts", None)
+    if callable(facts):
+        info["data"] = facts()  # classes, images per split, unreadable files skipped
     run_config = getattr(pl_module, "run_config", None)
     if run_config:
         info["config"] = {key: _select(run_config, key) for key in CONFIG_KEYS}
