@@ -192,3 +192,41 @@ def test_ddp_two_processes_in_memory_exact_eval(photos: Path, tmp_path: Path):
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert sorted(map(len, ranks)) == [4, 5]
     assert len(set(ranks[0]) | set(ranks[1])) == N_VAL_ALL
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3 * RUN_TIMEOUT)
+def test_sigterm_mid_epoch_then_resume_is_bitwise(photos: Path, tmp_path: Path):
+    """The whole run, on-device augmentation included (crop, flip, TrivialAugment, random erasing): stopped
+    by SIGTERM in the middle of the second epoch and resumed with ckpt_path=last, it ends with the weights of
+    the run left alone, bit for bit."""
+
+    def run(run_dir: Path, *extra: str, **kwargs):
+        args = _memory_overrides(
+            photos, run_dir, "datamodule.in_memory=true", "datamodule.auto_augment=trivial",
+            "datamodule.re_prob=0.25", "trainer.max_epochs=2", "test=false", f"hydra.run.dir={run_dir}", *extra,
+        )  # fmt: skip
+        return run_cli(
+            "train.py", args, env={"PYTHONPATH": str(ROOT / "tests")}, timeout=RUN_TIMEOUT, **kwargs
+        )
+
+    def weights(run_dir: Path) -> dict[str, torch.Tensor]:
+        ckpt = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)
+        assert ckpt["global_step"] == 2 * (N_TRAIN_ALL // 8)
+        return ckpt["state_dict"]
+
+    alone = run(tmp_path / "alone")
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    stopped = run(
+        tmp_path / "stopped",
+        "+callbacks.fault._target_=fault_injection.SigtermAt",
+        "+callbacks.fault.step=11",
+        start_new_session=True,
+    )
+    assert stopped.returncode == 143, stopped.stderr[-3000:]
+    saved = torch.load(tmp_path / "stopped" / "checkpoints" / "last.ckpt", weights_only=False)
+    assert (saved["global_step"], saved["epoch"]) == (11, 1)
+    resumed = run(tmp_path / "stopped", "ckpt_path=last")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    a, b = weights(tmp_path / "alone"), weights(tmp_path / "stopped")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
