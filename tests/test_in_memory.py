@@ -32,6 +32,7 @@ from vitrain.data import in_memory
 from vitrain.data.base import TensorImageDataset
 from vitrain.data.image_folder import ImageFileDataset, ImageFolderDataModule
 from vitrain.errors import DataError
+from vitrain.evaluation import evaluate
 from vitrain.training import train
 
 N_ALL = N_TRAIN_ALL + N_VAL_ALL  # the photos have train/ and val/, no test/ (test = val)
@@ -85,6 +86,10 @@ def test_auto_trains_in_memory_with_exact_eval(
         logits = model(dm.device_transform()(dm.val_set.x, train=False))
     by_hand = (logits.argmax(1) == dm.val_set.y).float().mean().item()
     assert metrics["val/acc1"] == pytest.approx(by_hand, abs=1e-6)
+    # src/eval.py on the checkpoint: the same images (from the decode cache), the same accuracy
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    evaluated, _ = evaluate(compose_cfg("eval", [f"ckpt_path={last}", "split=val"], tmp_path / "eval"))
+    assert evaluated["val/acc1"] == pytest.approx(by_hand, abs=1e-6)
 
 
 def test_budget_decides_before_decoding(photos: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
