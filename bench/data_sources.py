@@ -76,6 +76,8 @@ def datamodule(name: str, data_dir: Path, args: Any, workdir: Path) -> Any:
             f"datamodule.cache_dir={workdir / 'cache'}",
             f"datamodule.batch_size={args.batch_size}",
             f"datamodule.num_workers={args.workers}",
+            # the worker-decoding path is what is measured (a small folder would otherwise be held in memory)
+            *(["datamodule.in_memory=false"] if name == "image_folder" else []),
         ],
         workdir / name,
     )

@@ -134,3 +134,42 @@ def make_photo_folder(
     corrupt = train / classes[2] / "corrupt.jpg"
     corrupt.write_bytes(b"\xff\xd8\xff\xe0 not really a jpeg")
     return PhotoFolder(root, classes, count * n_train + 2, count * n_val, corrupt)
+
+
+CIFAR100_NAMES = tuple(f"fine{i:03d}" for i in range(100))  # sorted, as CIFAR-100's own names are
+
+
+def cifar100_image(label: int, index: int) -> torch.Tensor:
+    """A flat uint8 [3,32,32] image: red = 20 + 2 * label (0..99 stay apart), green = index % 251."""
+    img = torch.empty(3, 32, 32, dtype=torch.uint8)
+    for c, v in enumerate((20 + 2 * label, index % 251, 128)):
+        img[c] = v
+    return img
+
+
+def make_cifar100_python(root: Path, n_train_per_class: int = 2, n_test_per_class: int = 1) -> Path:
+    """Write root/cifar-100-python as torchvision reads it: `train` and `test` pickles with b'data' and
+    b'fine_labels' (+ b'coarse_labels'), and `meta` with b'fine_label_names'. Labels interleave classes."""
+    out = Path(root) / "cifar-100-python"
+    out.mkdir(parents=True, exist_ok=True)
+    for name, per_class in (("train", n_train_per_class), ("test", n_test_per_class)):
+        labels = [i % 100 for i in range(100 * per_class)]
+        data = torch.stack([cifar100_image(y, i) for i, y in enumerate(labels)]).reshape(len(labels), -1)
+        _pickle(
+            out / name,
+            {
+                b"filenames": [f"{i}.png".encode() for i in range(len(labels))],
+                b"batch_label": name.encode(),
+                b"fine_labels": labels,
+                b"coarse_labels": [y // 5 for y in labels],
+                b"data": data.numpy().astype(np.uint8),
+            },
+        )
+    _pickle(
+        out / "meta",
+        {
+            b"fine_label_names": [n.encode() for n in CIFAR100_NAMES],
+            b"coarse_label_names": [f"coarse{i:02d}".encode() for i in range(20)],
+        },
+    )
+    return out

@@ -1,4 +1,5 @@
-"""CIFAR-10 sources, cache, datamodule, samplers and device-side augmentation, on tiny generated data."""
+"""CIFAR-10 and CIFAR-100 sources, cache, datamodules, samplers and device-side augmentation, on tiny
+generated data."""
 
 from __future__ import annotations
 
@@ -10,8 +11,11 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 
 from data_factory import (
+    CIFAR100_NAMES,
     CLASSES,
+    cifar100_image,
     label_of,
+    make_cifar100_python,
     make_class_folders,
     make_python_batches,
     make_targz,
@@ -20,7 +24,7 @@ from data_factory import (
 from vitrain.data.augment import BatchTransform, random_crop_flip, to_model_input
 from vitrain.data.base import make_sampler, per_process_batch, split_indices
 from vitrain.data.cifar10 import CIFAR10_MEAN, CIFAR10_STD, CIFAR10DataModule
-from vitrain.data.sources import load_cifar10
+from vitrain.data.sources import CIFAR100, load_cifar, load_cifar10
 from vitrain.errors import DataError
 
 
@@ -430,3 +434,73 @@ def test_real_cifar10(real_cifar10_cache: tuple[Path, Path]):
     x, _ = next(iter(dm.train_dataloader()))
     assert x.shape == (128, 3, 32, 32) and x.dtype == torch.uint8
     assert 80 < x.float().mean() < 160  # real photos, not blank decodes
+
+
+# --- CIFAR-100 ---------------------------------------------------------------------------------------
+
+
+def test_cifar100_python_format_and_class_folders(tmp_path: Path):
+    """torchvision's cifar-100-python pickles: 100 fine classes named by the meta file, each image kept with
+    its fine label; the same data as class folders decodes to the same tensors and names."""
+    from torchvision.io import encode_png
+
+    batches = make_cifar100_python(tmp_path / "py", n_train_per_class=2, n_test_per_class=1)
+    d = load_cifar(tmp_path / "py", tmp_path / "cache", CIFAR100)
+    assert d.classes == list(CIFAR100_NAMES) and d.train_x.shape == (200, 3, 32, 32) and len(d.test_y) == 100
+    assert torch.equal(d.train_x[:, 0, 0, 0].long(), 20 + 2 * d.train_y)  # red encodes the label
+    assert sorted(d.train_y.tolist()) == sorted(list(range(100)) * 2)
+    assert list((tmp_path / "cache" / "cifar100").glob("decoded-*.pt"))
+
+    folders = tmp_path / "folders"
+    for split, x, y in (("train", d.train_x, d.train_y), ("test", d.test_x, d.test_y)):
+        for i, (img, label) in enumerate(zip(x, y.tolist(), strict=True)):
+            out = folders / split / CIFAR100_NAMES[label]
+            out.mkdir(parents=True, exist_ok=True)
+            (out / f"{i:04d}.png").write_bytes(encode_png(img).numpy().tobytes())
+    f = load_cifar(folders, tmp_path / "cache", CIFAR100)
+    assert f.classes == d.classes and len(f.train_y) == 200
+    assert torch.equal(f.train_x[:, 0, 0, 0].long(), 20 + 2 * f.train_y)
+    assert torch.equal(f.test_x[f.test_y.argsort()], d.test_x[d.test_y.argsort()])
+
+    (batches / "meta").unlink()
+    with pytest.raises(DataError, match=r"meta is missing \(it holds the class names\)"):
+        load_cifar(batches, tmp_path / "cache2", CIFAR100)
+    with pytest.raises(DataError, match=r"CIFAR-100 not found at .*cifar-100-python folder"):
+        load_cifar(tmp_path / "nope", tmp_path / "cache", CIFAR100)
+    assert cifar100_image(99, 0)[0, 0, 0] == 218
+
+
+def test_cifar100_download_without_internet_is_one_line(tmp_path: Path):
+    """download=true keeps torchvision's real CIFAR100 download; without a network it fails in one line."""
+    with pytest.raises(
+        DataError, match=r"downloading CIFAR-100 into .*failed .*cifar-100-python.tar.gz"
+    ) as e:
+        load_cifar(tmp_path / "dl", tmp_path / "cache", CIFAR100, download=True)
+    assert "\n" not in str(e.value)
+
+
+def test_cifar100_trains_with_a_100_class_head(tmp_path: Path):
+    """datamodule=cifar100 on the in-memory path: the model's head has 100 outputs, the checkpoint keeps the
+    meta file's fine class names, CIFAR-100's own normalisation is used."""
+    from helpers import compose_cfg, tiny_overrides
+    from vitrain.data.cifar10 import CIFAR100_MEAN, CIFAR100DataModule
+    from vitrain.training import train
+
+    make_cifar100_python(tmp_path / "data", n_train_per_class=2, n_test_per_class=1)
+    overrides = [
+        *tiny_overrides(tmp_path / "data", tmp_path / "cache"),
+        "datamodule=cifar100",
+        "datamodule.val_size=20",
+        "+trainer.limit_train_batches=3",
+        "test=false",
+        "logger=csv",
+    ]
+    metrics, objects = train(compose_cfg("train", overrides, tmp_path / "run"))
+    dm, model = objects["datamodule"], objects["model"]
+    assert isinstance(dm, CIFAR100DataModule) and dm.num_classes == 100 and dm.mean == CIFAR100_MEAN
+    assert model.net.head.out_features == 100 and objects["trainer"].global_step == 3
+    assert (len(dm.train_set), len(dm.val_set), len(dm.test_set)) == (180, 20, 100)
+    assert "val/acc1" in metrics
+    ckpt = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=False)
+    assert ckpt["class_names"] == list(CIFAR100_NAMES)
+    assert ckpt["run_config"]["model"]["net"]["num_classes"] == 100

@@ -84,6 +84,7 @@ def _overrides(data_dir: Path | str, cache: Path, batch_size: int = 8) -> list[s
         f"datamodule.batch_size={batch_size}",
         "datamodule.eval_batch_size=4",
         "datamodule.num_workers=1",
+        "datamodule.in_memory=false",  # the worker path; in memory: tests/test_in_memory.py
         "trainer.accelerator=cpu",
         "trainer.precision=32-true",
         "trainer.max_epochs=1",
@@ -132,7 +133,9 @@ def test_archive_is_unpacked_once_and_val_carved(photos: Path, tmp_path: Path):
     archive = tmp_path / "mine.tar.gz"
     with tarfile.open(archive, "w:gz") as tf:
         tf.add(photos / "train", arcname="mine/train")
-    dm = ImageFolderDataModule(str(archive), str(tmp_path / "cache"), batch_size=4, val_size=0.2)
+    dm = ImageFolderDataModule(
+        str(archive), str(tmp_path / "cache"), batch_size=4, val_size=0.2, in_memory=False
+    )
     assert dm.classes == list(CLASSES)
     dm.setup("fit")
     assert len(dm.train_set) + len(dm.val_set) == N_TRAIN_ALL and len(dm.val_set) == round(0.2 * N_TRAIN_ALL)
@@ -152,7 +155,9 @@ def _tree(tmp_path: Path, photos: Path) -> Path:
 
 
 def _classes_and_setup(root: Path, tmp_path: Path, **kwargs) -> ImageFolderDataModule:
-    dm = ImageFolderDataModule(str(root), str(tmp_path / "cache"), batch_size=4, **kwargs)
+    dm = ImageFolderDataModule(
+        str(root), str(tmp_path / "cache"), batch_size=4, **{"in_memory": False, **kwargs}
+    )
     dm.classes  # noqa: B018 - the folder listing
     dm.setup("fit")
     return dm
@@ -257,7 +262,9 @@ def test_mid_epoch_resume_continues_the_epoch(photos: Path, tmp_path: Path, monk
     monkeypatch.setattr(image_folder.ImageFileDataset, "__getitem__", IndexSample.__getitem__)
 
     def dm() -> ImageFolderDataModule:
-        return ImageFolderDataModule(str(photos), str(tmp_path / "cache"), batch_size=8, num_workers=2)
+        return ImageFolderDataModule(
+            str(photos), str(tmp_path / "cache"), batch_size=8, num_workers=2, in_memory=False
+        )
 
     ckpt = tmp_path / "mid.ckpt"
     whole = Recorder()

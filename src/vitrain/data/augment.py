@@ -246,7 +246,7 @@ class BatchTransform:
     mean: tuple[float, ...]
     std: tuple[float, ...]
     crop_padding: int = 4
-    hflip: bool = True
+    hflip: bool | float = True  # True: half the images; a number: that probability
     # timm's option names: "rand-m9-n2-mstd0.5" | "trivial" | None; random-erasing probability per image
     auto_augment: str | None = None
     re_prob: float = 0.0
@@ -258,9 +258,15 @@ class BatchTransform:
         if not 0.0 <= self.re_prob <= 1.0:
             raise DataError(f"datamodule.re_prob={self.re_prob} must be between 0 and 1")
 
+    @property
+    def flip_p(self) -> float:
+        if isinstance(self.hflip, bool):
+            return 0.5 if self.hflip else 0.0
+        return float(self.hflip)
+
     def __call__(self, x: Tensor, train: bool) -> Tensor:
         if train:
-            x = random_crop_flip(x, self.crop_padding, 0.5 if self.hflip else 0.0)
+            x = random_crop_flip(x, self.crop_padding, self.flip_p)
             if self._augment is not None:
                 x = self._augment(x)
         x = to_model_input(x, self.img_size, self.mean, self.std)

@@ -264,6 +264,25 @@ class ImageDataModule(LightningDataModule):
         datasets hand out model-ready tensors)."""
         return None
 
+    def batch_transform(
+        self,
+        crop_padding: int = 4,
+        hflip: bool | float = True,
+        auto_augment: str | None = None,
+        re_prob: float = 0.0,
+    ) -> BatchTransform:
+        """The on-device transform of in-memory uint8 batches (random crop of the padded image, flip,
+        auto-augment, then resize to the model's input, normalise, random erasing)."""
+        return BatchTransform(
+            self.img_size,
+            self.mean,
+            self.std,
+            crop_padding=crop_padding,
+            hflip=hflip,
+            auto_augment=auto_augment,
+            re_prob=float(re_prob),
+        )
+
     # --- data -------------------------------------------------------------------------------------
 
     def split_sizes(self) -> dict[str, int | None]:
@@ -329,10 +348,14 @@ class ImageDataModule(LightningDataModule):
         n = self.hparams.num_workers
         if n is not None:
             return n
+        return max(1, min(8, len(os.sched_getaffinity(0)) // self.local_processes() - 1))
+
+    def local_processes(self) -> int:
+        """Training processes on this node (they share its cores and memory)."""
         local = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or (
             self.trainer.num_devices if self.trainer else 1
         )
-        return max(1, min(8, len(os.sched_getaffinity(0)) // max(1, local) - 1))
+        return max(1, local)
 
     def _loader(self, dataset: Dataset | None, train: bool) -> DataLoader:
         if dataset is None:

@@ -10,6 +10,10 @@ Unreadable files are found before training, by PIL reading each file's header an
 decoding every pixel (`verify_images`); `bad_images: stop` then names them in one error, `skip` leaves them
 out with a warning that counts them. A worker never meets a bad file in the middle of an epoch unless the
 check was turned off; then the decode error still names the file.
+
+`in_memory` (auto | true | false) instead decodes a data set that fits a memory budget once into uint8
+tensors at a fixed size, trained on like CIFAR-10: tensor slices, augmented on the device (vitrain/data/
+in_memory.py decides and decodes; the base holds the in-memory loaders and batch transform).
 """
 
 from __future__ import annotations
@@ -23,7 +27,16 @@ from PIL import Image
 from torch import Tensor
 from torch.utils.data import Dataset
 
-from vitrain.data.base import ImageDataModule, Splits, sample_seed, seed_sample
+from vitrain.data import in_memory
+from vitrain.data.augment import BatchTransform
+from vitrain.data.base import (
+    ImageDataModule,
+    Splits,
+    TensorImageDataset,
+    check_ints,
+    sample_seed,
+    seed_sample,
+)
 from vitrain.data.shards import Source, carve_val, find_source, find_unreadable, scan
 from vitrain.data.sources import unpack_archive
 from vitrain.data.transforms import timm_transform
@@ -69,13 +82,32 @@ class ImageFolderDataModule(ImageDataModule):
         hflip: float = 0.5,
         verify_images: bool = True,
         bad_images: str = "stop",
+        in_memory: bool | str = "auto",
+        in_memory_budget_gb: float | None = None,
+        in_memory_size: int | None = None,
+        crop_padding: int | None = None,
         **kwargs: Any,
     ) -> None:
         if bad_images not in ("stop", "skip"):
             raise DataError(f"datamodule.bad_images={bad_images!r}: choose stop or skip")
+        if in_memory not in (True, False, "auto"):
+            raise DataError(f"datamodule.in_memory={in_memory!r}: choose auto, true or false")
+        if in_memory_budget_gb is not None and (
+            isinstance(in_memory_budget_gb, bool)
+            or not isinstance(in_memory_budget_gb, int | float)
+            or in_memory_budget_gb < 0
+        ):
+            raise DataError(
+                f"datamodule.in_memory_budget_gb={in_memory_budget_gb!r} must be a number of GB, at least 0 "
+                "(null: a quarter of the memory available)"
+            )
+        check_ints(in_memory_size=in_memory_size, crop_padding=crop_padding)
+        if in_memory_size is not None and in_memory_size < 1:
+            raise DataError(f"datamodule.in_memory_size={in_memory_size} must be at least 1 (null: img_size)")
         super().__init__(*args, **kwargs)
         self._source: Source | None = None
         self.skipped: list[tuple[str, str]] = []
+        self._plan: in_memory.MemoryPlan | None = None
 
     # --- the files --------------------------------------------------------------------------------
 
@@ -144,10 +176,82 @@ class ImageFolderDataModule(ImageDataModule):
     @staticmethod
     def subset(dataset: Dataset, n: int) -> Dataset:
         """The first `n` files (the samplers hand this dataset `(epoch, index)` keys, which Subset cannot map)."""
+        if isinstance(dataset, TensorImageDataset):
+            return ImageDataModule.subset(dataset, n)
         return ImageFileDataset(dataset.files[:n], dataset.transform, dataset.seed)
+
+    # --- in memory --------------------------------------------------------------------------------
+
+    @property
+    def memory_size(self) -> int:
+        """Side of the stored square images: `in_memory_size`, else the model's input size."""
+        return int(self.hparams.in_memory_size or self.img_size)
+
+    def memory_plan(self) -> in_memory.MemoryPlan:
+        """In memory or from disk, decided once from the file list (nothing decoded yet) and logged in one
+        line. Global rank 0 decides for every rank (first called in setup, where all ranks are): the memory
+        available differs between processes and moments, and ranks must not disagree."""
+        if self._plan is None:
+            hp = self.hparams
+            n = sum(len(files) for files in self.source.splits.values())  # a carved val/ is inside train's
+            budget = in_memory.budget_bytes(hp.in_memory_budget_gb)
+            plan: in_memory.MemoryPlan | None = None
+            refusal: str | None = None
+            try:
+                plan = in_memory.plan(hp.in_memory, n, self.memory_size, budget, self.local_processes())
+            except DataError as e:
+                refusal = str(e)
+            world, rank = self._world()
+            if world > 1:
+                plan, refusal = self.trainer.strategy.broadcast((plan, refusal), src=0)
+            if refusal is not None:
+                raise DataError(refusal)
+            self._plan = plan
+            if rank == 0:
+                log.info("image folder: %s", plan.reason)
+        return self._plan
+
+    def num_workers(self) -> int:
+        # in memory a batch is one tensor slice: worker processes would only copy it
+        return 0 if self.memory_plan().in_memory else super().num_workers()
+
+    def device_transform(self) -> BatchTransform | None:
+        if not self.memory_plan().in_memory:
+            return None
+        hp = self.hparams
+        # CIFAR-10's 4 px at 32 px: an eighth of the side
+        padding = hp.crop_padding if hp.crop_padding is not None else self.memory_size // 8
+        return self.batch_transform(padding, hp.hflip, hp.auto_augment, hp.re_prob)
+
+    def memory_splits(self, splits: dict[str, list[tuple[str, int]]]) -> Splits:
+        from timm.data.transforms import str_to_pil_interp
+
+        self.device_transform()  # a bad auto_augment or re_prob is refused before decoding
+        resample = str_to_pil_interp(self._spec.get("interpolation") or "bilinear")
+        workers = max(1, len(os.sched_getaffinity(0)))
+
+        def load() -> dict:
+            return in_memory.load_or_decode(
+                splits, self.memory_size, resample, self.hparams.cache_dir, workers
+            )
+
+        if self._world()[0] == 1:
+            data = load()
+        elif self.trainer.local_rank == 0:
+            # each node's first process decodes into the cache while the node's others wait, then load it
+            # (should its decode fail, the others reach the same error by decoding themselves)
+            try:
+                data = load()
+            finally:
+                self.trainer.strategy.barrier("image_folder_in_memory")
+        else:
+            self.trainer.strategy.barrier("image_folder_in_memory")
+            data = load()
+        return Splits(*(TensorImageDataset(*data[name]) for name in ("train", "val", "test")))
 
     def load_splits(self) -> Splits:
         hp, splits = self.hparams, self.source.splits
+        memory = self.memory_plan().in_memory  # in_memory=true that cannot fit stops here, before any read
         train_files = splits["train"]
         if "val" in splits:
             val_files = splits["val"]
@@ -160,6 +264,8 @@ class ImageFolderDataModule(ImageDataModule):
         else:
             log.info("the image folder has no test/: testing on the validation split")
             test_files = val_files
+        if memory:
+            return self.memory_splits({"train": train_files, "val": val_files, "test": test_files})
         train_t, eval_t = self.build_transform(train=True), self.build_transform(train=False)
         seed = hp.shuffle_seed
         return Splits(

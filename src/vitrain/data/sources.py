@@ -1,5 +1,7 @@
-"""Find CIFAR-10 on disk (python batches, class folders or an archive of either), decode it once into a
-uint8 tensor file in the cache, and load that file on every later run."""
+"""Find CIFAR-10 or CIFAR-100 on disk (torchvision's python pickles, class folders or an archive of either),
+decode it once into a uint8 tensor file in the cache, and load that file on every later run.
+
+The two data sets differ only in file names and pickle keys (`CifarSpec`); everything else is shared."""
 
 from __future__ import annotations
 
@@ -28,10 +30,6 @@ from vitrain.errors import DataError
 log = logging.getLogger(__name__)
 
 CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
-BATCHES_DIR = "cifar-10-batches-py"
-TRAIN_BATCHES = tuple(f"data_batch_{i}" for i in range(1, 6))
-TEST_BATCH = "test_batch"
-META_FILE = "batches.meta"
 ARCHIVE_SUFFIXES = (".tar.gz", ".tgz", ".tar")
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
 IMAGE_SHAPE = (3, 32, 32)
@@ -39,9 +37,57 @@ IMAGE_SHAPE = (3, 32, 32)
 CACHE_FORMAT = 1
 DOWNLOAD_TIMEOUT_S = 60.0
 
-LAYOUT_HINT = (
-    "point datamodule.data_dir at a cifar-10-batches-py folder, a train/<class>/ folder tree "
-    "or a .tar.gz of either, or set datamodule.download=true"
+
+@dataclass(frozen=True)
+class CifarSpec:
+    """What tells one CIFAR data set's python format from another's (torchvision's `CIFAR10`/`CIFAR100`)."""
+
+    name: str  # in messages
+    key: str  # cache sub-folder
+    batches_dir: str  # the folder the official archive unpacks to
+    train_files: tuple[str, ...]
+    test_file: str
+    meta_file: str
+    label_key: bytes  # labels in a batch file
+    names_key: bytes  # class names in the meta file
+    archive: str  # the official archive's name, for messages
+    torchvision_class: str  # in torchvision.datasets, for download=true
+    #: class names when the meta file is absent (None: the meta file is required)
+    classes: tuple[str, ...] | None = None
+
+    @property
+    def layout_hint(self) -> str:
+        return (
+            f"point datamodule.data_dir at a {self.batches_dir} folder, a train/<class>/ + test/<class>/ "
+            "folder tree or a .tar.gz of either, or set datamodule.download=true"
+        )
+
+
+CIFAR10 = CifarSpec(
+    name="CIFAR-10",
+    key="cifar10",
+    batches_dir="cifar-10-batches-py",
+    train_files=tuple(f"data_batch_{i}" for i in range(1, 6)),
+    test_file="test_batch",
+    meta_file="batches.meta",
+    label_key=b"labels",
+    names_key=b"label_names",
+    archive="cifar-10-python.tar.gz",
+    torchvision_class="CIFAR10",
+    classes=CIFAR10_CLASSES,
+)
+# the 100 fine classes (the 20 coarse superclasses are not used); torchvision's CIFAR100 reads the same keys
+CIFAR100 = CifarSpec(
+    name="CIFAR-100",
+    key="cifar100",
+    batches_dir="cifar-100-python",
+    train_files=("train",),
+    test_file="test",
+    meta_file="meta",
+    label_key=b"fine_labels",
+    names_key=b"fine_label_names",
+    archive="cifar-100-python.tar.gz",
+    torchvision_class="CIFAR100",
 )
 
 
@@ -70,48 +116,61 @@ def load_cifar10(
     download: bool = False,
     decode_workers: int | None = None,
 ) -> Decoded:
-    """Return CIFAR-10 from the decoded cache, filling the cache (download, unpack, decode) on a miss."""
+    """CIFAR-10 (see `load_cifar`)."""
+    return load_cifar(data_dir, cache_dir, CIFAR10, download=download, decode_workers=decode_workers)
+
+
+def load_cifar(
+    data_dir: str | os.PathLike,
+    cache_dir: str | os.PathLike,
+    spec: CifarSpec,
+    download: bool = False,
+    decode_workers: int | None = None,
+) -> Decoded:
+    """Return the data set from the decoded cache, filling the cache (download, unpack, decode) on a miss."""
     src = Path(data_dir).expanduser().absolute()
-    cache = Path(cache_dir).expanduser().absolute() / "cifar10"
+    cache = Path(cache_dir).expanduser().absolute() / spec.key
     if _is_archive(src):
         if not src.is_file():
-            raise DataError(f"CIFAR-10 archive {src} not found: {LAYOUT_HINT}")
+            raise DataError(f"{spec.name} archive {src} not found: {spec.layout_hint}")
         key = _digest(f"archive|{src}|{_stat_key(src)}")
         cached = _load_cached(cache / f"decoded-{key}.pt")
         if cached is not None:
             return cached
-        layout = find_layout(unpack_archive(src, cache / "unpacked"))
+        layout = find_layout(unpack_archive(src, cache / "unpacked"), spec)
         if layout is None:
-            raise DataError(f"archive {src} holds no CIFAR-10 layout: {LAYOUT_HINT}")
-        return _decode_and_cache(layout, cache / f"decoded-{key}.pt", decode_workers)
+            raise DataError(f"archive {src} holds no {spec.name} layout: {spec.layout_hint}")
+        return _decode_and_cache(layout, cache / f"decoded-{key}.pt", spec, decode_workers)
 
-    layout = find_layout(src) if src.is_dir() else None
+    layout = find_layout(src, spec) if src.is_dir() else None
     if layout is None and src.is_dir():
         archives = [p for p in sorted(src.iterdir()) if _is_archive(p) and p.is_file()]
         if len(archives) == 1:
-            return load_cifar10(archives[0], cache_dir, download=False, decode_workers=decode_workers)
+            return load_cifar(archives[0], cache_dir, spec, download=False, decode_workers=decode_workers)
     if layout is None and download:
-        download_cifar10(src)
-        layout = find_layout(src)
+        download_cifar(src, spec)
+        layout = find_layout(src, spec)
     if layout is None:
         what = "not found at" if not src.exists() else "layout not recognised in"
-        raise DataError(f"CIFAR-10 {what} {src}: {LAYOUT_HINT}")
-    files = _source_files(layout)
+        raise DataError(f"{spec.name} {what} {src}: {spec.layout_hint}")
+    files = _source_files(layout, spec)
     listing = "\n".join(f"{p.relative_to(layout.root)}|{_stat_key(p)}" for p in files)
     key = _digest(f"{layout.kind}|{layout.root}|{listing}")
     cached = _load_cached(cache / f"decoded-{key}.pt")
     if cached is not None:
         return cached
-    return _decode_and_cache(layout, cache / f"decoded-{key}.pt", decode_workers)
+    return _decode_and_cache(layout, cache / f"decoded-{key}.pt", spec, decode_workers)
 
 
-def find_layout(root: Path) -> Layout | None:
-    """Detect the layout in `root`, in a `cifar-10-batches-py` child, or in its only sub-folder (an unpacked archive)."""
+def find_layout(root: Path, spec: CifarSpec = CIFAR10) -> Layout | None:
+    """Detect the layout in `root`, in a `cifar-10-batches-py` (`cifar-100-python`) child, or in its only
+    sub-folder (an unpacked archive). Batch files are files; class-folder splits are folders (CIFAR-100's
+    `train` and `test` are both)."""
     for depth in range(2):
-        if any((root / name).is_file() for name in (*TRAIN_BATCHES, TEST_BATCH)):
+        if any((root / name).is_file() for name in (*spec.train_files, spec.test_file)):
             return Layout("batches", root)
-        if (root / BATCHES_DIR).is_dir():
-            return Layout("batches", root / BATCHES_DIR)
+        if (root / spec.batches_dir).is_dir():
+            return Layout("batches", root / spec.batches_dir)
         if (root / "train").is_dir() or (root / "test").is_dir():
             return Layout("folders", root)
         subdirs = (
@@ -153,45 +212,53 @@ def unpack_archive(archive: Path, unpack_root: Path) -> Path:
     return target
 
 
-def download_cifar10(root: Path) -> None:
+def download_cifar(root: Path, spec: CifarSpec = CIFAR10) -> None:
     """Fetch the official python batches with torchvision; a network failure becomes a DataError."""
-    from torchvision.datasets import CIFAR10
+    import torchvision.datasets
 
-    log.info("downloading CIFAR-10 into %s", root)
+    log.info("downloading %s into %s", spec.name, root)
     old_timeout = socket.getdefaulttimeout()
     socket.setdefaulttimeout(DOWNLOAD_TIMEOUT_S)  # torchvision's urlopen has no timeout of its own
     try:
-        CIFAR10(str(root), train=True, download=True)
+        getattr(torchvision.datasets, spec.torchvision_class)(str(root), train=True, download=True)
     except Exception as e:
+        why = " ".join(f"{type(e).__name__}: {e}".split())  # one line, whatever urllib put in it
         raise DataError(
-            f"downloading CIFAR-10 into {root} failed ({type(e).__name__}: {e}): without internet, copy "
-            f"cifar-10-python.tar.gz or an unpacked {BATCHES_DIR} folder there (or point datamodule.data_dir "
+            f"downloading {spec.name} into {root} failed ({why}): without internet, copy "
+            f"{spec.archive} or an unpacked {spec.batches_dir} folder there (or point datamodule.data_dir "
             "at a local copy) and set datamodule.download=false"
         ) from e
     finally:
         socket.setdefaulttimeout(old_timeout)
 
 
-def decode_layout(layout: Layout, decode_workers: int | None = None) -> Decoded:
+def decode_layout(layout: Layout, decode_workers: int | None = None, spec: CifarSpec = CIFAR10) -> Decoded:
     """Decode a found layout into memory (no cache involved)."""
     if layout.kind == "batches":
-        return _decode_batches(layout.root)
-    return _decode_folders(layout.root, decode_workers)
+        return _decode_batches(layout.root, spec)
+    return _decode_folders(layout.root, decode_workers, spec)
 
 
 # --- python batches -------------------------------------------------------------------------------
 
 
-def _decode_batches(root: Path) -> Decoded:
-    classes = list(CIFAR10_CLASSES)
-    if (root / META_FILE).is_file():
-        meta = _unpickle(root / META_FILE)
-        names = meta.get(b"label_names")
+def _decode_batches(root: Path, spec: CifarSpec) -> Decoded:
+    meta_path = root / spec.meta_file
+    if meta_path.is_file():
+        names = _unpickle(meta_path, spec).get(spec.names_key)
         if not isinstance(names, list) or not names:
-            raise DataError(f"{root / META_FILE} has no label_names: copy or download the batches again")
+            raise DataError(
+                f"{meta_path} has no {spec.names_key.decode()}: copy or download the {spec.batches_dir} folder again"
+            )
         classes = [n.decode() if isinstance(n, bytes) else str(n) for n in names]
-    parts = [_read_batch(root / name, len(classes)) for name in TRAIN_BATCHES]
-    test_x, test_y = _read_batch(root / TEST_BATCH, len(classes))
+    elif spec.classes is not None:
+        classes = list(spec.classes)
+    else:
+        raise DataError(
+            f"{meta_path} is missing (it holds the class names): copy the complete {spec.batches_dir} folder"
+        )
+    parts = [_read_batch(root / name, len(classes), spec) for name in spec.train_files]
+    test_x, test_y = _read_batch(root / spec.test_file, len(classes), spec)
     return Decoded(
         train_x=torch.cat([x for x, _ in parts]),
         train_y=torch.cat([y for _, y in parts]),
@@ -201,17 +268,18 @@ def _decode_batches(root: Path) -> Decoded:
     )
 
 
-def _read_batch(path: Path, num_classes: int) -> tuple[Tensor, Tensor]:
+def _read_batch(path: Path, num_classes: int, spec: CifarSpec) -> tuple[Tensor, Tensor]:
     if not path.is_file():
         raise DataError(
-            f"CIFAR-10 batch file {path} is missing: copy or download the complete {BATCHES_DIR} folder"
+            f"{spec.name} batch file {path} is missing: copy or download the complete {spec.batches_dir} folder"
         )
-    batch = _unpickle(path)
-    data, labels = batch.get(b"data"), batch.get(b"labels")
+    batch = _unpickle(path, spec)
+    data, labels = batch.get(b"data"), batch.get(spec.label_key)
     n = len(labels) if isinstance(labels, list) else -1
     if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.shape != (n, 3 * 32 * 32):
         raise DataError(
-            f"{path} is not a CIFAR-10 batch (want b'data' uint8 [N,3072] and N b'labels'): copy or download it again"
+            f"{path} is not a {spec.name} batch (want b'data' uint8 [N,3072] and N {spec.label_key!r}): "
+            "copy or download it again"
         )
     y = torch.tensor(labels, dtype=torch.int64)
     if n and (int(y.min()) < 0 or int(y.max()) >= num_classes):
@@ -219,7 +287,7 @@ def _read_batch(path: Path, num_classes: int) -> tuple[Tensor, Tensor]:
     return torch.from_numpy(np.ascontiguousarray(data)).view(n, *IMAGE_SHAPE).clone(), y
 
 
-def _unpickle(path: Path) -> dict:
+def _unpickle(path: Path, spec: CifarSpec) -> dict:
     try:
         with path.open("rb") as f:
             obj = pickle.load(f, encoding="bytes")
@@ -228,7 +296,7 @@ def _unpickle(path: Path) -> dict:
             f"cannot read {path} ({type(e).__name__}: {e}): the file is corrupted, copy or download it again"
         ) from e
     if not isinstance(obj, dict):
-        raise DataError(f"{path} does not hold a CIFAR-10 dict: copy or download it again")
+        raise DataError(f"{path} does not hold a {spec.name} dict: copy or download it again")
     return obj
 
 
@@ -239,12 +307,12 @@ def _class_dirs(split_dir: Path) -> list[str]:
     return sorted(p.name for p in split_dir.iterdir() if p.is_dir() and not p.name.startswith("."))
 
 
-def _folder_files(root: Path) -> dict[str, list[list[Path]]]:
+def _folder_files(root: Path, spec: CifarSpec) -> dict[str, list[list[Path]]]:
     """Image files per split and class, checked for a complete, non-empty tree."""
     for split in ("train", "test"):
         if not (root / split).is_dir():
             raise DataError(
-                f"{root / split} is missing: a class-folder CIFAR-10 needs both train/<class>/ and test/<class>/"
+                f"{root / split} is missing: a class-folder {spec.name} needs both train/<class>/ and test/<class>/"
             )
     classes = _class_dirs(root / "train")
     if not classes:
@@ -273,23 +341,23 @@ def _folder_files(root: Path) -> dict[str, list[list[Path]]]:
     return out
 
 
-def _decode_folders(root: Path, decode_workers: int | None) -> Decoded:
-    files = _folder_files(root)
+def _decode_folders(root: Path, decode_workers: int | None, spec: CifarSpec) -> Decoded:
+    files = _folder_files(root, spec)
     splits = {}
     for split, per_class in files.items():
         paths = [p for group in per_class for p in group]
         labels = torch.cat([torch.full((len(g),), i, dtype=torch.int64) for i, g in enumerate(per_class)])
-        splits[split] = (_decode_images(paths, decode_workers), labels)
+        splits[split] = (_decode_images(paths, decode_workers, spec), labels)
     return Decoded(*splits["train"], *splits["test"], classes=_class_dirs(root / "train"))
 
 
-def _decode_images(paths: list[Path], workers: int | None) -> Tensor:
+def _decode_images(paths: list[Path], workers: int | None, spec: CifarSpec) -> Tensor:
     """Decode into one preallocated tensor; threads overlap file reads (decoding itself is GIL-bound C calls)."""
     out = torch.empty((len(paths), *IMAGE_SHAPE), dtype=torch.uint8)
 
     def work(span: range) -> None:
         for i in span:
-            out[i] = _decode_one(paths[i])
+            out[i] = _decode_one(paths[i], spec)
 
     workers = workers or min(4, os.cpu_count() or 1)
     step = max(256, -(-len(paths) // (workers * 8)))
@@ -304,7 +372,7 @@ def _decode_images(paths: list[Path], workers: int | None) -> Tensor:
     return out
 
 
-def _decode_one(path: Path) -> Tensor:
+def _decode_one(path: Path, spec: CifarSpec) -> Tensor:
     try:
         with path.open("rb") as f:
             raw = f.read()
@@ -316,7 +384,7 @@ def _decode_one(path: Path) -> Tensor:
     if tuple(img.shape) != IMAGE_SHAPE:
         shape = "x".join(map(str, img.shape))
         raise DataError(
-            f"image {path} has shape {shape} (CxHxW), CIFAR-10 needs 3x32x32 RGB: convert or remove it"
+            f"image {path} has shape {shape} (CxHxW), {spec.name} needs 3x32x32 RGB: convert or remove it"
         )
     return img
 
@@ -324,15 +392,16 @@ def _decode_one(path: Path) -> Tensor:
 # --- cache ----------------------------------------------------------------------------------------
 
 
-def _source_files(layout: Layout) -> list[Path]:
+def _source_files(layout: Layout, spec: CifarSpec) -> list[Path]:
     if layout.kind == "batches":
-        return [p for p in (layout.root / n for n in (*TRAIN_BATCHES, TEST_BATCH, META_FILE)) if p.exists()]
-    return [p for split in _folder_files(layout.root).values() for group in split for p in group]
+        names = (*spec.train_files, spec.test_file, spec.meta_file)
+        return [p for p in (layout.root / n for n in names) if p.exists()]
+    return [p for split in _folder_files(layout.root, spec).values() for group in split for p in group]
 
 
-def _decode_and_cache(layout: Layout, target: Path, decode_workers: int | None) -> Decoded:
-    log.info("decoding CIFAR-10 from %s into %s (first run only)", layout.root, target)
-    data = decode_layout(layout, decode_workers)
+def _decode_and_cache(layout: Layout, target: Path, spec: CifarSpec, decode_workers: int | None) -> Decoded:
+    log.info("decoding %s from %s into %s (first run only)", spec.name, layout.root, target)
+    data = decode_layout(layout, decode_workers, spec)
     target.parent.mkdir(parents=True, exist_ok=True)
     _atomic_write(target, lambda f: torch.save({**data.__dict__, "format": CACHE_FORMAT}, f))
     return data
