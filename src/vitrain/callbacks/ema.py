@@ -24,7 +24,7 @@ import torch
 from lightning.pytorch.callbacks import EMAWeightAveraging
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from torch.distributed.checkpoint.state_dict import set_model_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.tensor import DTensor
 
 from vitrain.errors import UserError
@@ -175,12 +175,13 @@ class EMA(EMAWeightAveraging):
     # FSDP2Strategy gathers the weights once in its on_validation_start, which runs after the callbacks'
     # on_validation_start and before on_validation_epoch_start (Lightning's swap point): the EMA shards
     # must be in place before that gather.
+    # (during fit only: after it, the model holds the EMA weights or a checkpoint's)
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self._sharded is not None:
+        if self._sharded is not None and trainer.state.fn == TrainerFn.FITTING:
             self._sharded.swap()
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self._sharded is not None:
+        if self._sharded is not None and trainer.state.fn == TrainerFn.FITTING:
             self._sharded.swap()
 
     def on_save_checkpoint(
@@ -215,10 +216,13 @@ class EMA(EMAWeightAveraging):
         if self._sharded is None:
             super().on_load_checkpoint(trainer, pl_module, checkpoint)
             return
-        # FSDP2Strategy.load_checkpoint has loaded `state_dict` (the EMA weights) into the model and
-        # returned the raw weights as sharded tensors under `current_model_state`
+        # The strategy has loaded `state_dict` (the EMA weights) into the model and returned the raw weights
+        # under `current_model_state`: sharded tensors from a folder (FSDP2Strategy.load_checkpoint), full
+        # ones from a one-file checkpoint (e.g. of a DDP run), which each rank slices to its shards.
         self._sharded.copy_from_model()
         if "current_model_state" in checkpoint:
-            set_model_state_dict(pl_module, checkpoint["current_model_state"])
+            raw = checkpoint["current_model_state"]
+            full = not any(isinstance(value, DTensor) for value in raw.values())
+            set_model_state_dict(pl_module, raw, options=StateDictOptions(full_state_dict=full))
             self._sharded.n_averaged = int(checkpoint["averaging_state"]["n_averaged"])
         # else: not an EMA checkpoint; both start from its weights, as in Lightning's callback
