@@ -24,7 +24,7 @@ import torch
 from lightning.pytorch.callbacks import EMAWeightAveraging
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import set_model_state_dict
 from torch.distributed.tensor import DTensor
 
 from vitrain.errors import UserError
@@ -55,13 +55,12 @@ class ShardedEMA:
     def _pairs(self) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
         """(averaged, current) for floating tensors, then for integer ones (BatchNorm's batch count)."""
         current = [_local(t) for t in self.params + self.buffers]
-        floats = [i for i, t in enumerate(current) if t.is_floating_point()]
-        others = [i for i in range(len(current)) if i not in set(floats)]
+        floats = [a.is_floating_point() for a in self.average]
         return (
-            [self.average[i] for i in floats],
-            [current[i] for i in floats],
-            [self.average[i] for i in others],
-            [current[i] for i in others],
+            [a for a, f in zip(self.average, floats, strict=True) if f],
+            [c for c, f in zip(current, floats, strict=True) if f],
+            [a for a, f in zip(self.average, floats, strict=True) if not f],
+            [c for c, f in zip(current, floats, strict=True) if not f],
         )
 
     @torch.no_grad()
@@ -69,12 +68,11 @@ class ShardedEMA:
         """`average = decay * average + (1 - decay) * current`; the first update copies, as AveragedModel."""
         avg_f, cur_f, avg_i, cur_i = self._pairs()
         if self.n_averaged == 0:
-            torch._foreach_copy_(avg_f + avg_i, cur_f + cur_i)
-        else:
-            if avg_f:
-                torch._foreach_lerp_(avg_f, cur_f, 1.0 - decay)
-            if avg_i:
-                torch._foreach_copy_(avg_i, cur_i)
+            avg_i, cur_i = avg_f + avg_i, cur_f + cur_i
+        elif avg_f:
+            torch._foreach_lerp_(avg_f, cur_f, 1.0 - decay)  # one fused kernel for all shards
+        for average, current in zip(avg_i, cur_i, strict=True):
+            average.copy_(current)
         self.n_averaged += 1
 
     def swap(self) -> None:
@@ -216,13 +214,10 @@ class EMA(EMAWeightAveraging):
         if self._sharded is None:
             super().on_load_checkpoint(trainer, pl_module, checkpoint)
             return
-        # The strategy has loaded `state_dict` (the EMA weights) into the model and returned the raw weights
-        # under `current_model_state`: sharded tensors from a folder (FSDP2Strategy.load_checkpoint), full
-        # ones from a one-file checkpoint (e.g. of a DDP run), which each rank slices to its shards.
+        # FSDP2Strategy.load_checkpoint has loaded `state_dict` (the EMA weights) into the model and
+        # returned the raw weights as sharded tensors under `current_model_state`
         self._sharded.copy_from_model()
         if "current_model_state" in checkpoint:
-            raw = checkpoint["current_model_state"]
-            full = not any(isinstance(value, DTensor) for value in raw.values())
-            set_model_state_dict(pl_module, raw, options=StateDictOptions(full_state_dict=full))
+            set_model_state_dict(pl_module, checkpoint["current_model_state"])
             self._sharded.n_averaged = int(checkpoint["averaging_state"]["n_averaged"])
         # else: not an EMA checkpoint; both start from its weights, as in Lightning's callback
