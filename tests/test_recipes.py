@@ -1,5 +1,6 @@
 """Any timm family (issue 14), FSDP units, EMA, mixup/cutmix, per-image RandAugment, layer-wise LR decay."""
 
+import csv
 import json
 import re
 import subprocess
@@ -207,9 +208,104 @@ def test_ema_resume_is_exact(ema_run, tmp_path: Path, tiny_cifar: Path, data_cac
             assert torch.equal(value, again[key][name]), (key, name)
 
 
-def test_ema_refuses_fsdp_in_one_line():
-    trainer = type("T", (), {"strategy": FSDP2Strategy()})()
-    with pytest.raises(UserError, match=re.escape("callbacks.ema does not work with trainer=fsdp")):
+@pytest.fixture(scope="module")
+def fsdp_ema_run(tmp_path_factory: pytest.TempPathFactory, tiny_cifar: Path, data_cache: Path):
+    """The EMA run on 2 FSDP processes (gloo): 2 epochs of 3 steps, every epoch's checkpoint a folder."""
+    run_dir = tmp_path_factory.mktemp("fsdp_ema") / "run"
+    output = fsdp_ema_job(run_dir, ema_overrides(tiny_cifar, data_cache, "datamodule.val_size=9"))
+    return run_dir, output
+
+
+def fsdp_ema_job(run_dir: Path, overrides: list[str]) -> str:
+    launcher = [PYTHON, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2",
+                f"--master-port={free_port()}"]  # fmt: skip
+    args = [*overrides, "trainer=fsdp", "trainer.devices=2", "logger=csv", f"hydra.run.dir={run_dir}"]
+    done = subprocess.run(
+        [*launcher, str(ROOT / "src" / "train.py"), *args],
+        cwd=ROOT,
+        env=launch_env(),
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT,
+    )
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    return done.stdout + done.stderr
+
+
+def logged(run_dir: Path, metric: str) -> list[float]:
+    with (run_dir / "csv" / "metrics.csv").open() as f:
+        return [float(row[metric]) for row in csv.DictReader(f) if row.get(metric)]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(2 * RUN_TIMEOUT)
+def test_fsdp_ema_validates_checkpoints_and_evaluates_the_ema_weights(fsdp_ema_run, tmp_path: Path):
+    """Under FSDP the sharded folders hold the EMA weights as `state_dict` and the raw ones beside them;
+    validation ran on the EMA weights (eval.py on each epoch's checkpoint reproduces its logged val loss)
+    and eval.py on the best checkpoint reports the run's test metrics."""
+    fsdp_ema_run, output = fsdp_ema_run
+    folders = sorted((fsdp_ema_run / "checkpoints").glob("epoch*.ckpt"))
+    assert len(folders) == 2 and all(f.is_dir() for f in folders)
+    val_losses = logged(fsdp_ema_run, "val/loss")
+    for epoch, folder in enumerate(folders):
+        state = checkpoints.load(folder)
+        ema, raw = state["state_dict"], state["current_model_state"]
+        assert ema.keys() == raw.keys()
+        assert any(not torch.equal(ema[k], raw[k]) for k in ema if k.startswith("net."))
+        assert int(state["averaging_state"]["n_averaged"]) == state["global_step"] > 0  # one per step
+        evaluated = evaluate(
+            compose_cfg(
+                "eval",
+                [
+                    f"ckpt_path={folder}",
+                    "split=val",
+                    "trainer.precision=32-true",
+                    "extras.print_config=false",
+                ],
+                tmp_path / f"val{epoch}",
+            )
+        )[0]
+        assert evaluated["val/loss"] == pytest.approx(val_losses[epoch], rel=1e-6)
+    # the raw weights of the last epoch validate differently: the logged loss can only be the EMA's
+    torch.save({**state, "state_dict": raw}, tmp_path / "raw.ckpt")
+    cfg = ["split=val", "trainer.precision=32-true", "extras.print_config=false"]
+    raw_val = evaluate(compose_cfg("eval", [f"ckpt_path={tmp_path / 'raw.ckpt'}", *cfg], tmp_path / "raw"))[0]
+    assert raw_val["val/loss"] != pytest.approx(val_losses[-1], rel=1e-4)
+    (best_path,) = set(re.findall(r"Testing the best checkpoint: (\S+)", output))
+    evaluated = evaluate(
+        compose_cfg(
+            "eval",
+            [f"ckpt_path={best_path}", "trainer.precision=32-true", "extras.print_config=false"],
+            tmp_path / "test",
+        )
+    )[0]
+    assert evaluated["test/acc1"] == pytest.approx(logged(fsdp_ema_run, "test/acc1")[-1])
+    assert evaluated["test/loss"] == pytest.approx(logged(fsdp_ema_run, "test/loss")[-1], rel=1e-6)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(2 * RUN_TIMEOUT)
+def test_fsdp_ema_resume_is_exact(fsdp_ema_run, tmp_path: Path, tiny_cifar: Path, data_cache: Path):
+    """Resumed on 2 FSDP processes from epoch 0's folder, the second epoch ends with the raw and the EMA
+    shards (and the averaging count) bitwise those of the uninterrupted run."""
+    fsdp_ema_run, _ = fsdp_ema_run
+    (epoch0,) = (fsdp_ema_run / "checkpoints").glob("epoch000-*.ckpt")
+    resumed = tmp_path / "resumed"
+    fsdp_ema_job(
+        resumed,
+        ema_overrides(tiny_cifar, data_cache, "datamodule.val_size=9", f"ckpt_path={epoch0}", "test=false"),
+    )
+    straight = checkpoints.load(fsdp_ema_run / "checkpoints" / "last.ckpt")
+    again = checkpoints.load(resumed / "checkpoints" / "last.ckpt")
+    for key in ("current_model_state", "averaging_state", "state_dict"):
+        assert straight[key].keys() == again[key].keys()
+        for name, value in straight[key].items():
+            assert torch.equal(value, again[key][name]), (key, name)
+
+
+def test_fsdp_ema_refuses_one_file_checkpoints():
+    trainer = type("T", (), {"strategy": FSDP2Strategy(save_distributed_checkpoint=False)})()
+    with pytest.raises(UserError, match=re.escape("save_distributed_checkpoint=true")):
         EMA().setup(trainer, None, "fit")
 
 

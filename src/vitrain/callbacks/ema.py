@@ -1,4 +1,4 @@
-"""EMA of the weights: Lightning's `EMAWeightAveraging`, kept on the training device, refused under FSDP.
+"""EMA of the weights: Lightning's `EMAWeightAveraging` on one device and under DDP; sharded under FSDP.
 
 What Lightning's callback does (lightning/pytorch/callbacks/weight_averaging.py, 2.6): after every optimizer
 step it updates an `AveragedModel` copy (parameters and buffers, e.g. BatchNorm statistics); validation
@@ -6,46 +6,202 @@ runs on the EMA weights (swapped in and out around each validation epoch); every
 `state_dict` holds the EMA weights (the raw ones under `current_model_state`, the averaging count under
 `averaging_state`), so the best checkpoint, `test` after fit and `eval.py` all use the EMA model; a resumed
 run restores both and continues exactly. At the end of fit the EMA weights are copied into the model.
+
+Under FSDP (`trainer=fsdp`) that `AveragedModel` would be a full, unsharded deep copy and its state-dict
+swaps would not fit the per-rank checkpoint shards, so `ShardedEMA` keeps the same contract on the shards:
+each rank averages its own local shard of every parameter (and its buffers) after each optimizer step, with
+no communication. The checkpoint layout is the same as Lightning's: `state_dict` (the EMA weights) and
+`current_model_state` (the raw ones) are both sharded entries of the distributed-checkpoint folder
+(`FSDP2Strategy.save_checkpoint`), so the consolidated checkpoint that eval.py reads has the EMA weights
+under `state_dict`, and a resumed fit gets both back (`FSDP2Strategy.load_checkpoint`).
 """
 
 import warnings
 from typing import Any
 
 import lightning as L
+import torch
 from lightning.pytorch.callbacks import EMAWeightAveraging
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from torch.distributed.checkpoint.state_dict import set_model_state_dict
+from torch.distributed.tensor import DTensor
 
 from vitrain.errors import UserError
 
 
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part: the local shard of a DTensor parameter, a (replicated) buffer itself. Read each
+    time, never cached: FSDP2 may re-point a parameter's shard at new storage when it initialises.
+    Detached: the same storage, which may be written in place (autograd forbids that on `to_local`'s view)."""
+    tensor = tensor.detach()
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+class ShardedEMA:
+    """The EMA of one rank's shards: a copy of each local parameter shard (and buffer), lerped in place.
+
+    The tracked tensors are the sharded parameters the optimizer steps (taken before the first forward,
+    while FSDP2 has them registered on the modules; during evaluation the modules hold gathered copies).
+    """
+
+    def __init__(self, module: torch.nn.Module, use_buffers: bool) -> None:
+        self.params = list(module.parameters())
+        self.buffers = list(module.buffers()) if use_buffers else []
+        with torch.no_grad():
+            self.average = [_local(t).detach().clone() for t in self.params + self.buffers]
+        self.n_averaged = 0
+
+    def _pairs(self) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+        """(averaged, current) for floating tensors, then for integer ones (BatchNorm's batch count)."""
+        current = [_local(t) for t in self.params + self.buffers]
+        floats = [a.is_floating_point() for a in self.average]
+        return (
+            [a for a, f in zip(self.average, floats, strict=True) if f],
+            [c for c, f in zip(current, floats, strict=True) if f],
+            [a for a, f in zip(self.average, floats, strict=True) if not f],
+            [c for c, f in zip(current, floats, strict=True) if not f],
+        )
+
+    @torch.no_grad()
+    def update(self, decay: float) -> None:
+        """`average = decay * average + (1 - decay) * current`; the first update copies, as AveragedModel."""
+        avg_f, cur_f, avg_i, cur_i = self._pairs()
+        if self.n_averaged == 0:
+            avg_i, cur_i = avg_f + avg_i, cur_f + cur_i
+        elif avg_f:
+            torch._foreach_lerp_(avg_f, cur_f, 1.0 - decay)  # one fused kernel for all shards
+        for average, current in zip(avg_i, cur_i, strict=True):
+            average.copy_(current)
+        self.n_averaged += 1
+
+    def swap(self) -> None:
+        """Exchange the averaged and the current values in place (twice restores both)."""
+        # outside inference mode: the copies must stay ordinary tensors that training can update again
+        with torch.no_grad(), torch.inference_mode(False):
+            for average, tensor in zip(self.average, self.params + self.buffers, strict=True):
+                current = _local(tensor)
+                kept = current.clone()
+                current.copy_(average)
+                average.copy_(kept)
+
+    @torch.no_grad()
+    def copy_to_model(self) -> None:
+        for average, tensor in zip(self.average, self.params + self.buffers, strict=True):
+            _local(tensor).copy_(average)
+
+    @torch.no_grad()
+    def copy_from_model(self) -> None:
+        for average, tensor in zip(self.average, self.params + self.buffers, strict=True):
+            average.copy_(_local(tensor))
+
+
 class EMA(EMAWeightAveraging):
-    """`decay` per optimizer step: the EMA averages over roughly the last 1 / (1 - decay) steps."""
+    """`decay` per optimizer step: the EMA averages over roughly the last 1 / (1 - decay) steps.
+
+    One callback for every strategy: Lightning's `AveragedModel` path, or `ShardedEMA` under FSDP
+    (chosen in `setup` from the trainer's strategy). Under FSDP the average lives next to the shards
+    (`device` is ignored).
+    """
 
     def __init__(self, decay: float = 0.999, update_every_n_steps: int = 1, **kwargs: Any) -> None:
         if not 0.0 < decay < 1.0:
             raise UserError(f"callbacks.ema.decay={decay} must be between 0 and 1 (e.g. 0.999)")
         super().__init__(decay=decay, update_every_n_steps=update_every_n_steps, **kwargs)
+        self.decay = decay
+        self._fsdp = False
+        self._sharded: ShardedEMA | None = None
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if isinstance(trainer.strategy, ModelParallelStrategy):
-            # the AveragedModel is a full, unsharded deep copy, and the checkpoint hooks swap whole
-            # state dicts: neither fits FSDP2's sharded DTensor parameters and per-rank checkpoint files
-            raise UserError(
-                "callbacks.ema does not work with trainer=fsdp (EMA of sharded weights is not supported): "
-                "use trainer=ddp, or drop ema from callbacks"
-            )
+            if not getattr(trainer.strategy, "save_distributed", False):
+                # a gathered one-file checkpoint would need the EMA gathered too, and its resume would load
+                # the raw weights from full tensors: not implemented
+                raise UserError(
+                    "callbacks.ema with trainer=fsdp needs trainer.strategy.save_distributed_checkpoint=true "
+                    "(the EMA is kept and saved as per-rank shards)"
+                )
+            self._fsdp = True  # the average is made from the shards in on_fit_start
+            return
         if stage == "fit" and self._device is None:
             # Lightning's default is the module's device at setup, still the CPU before the strategy
             # moves the model: the EMA copy would then live on the CPU and each update copy the weights
             self._device = trainer.strategy.root_device
         with warnings.catch_warnings():
             # Lightning warns that it calls configure_model and cannot shard: ours shards only under FSDP,
-            # refused above
+            # which takes the branch above
             warnings.filterwarnings(
                 "ignore", message=".*WeightAveraging callback with a model that overrides"
             )
             super().setup(trainer, pl_module, stage)
+
+    # --- FSDP: the hooks of Lightning's WeightAveraging, on the shards ----------------------------------
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # after the strategy has sharded the model and before a checkpoint is restored
+        if self._fsdp:
+            self._sharded = ShardedEMA(pl_module, self._use_buffers)
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._sharded is None:
+            return super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        # the same rule as Lightning's: once per optimizer step (gradient accumulation), if should_update
+        if trainer.global_step > self._latest_update_step and self.should_update(
+            step_idx=trainer.global_step - 1
+        ):
+            self._sharded.update(self.decay)
+            self._latest_update_step = trainer.global_step
+        return None
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._sharded is None:
+            return super().on_train_epoch_end(trainer, pl_module)
+        epoch = trainer.current_epoch
+        if epoch > self._latest_update_epoch and self.should_update(epoch_idx=epoch):
+            self._sharded.update(self.decay)
+            self._latest_update_epoch = epoch
+        return None
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._sharded is None:
+            return super().on_train_end(trainer, pl_module)
+        self._sharded.copy_to_model()
+        return None
+
+    # FSDP2Strategy gathers the weights once in its on_validation_start, which runs after the callbacks'
+    # on_validation_start and before on_validation_epoch_start (Lightning's swap point): the EMA shards
+    # must be in place before that gather.
+    # (during fit only: after it, the model holds the EMA weights or a checkpoint's)
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._sharded is not None and trainer.state.fn == TrainerFn.FITTING:
+            self._sharded.swap()
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._sharded is not None and trainer.state.fn == TrainerFn.FITTING:
+            self._sharded.swap()
+
+    def on_save_checkpoint(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        if not self._fsdp:
+            return super().on_save_checkpoint(trainer, pl_module, checkpoint)
+        if self._sharded is None:
+            return None  # outside fit: the model's weights (the EMA after fit) are what is saved
+        # the strategy's state dict of the EMA weights: the same keys and shards as the raw one; cloned,
+        # as the state dict may share storage with the parameters swapped back below
+        self._sharded.swap()
+        try:
+            average = {
+                k: v.detach().clone() for k, v in trainer.strategy.lightning_module_state_dict().items()
+            }
+        finally:
+            self._sharded.swap()
+        checkpoint["current_model_state"] = checkpoint["state_dict"]
+        checkpoint["state_dict"] = average
+        checkpoint["averaging_state"] = {"n_averaged": torch.tensor(self._sharded.n_averaged)}
+        return None
 
     def on_load_checkpoint(
         self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]
@@ -53,5 +209,15 @@ class EMA(EMAWeightAveraging):
         # Only a resumed fit restores the raw weights and the average. `test(ckpt_path=best)` after fit
         # keeps the EMA weights the checkpoint's state_dict holds (Lightning's hook would load the raw
         # `current_model_state` into the model whenever an average exists, i.e. after any fit).
-        if trainer.state.fn == TrainerFn.FITTING:
+        if trainer.state.fn != TrainerFn.FITTING:
+            return
+        if self._sharded is None:
             super().on_load_checkpoint(trainer, pl_module, checkpoint)
+            return
+        # FSDP2Strategy.load_checkpoint has loaded `state_dict` (the EMA weights) into the model and
+        # returned the raw weights as sharded tensors under `current_model_state`
+        self._sharded.copy_from_model()
+        if "current_model_state" in checkpoint:
+            set_model_state_dict(pl_module, checkpoint["current_model_state"])
+            self._sharded.n_averaged = int(checkpoint["averaging_state"]["n_averaged"])
+        # else: not an EMA checkpoint; both start from its weights, as in Lightning's callback

@@ -9,15 +9,23 @@ gradients and AdamW moments. GPU specifics (what a CPU test cannot show): docs/g
 """
 
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.apply_func import move_data_to_device
+from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+# checkpoint entries other than `state_dict` that hold sharded weights: EMA's raw weights (callbacks/ema.py)
+SHARDED_ENTRIES = ("current_model_state",)
 
 MIXED_PRECISION = {
     None: {},
@@ -217,6 +225,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         # false: one shard group of all processes; true: shard within each node, replicate across nodes
         # (HSDP: all-gathers stay on the fast intra-node links); an int: shard groups of that many processes
         self.hybrid_shard = hybrid_shard
+        self.save_distributed = save_distributed_checkpoint
         self._fsdp_mesh: DeviceMesh | None = None
 
     def setup_environment(self) -> None:
@@ -236,11 +245,31 @@ class FSDP2Strategy(ModelParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         """Everything but the weights and optimizer state (callback scores, RNG states: meta.pt of a folder)
         goes to the CPU first: Lightning reads meta.pt without `map_location`, so a GPU tensor there would
-        land on GPU 0 of every rank, or fail on a machine without a GPU."""
+        land on GPU 0 of every rank, or fail on a machine without a GPU.
+
+        Sharded entries besides `state_dict` (the raw weights EMA keeps beside its average under
+        `current_model_state`, callbacks/ema.py) join the folder's shards: only rank 0 writes meta.pt, so a
+        DTensor there would lose every other rank's shard. Lightning's save takes only `state_dict` and the
+        optimizers into the shards, so with such an entry the folder is written here, as Lightning writes it.
+        """
+        sharded = {k: checkpoint.pop(k) for k in SHARDED_ENTRIES if k in checkpoint}
         for key in list(checkpoint):
             if key not in ("state_dict", "optimizer_states"):
                 checkpoint[key] = move_data_to_device(checkpoint[key], "cpu")
-        super().save_checkpoint(checkpoint, filepath, storage_options)
+        if not sharded:
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        if not self.save_distributed:
+            raise ValueError(f"{sorted(sharded)} can only be saved with save_distributed_checkpoint=true")
+        path = Path(self.broadcast(filepath))
+        if path.is_file():
+            path.unlink()
+        path.mkdir(parents=True, exist_ok=True)
+        state = {"state_dict": checkpoint.pop("state_dict"), **sharded}
+        state |= {f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))}
+        dcp.save(state, checkpoint_id=path)
+        if self.global_rank == 0:
+            torch.save(checkpoint, path / _METADATA_FILENAME)
+        return None
 
     # evaluation gathers the weights once: ranks with different numbers of batches never wait on each other
     def on_validation_start(self) -> None:
@@ -273,4 +302,17 @@ class FSDP2Strategy(ModelParallelStrategy):
         # Lightning 2.6 drops `fit/test(weights_only=False)` on the way to strategies that restore after
         # setup (Trainer._run), and torch then refuses the hparams (DictConfig, partials) in meta.pt. Our
         # checkpoints are loaded with weights_only=False everywhere (vitrain/training.py), so here too.
-        return super().load_checkpoint(checkpoint_path, weights_only=bool(weights_only))
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=bool(weights_only))
+        path = Path(self.broadcast(checkpoint_path))
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if path.is_dir() and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+            # a resumed fit gets the sharded entries back (Lightning's load reads `state_dict` and the
+            # optimizers only), each shaped and sharded like the model's state dict
+            stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+            for key in SHARDED_ENTRIES:
+                if any(name.startswith(f"{key}.") for name in stored):
+                    like = get_model_state_dict(self.model)
+                    state = {key: {name: value.detach().clone() for name, value in like.items()}}
+                    dcp.load(state, checkpoint_id=path)
+                    checkpoint[key] = state[key]
+        return checkpoint
