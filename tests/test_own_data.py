@@ -103,25 +103,32 @@ def test_experiment_trains_on_a_folder(experiment: str, drawn: PhotoFolder, tmp_
 # --- a drawn class count, odd images, a corrupt file ----------------------------------------------------
 
 
-def test_drawn_classes_train_and_the_report_counts_the_skipped_file(drawn: PhotoFolder, tmp_path: Path):
+@pytest.mark.parametrize("in_memory", ["false", "auto"])
+def test_drawn_classes_train_and_the_report_counts_the_skipped_file(
+    drawn: PhotoFolder, tmp_path: Path, in_memory: str
+):
     """The head follows the drawn class count; the grayscale JPEG and RGBA PNG train; the corrupt file stops
-    the run before training (named), or with bad_images=skip is left out and counted in report.md/json."""
+    the run before training (named), or with bad_images=skip is left out and counted in report.md/json.
+    Both ways in: loader workers (in_memory=false) and the decoded tensor (auto picks it for this folder)."""
     assert 3 <= len(drawn.classes) <= 17
     with pytest.raises(DataError, match=r"corrupt\.jpg is not a readable image"):
-        ImageFolderDataModule(str(drawn.root), str(tmp_path / "c"), batch_size=8).setup("fit")
+        ImageFolderDataModule(
+            str(drawn.root), str(tmp_path / "c"), batch_size=8, in_memory=in_memory == "auto" or False
+        ).setup("fit")
 
+    overrides = _overrides(drawn.root, tmp_path, "datamodule=image_folder")
     cfg = compose_cfg(
-        "train",
-        [*_overrides(drawn.root, tmp_path, "datamodule=image_folder"), "datamodule.bad_images=skip"],
-        tmp_path,
+        "train", [*overrides, "datamodule.bad_images=skip", f"datamodule.in_memory={in_memory}"], tmp_path
     )
     metrics, objects = train(cfg)
     assert objects["trainer"].global_step == 2 and "test/acc1" in metrics
     assert objects["model"].net.head.out_features == len(drawn.classes)
     dm = objects["datamodule"]
+    assert dm.memory_plan().in_memory is (in_memory == "auto")
     assert (len(dm.train_set), len(dm.val_set)) == (drawn.n_train, drawn.n_val)
-    names = {Path(p).name for p, _ in dm.train_set.files}
-    assert {"gray.jpg", "rgba.png"} <= names and "corrupt.jpg" not in names
+    if in_memory == "false":
+        names = {Path(p).name for p, _ in dm.train_set.files}
+        assert {"gray.jpg", "rgba.png"} <= names and "corrupt.jpg" not in names
 
     data = json.loads((tmp_path / "report.json").read_text())["data"]
     assert data["num_classes"] == len(drawn.classes) and data["skipped_files"] == 1
@@ -154,7 +161,13 @@ def _fsdp(data_dir: Path | str, tmp_path: Path, *extra: str) -> dict:
 @pytest.mark.distributed
 @pytest.mark.timeout(RUN_TIMEOUT + 30)
 def test_image_folder_trains_under_fsdp_on_two_processes(drawn: PhotoFolder, tmp_path: Path):
-    report = _fsdp(drawn.root, tmp_path, "datamodule=image_folder", "datamodule.bad_images=skip")
+    report = _fsdp(
+        drawn.root,
+        tmp_path,
+        "datamodule=image_folder",
+        "datamodule.bad_images=skip",
+        "datamodule.in_memory=false",
+    )
     assert report["data"]["skipped_files"] == 1 and report["data"]["num_classes"] == len(drawn.classes)
 
 

@@ -199,6 +199,10 @@ class ImageFolderDataModule(ImageDataModule):
             refusal: str | None = None
             try:
                 plan = in_memory.plan(hp.in_memory, n, self.memory_size, budget, self.local_processes())
+                if plan.in_memory and hp.in_memory == "auto" and (why := self._batch_path_cannot()):
+                    plan = in_memory.MemoryPlan(
+                        False, f"streaming from disk (datamodule.in_memory=auto): {why}"
+                    )
             except DataError as e:
                 refusal = str(e)
             world, rank = self._world()
@@ -211,6 +215,21 @@ class ImageFolderDataModule(ImageDataModule):
                 log.info("image folder: %s", plan.reason)
         return self._plan
 
+    def _batch_padding(self) -> int:
+        # CIFAR-10's 4 px at 32 px: an eighth of the side
+        hp = self.hparams
+        return hp.crop_padding if hp.crop_padding is not None else self.memory_size // 8
+
+    def _batch_path_cannot(self) -> str | None:
+        """Why the in-memory batch augmentation cannot run this config (None: it can). `auto` then keeps
+        timm's per-sample transforms in loader workers, e.g. for timm-only RandAugment options (`inc1`)."""
+        hp = self.hparams
+        try:
+            self.batch_transform(self._batch_padding(), hp.hflip, hp.auto_augment, hp.re_prob)
+        except DataError as e:
+            return f"{e} in memory, timm's per-sample transforms take it"
+        return None
+
     def num_workers(self) -> int:
         # in memory a batch is one tensor slice: worker processes would only copy it
         return 0 if self.memory_plan().in_memory else super().num_workers()
@@ -219,9 +238,7 @@ class ImageFolderDataModule(ImageDataModule):
         if not self.memory_plan().in_memory:
             return None
         hp = self.hparams
-        # CIFAR-10's 4 px at 32 px: an eighth of the side
-        padding = hp.crop_padding if hp.crop_padding is not None else self.memory_size // 8
-        return self.batch_transform(padding, hp.hflip, hp.auto_augment, hp.re_prob)
+        return self.batch_transform(self._batch_padding(), hp.hflip, hp.auto_augment, hp.re_prob)
 
     def memory_splits(self, splits: dict[str, list[tuple[str, int]]]) -> Splits:
         from timm.data.transforms import str_to_pil_interp
