@@ -36,7 +36,12 @@ CACHE_DIR = Path(os.environ.get("VITRAIN_BENCH_CACHE", Path.home() / ".cache" / 
 # the CPU experiment's model, for benchmarks that need "a small ViT"
 SMALL_VIT = "experiment=cifar_cpu"
 # --smoke: that network shrunk to run in seconds
-SMOKE_NET = ["model.net.patch_size=8", "model.net.embed_dim=32", "model.net.depth=2", "model.net.num_heads=2"]
+SMOKE_NET = [
+    "model.net.embed_layer.backbone.channels=[8,8,16,16,32,32]",
+    "model.net.embed_dim=32",
+    "model.net.depth=2",
+    "model.net.num_heads=2",
+]
 
 
 def parse_args(doc: str | None, **extra: tuple[type, Any, str]) -> argparse.Namespace:

@@ -35,8 +35,8 @@ from common import (
 ROWS: dict[str, tuple[str, list[str]]] = {
     "recipe": ("experiment=cifar_cpu as it is", []),
     "-conv_stem": (
-        "plain ViT: 4 px patches instead of the hybrid's convolutional stem",
-        ["model.net.model_name=vit_tiny_patch16_224", "model.net.patch_size=4"],
+        "plain ViT: 4 px patches (64 tokens) instead of the convolutional stem",
+        ["~model.net.embed_layer", "model.net.patch_size=4"],
     ),
     "-label_smoothing": ("no label smoothing", ["model.label_smoothing=0.0"]),
     "+ema": ("EMA of the weights (decay 0.999)", ["callbacks=[default,ema]"]),
@@ -68,7 +68,7 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
         *(SMOKE if args.smoke else []),
     ]
     if args.smoke and name == "-conv_stem":
-        argv = [a for a in argv if a != "model.net.patch_size=4"]
+        argv = [a for a in argv if not a.startswith("model.net.embed_layer.")]
     load_before = load_average()
     run_train([*argv, *probe_overrides(run_dir / "probe.json")], log=run_dir / "output.log", timeout=3600)
     rec = json.loads((run_dir / "probe.json").read_text())

@@ -40,7 +40,9 @@ def test_unknown_model_name(tmp_path: Path, tiny_cifar: Path, data_cache: Path):
 
 def test_unknown_config_group_option(tmp_path: Path):
     done = run_cli("train.py", ["experiment=cifarr", f"hydra.run.dir={tmp_path}/run"])
-    _assert_clean_failure(done, "unknown experiment=cifarr: choose one of cifar, cifar_cpu, smoke")
+    _assert_clean_failure(
+        done, "unknown experiment=cifarr: choose one of cifar, cifar_cpu, finetune_folder, imagenet, smoke"
+    )
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1
 
 

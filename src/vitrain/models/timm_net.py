@@ -22,13 +22,23 @@ def _check_model_name(name: str) -> None:
     raise ModelError(f"unknown timm model model.net.model_name={name}{hint}")
 
 
+def _build(value: Any) -> Any:
+    """A keyword given as a Hydra node (`_target_`, e.g. a timm `embed_layer` with a `ConvStem` backbone) is
+    built here, at model construction: the config (and so the checkpoint's hyperparameters) stays plain."""
+    if isinstance(value, Mapping) and "_target_" in value:
+        import hydra
+
+        return hydra.utils.instantiate(value, _convert_="all")
+    return value
+
+
 def create_net(net: Mapping[str, Any], weights_file: str | None = None) -> nn.Module:
     """`timm.create_model(**net)`; a local `weights_file` stands in for the hub download.
 
     timm itself resizes the classifier when `num_classes` differs from the weights', so a 1000-class
     ImageNet file loads into a 10-class CIFAR model.
     """
-    kwargs = dict(net)
+    kwargs = {k: _build(v) for k, v in net.items()}
     name = kwargs.pop("model_name")
     if kwargs.get("num_classes") is None:  # set from the data by training.build_model; else timm's default
         kwargs.pop("num_classes", None)
