@@ -185,7 +185,9 @@ def test_budgeted_run_stops_at_max_time_with_the_lr_at_its_minimum(
     # the last LR was set one step before the limit (a loaded machine makes that step long)
     assert scheduler.time_used_s / 6.0 >= 0.75 and scheduler.progress >= 0.75, scheduler.state_dict()
     group = trainer.optimizers[0].param_groups[0]
-    assert group["lr"] / group["initial_lr"] <= warmup_cosine_factor(scheduler.progress, 1, 0, 0.01) + 1e-9
+    # (relative slack: the LR was set a few microseconds of progress before the final reading)
+    factor = warmup_cosine_factor(scheduler.progress, 1, 0, 0.01)
+    assert group["lr"] / group["initial_lr"] <= factor * (1 + 1e-5)
     assert group["lr"] / group["initial_lr"] <= 0.01 + 0.99 * 0.5 * (1 + math.cos(math.pi * 0.75))
     assert "test/acc1" in metrics and "val/acc1" in metrics
 
