@@ -344,10 +344,10 @@ def test_run_id_agrees_across_nodes_and_relaunches():
 def test_ddp_compression_options():
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
-    assert DDPStrategy(gradient_compression="bf16")._ddp_comm_hook is default_hooks.bf16_compress_hook
+    assert DDPStrategy(gradient_compression="bf16").comm_hook is default_hooks.bf16_compress_hook
     strategy = DDPStrategy(gradient_compression="powersgd", powersgd_rank=2, powersgd_start_iter=10)
-    assert strategy._ddp_comm_hook is powerSGD_hook.powerSGD_hook
-    assert strategy._ddp_comm_state.matrix_approximation_rank == 2
+    assert strategy.comm_hook is powerSGD_hook.powerSGD_hook
+    assert strategy.comm_state.matrix_approximation_rank == 2
     with pytest.raises(ValueError, match="gradient_compression"):
         DDPStrategy(gradient_compression="int8")
 
@@ -361,7 +361,7 @@ def test_compression_hook_runs_on_cpu(tmp_path: Path):
         x = torch.randn(8, 64)
         strategy = DDPStrategy(gradient_compression="bf16", parallel_devices=[torch.device("cpu")])
         strategy.model = DistributedDataParallel(net)
-        strategy._register_ddp_hooks()
+        strategy.register_comm_hook()
         strategy.model(x).square().sum().backward()
         grad = net.weight.grad.clone()
         exact = torch.func.grad(lambda w: torch.nn.functional.linear(x, w, net.bias).square().sum())(

@@ -16,13 +16,14 @@ import torch
 import torch.distributed.checkpoint as dcp
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.apply_func import move_data_to_device
-from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from vitrain.compat import META_FILENAME
 
 # checkpoint entries other than `state_dict` that hold sharded weights: EMA's raw weights (callbacks/ema.py)
 SHARDED_ENTRIES = ("current_model_state",)
@@ -268,7 +269,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         state |= {f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))}
         dcp.save(state, checkpoint_id=path)
         if self.global_rank == 0:
-            torch.save(checkpoint, path / _METADATA_FILENAME)
+            torch.save(checkpoint, path / META_FILENAME)
         return None
 
     # evaluation gathers the weights once: ranks with different numbers of batches never wait on each other
