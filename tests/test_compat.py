@@ -117,6 +117,17 @@ def test_weight_averaging_internals():
     assert "self._latest_update_epoch" in inspect.getsource(WeightAveraging.on_train_epoch_end)
 
 
+def test_set_data_parallel_size():
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    strategy = ModelParallelStrategy(data_parallel_size="auto", tensor_parallel_size=1)
+    compat.set_data_parallel_size(strategy, 4)
+    assert strategy._data_parallel_size == 4, f"{UPGRADE} ModelParallelStrategy._data_parallel_size"
+    assert "self._data_parallel_size" in inspect.getsource(ModelParallelStrategy.setup_environment), (
+        f"{UPGRADE} ModelParallelStrategy.setup_environment no longer reads _data_parallel_size"
+    )
+
+
 def test_hydra_subprocess_cmd():
     originals = {}
     for name in compat.HYDRA_LAUNCHER_MODULES:

@@ -18,6 +18,7 @@ import torch
 from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.pytorch.callbacks import ThroughputMonitor, WeightAveraging
 from lightning.pytorch.callbacks.throughput_monitor import _plugin_to_compute_dtype
+from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import RunningStage
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
@@ -39,6 +40,7 @@ __all__ = [
     "plugin_compute_dtype",
     "replace_sigterm_broadcast",
     "set_averaging_device",
+    "set_data_parallel_size",
     "set_latest_averaging_update",
     "should_update_logs",
     "uninstall_hydra_subprocess_cmd",
@@ -146,6 +148,16 @@ def set_latest_averaging_update(
         callback._latest_update_step = step
     if epoch is not None:
         callback._latest_update_epoch = epoch
+
+
+# --- Lightning: strategies ---------------------------------------------------------------------------
+
+
+def set_data_parallel_size(strategy: ModelParallelStrategy, size: int) -> None:
+    """Replace ModelParallelStrategy's data-parallel size before its `setup_environment` builds the mesh:
+    the size is a constructor argument only, and the world size is known once the trainer set the devices
+    (its "auto" is the number of nodes, which on one node shards nothing)."""
+    strategy._data_parallel_size = size
 
 
 # --- Lightning: multi-process launch under Hydra ----------------------------------------------------

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from vitrain.compat import META_FILENAME
+from vitrain.compat import META_FILENAME, set_data_parallel_size
 
 # checkpoint entries other than `state_dict` that hold sharded weights: EMA's raw weights (callbacks/ema.py)
 SHARDED_ENTRIES = ("current_model_state",)
@@ -230,7 +230,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         self._fsdp_mesh: DeviceMesh | None = None
 
     def setup_environment(self) -> None:
-        self._data_parallel_size = self.num_nodes * self.num_processes
+        set_data_parallel_size(self, self.num_nodes * self.num_processes)
         super().setup_environment()
 
     def fsdp_mesh(self) -> DeviceMesh:
