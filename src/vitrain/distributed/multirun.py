@@ -142,6 +142,9 @@ class DistributedMultirun(Callback):
             torch.distributed.destroy_process_group()
         release_gpu_memory()
 
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        uninstall()
+
 
 def release_gpu_memory() -> None:
     """Give the finished job's GPU memory back before the next job of the sweep starts in this process.
@@ -153,6 +156,3 @@ def release_gpu_memory() -> None:
     gc.collect()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
-
-    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        uninstall()
