@@ -352,6 +352,15 @@ def test_ddp_compression_options():
         DDPStrategy(gradient_compression="int8")
 
 
+class _Wrapped(L.LightningModule):
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
 def test_compression_hook_runs_on_cpu(tmp_path: Path):
     """Lightning registers comm hooks on CUDA only; ours run on gloo too: bf16 rounds the gradients."""
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
@@ -360,8 +369,9 @@ def test_compression_hook_runs_on_cpu(tmp_path: Path):
         net = nn.Linear(64, 64)
         x = torch.randn(8, 64)
         strategy = DDPStrategy(gradient_compression="bf16", parallel_devices=[torch.device("cpu")])
-        strategy.model = DistributedDataParallel(net)
-        strategy.register_comm_hook()
+        strategy.model = _Wrapped(net)
+        strategy.configure_ddp()  # what Lightning's setup calls: DDP-wraps the model, then our hook on CPU
+        assert isinstance(strategy.model, DistributedDataParallel)
         strategy.model(x).square().sum().backward()
         grad = net.weight.grad.clone()
         exact = torch.func.grad(lambda w: torch.nn.functional.linear(x, w, net.bias).square().sum())(
