@@ -528,9 +528,11 @@ class SyncProbe(Callback):
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        from vitrain.compat import should_update_logs
+
         self._close()
         step = trainer.global_step
-        log_step = trainer._logger_connector.should_update_logs
+        log_step = should_update_logs(trainer)
         # the window ends at the next batch's start: the step before a log step is measured too
         next_logs = (step + 2) % trainer.log_every_n_steps == 0
         if self.first_step <= step <= self.last_step and not log_step and not next_logs:

@@ -344,12 +344,21 @@ def test_run_id_agrees_across_nodes_and_relaunches():
 def test_ddp_compression_options():
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
-    assert DDPStrategy(gradient_compression="bf16")._ddp_comm_hook is default_hooks.bf16_compress_hook
+    assert DDPStrategy(gradient_compression="bf16").comm_hook is default_hooks.bf16_compress_hook
     strategy = DDPStrategy(gradient_compression="powersgd", powersgd_rank=2, powersgd_start_iter=10)
-    assert strategy._ddp_comm_hook is powerSGD_hook.powerSGD_hook
-    assert strategy._ddp_comm_state.matrix_approximation_rank == 2
+    assert strategy.comm_hook is powerSGD_hook.powerSGD_hook
+    assert strategy.comm_state.matrix_approximation_rank == 2
     with pytest.raises(ValueError, match="gradient_compression"):
         DDPStrategy(gradient_compression="int8")
+
+
+class _Wrapped(L.LightningModule):
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
 
 
 def test_compression_hook_runs_on_cpu(tmp_path: Path):
@@ -360,8 +369,9 @@ def test_compression_hook_runs_on_cpu(tmp_path: Path):
         net = nn.Linear(64, 64)
         x = torch.randn(8, 64)
         strategy = DDPStrategy(gradient_compression="bf16", parallel_devices=[torch.device("cpu")])
-        strategy.model = DistributedDataParallel(net)
-        strategy._register_ddp_hooks()
+        strategy.model = _Wrapped(net)
+        strategy.configure_ddp()  # what Lightning's setup calls: DDP-wraps the model, then our hook on CPU
+        assert isinstance(strategy.model, DistributedDataParallel)
         strategy.model(x).square().sum().backward()
         grad = net.weight.grad.clone()
         exact = torch.func.grad(lambda w: torch.nn.functional.linear(x, w, net.bias).square().sum())(

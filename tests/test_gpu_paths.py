@@ -17,11 +17,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 
 from helpers import compose_cfg, tiny_overrides
 from vitrain.callbacks import throughput
-from vitrain.callbacks.resume import gather_from_ranks, offset_by_rank
+from vitrain.callbacks.resume import collect_rng_states, gather_from_ranks, offset_by_rank, set_rng_states
 from vitrain.checkpoints import AtomicCheckpointIO
 from vitrain.distributed import fsdp
 from vitrain.distributed.fsdp import FSDP2Strategy, gather_for_eval, hybrid_mesh, reshard_after_eval
@@ -117,10 +116,10 @@ def _worker(rank: int, store: str, out: str) -> None:
         torch.manual_seed(42)
         offset_by_rank(rank)
         draws = gather_from_ranks(torch.rand(4).tolist(), WORLD)
-        saved = gather_from_ranks(_collect_rng_states(include_cuda=False), WORLD)
+        saved = gather_from_ranks(collect_rng_states(), WORLD)
         expected = torch.rand(4).tolist()
         torch.manual_seed(7)  # anything else
-        _set_rng_states(saved[rank])  # what ExactResume restores on this rank
+        set_rng_states(saved[rank])  # what ExactResume restores on this rank
         return {"draws": draws, "restored_equal": torch.rand(4).tolist() == expected}
 
     _check(results, "init", no_collective_and_same_weights)

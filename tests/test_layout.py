@@ -1,6 +1,7 @@
 """The shape of the code base: no import circle, configs that lead to the code in one hop."""
 
 import ast
+import contextlib
 import importlib
 import subprocess
 import sys
@@ -102,3 +103,99 @@ def test_every_target_leads_to_the_code_in_one_hop():
                 f"{path.relative_to(ROOT)}: {target} is defined in {obj.__module__}"
             )
     assert "vitrain.reporting.run_stats.RunStats" in seen
+
+
+FRAMEWORKS = ("lightning", "torch", "litdata", "hydra", "omegaconf", "timm", "torchmetrics", "torchvision")
+# names whose private attributes are Lightning's: `trainer._logger_connector`, `module._trainer`, ...
+FRAMEWORK_OBJECTS = {"trainer", "pl_module", "strategy", "fit_loop", "epoch_loop", "precision_plugin"}
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _framework(module: str) -> bool:
+    return module.split(".")[0] in FRAMEWORKS
+
+
+def private_framework_uses(path: Path) -> list[str]:
+    """Private framework names a module imports, reads through an imported name or a trainer, or by string."""
+    tree = ast.parse(path.read_text())
+    aliases: set[str] = set()  # names bound to framework modules and objects in this module
+    found: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if _framework(alias.name):
+                    aliases.add((alias.asname or alias.name).split(".")[0])
+                    if any(_private(part) for part in alias.name.split(".")):
+                        found.append(f"{node.lineno}: import {alias.name}")
+        elif isinstance(node, ast.ImportFrom) and node.module and _framework(node.module):
+            aliases |= {alias.asname or alias.name for alias in node.names}
+            private = [a.name for a in node.names if _private(a.name)]
+            if private or any(_private(part) for part in node.module.split(".")):
+                found.append(
+                    f"{node.lineno}: from {node.module} import {', '.join(a.name for a in node.names)}"
+                )
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _private(node.attr):
+            chain = ast.unparse(node.value).split(".")
+            if chain[0] in aliases or FRAMEWORK_OBJECTS & {part.strip("_") for part in chain}:
+                found.append(f"{node.lineno}: {ast.unparse(node)}")
+        # getattr(module, "_name"): a private name reached by string (our own markers are `_vitrain_*`)
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "setattr", "hasattr", "delattr")
+            and len(node.args) > 1
+            and isinstance(node.args[1], ast.Constant)
+            and isinstance(node.args[1].value, str)
+            and _private(node.args[1].value)
+            and not node.args[1].value.startswith("_vitrain")
+            and ast.unparse(node.args[0]) != "self"
+        ):
+            found.append(f"{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def inherited_private_uses(path: Path) -> list[str]:
+    """`self._name` (or a `_name` override) in a class where `_name` belongs to a framework base class."""
+    import inspect
+    import re
+
+    module = importlib.import_module(module_name(path))
+    found: list[str] = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        cls = getattr(module, node.name, None) if isinstance(node, ast.ClassDef) else None
+        if not inspect.isclass(cls):
+            continue
+        theirs: set[str] = set()
+        for base in cls.__mro__[1:]:
+            if _framework(base.__module__):
+                theirs |= {name for name in vars(base) if _private(name)}
+                with contextlib.suppress(OSError, TypeError):  # a base without Python source
+                    theirs |= set(re.findall(r"self\.(_[A-Za-z]\w*)", inspect.getsource(base)))
+        ours = {
+            n.attr
+            for n in ast.walk(node)
+            if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "self"
+        } | {n.name for n in node.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)}
+        found += [f"{node.name}.{name}" for name in sorted(ours & theirs) if _private(name)]
+    return found
+
+
+def test_private_framework_names_live_in_compat_only():
+    """Every private Lightning/torch/litdata/Hydra name vitrain uses goes through vitrain/compat.py (one
+    test each in tests/test_compat.py), so an upgrade breaks in one known place. bench/ imports them from
+    there too."""
+    offenders = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name == "compat.py" and path.parent == PACKAGE:
+            continue
+        uses = private_framework_uses(path) + inherited_private_uses(path)
+        if uses:
+            offenders[str(path.relative_to(ROOT))] = uses
+    for path in sorted((ROOT / "bench").glob("*.py")):  # scripts: what they import and read
+        if uses := private_framework_uses(path):
+            offenders[str(path.relative_to(ROOT))] = uses
+    assert not offenders, f"private framework names outside vitrain/compat.py (add a shim there): {offenders}"

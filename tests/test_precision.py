@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from helpers import ROOT, compose_cfg
+from vitrain.compat import mkldnn_bf16_supported
 from vitrain.precision import choose_precision, cpu_bf16_support, resolve_precision
 
 
@@ -31,7 +32,7 @@ def test_explicit_value_wins_and_auto_follows_torch(tmp_path):
     caps = torch.cpu.get_capabilities()
     if native:  # hardware bf16 instructions that oneDNN may use
         assert caps.get("avx512_bf16") or caps.get("amx_bf16") or caps.get("bf16") or caps.get("sve_bf16")
-        assert torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        assert mkldnn_bf16_supported()
     expected = "bf16-mixed" if native else "32-true"
     cfg = compose_cfg("train", ["trainer=cpu"], tmp_path)
     assert cfg.trainer.precision == "auto"  # the default trainer's

@@ -258,3 +258,25 @@ def test_ckpt_path_last_resumes_in_the_run_it_continues_or_stops_in_one_line(
     assert torch.load(first / "checkpoints" / "last.ckpt", weights_only=False)["epoch"] == 1
     assert "Restoring states from the checkpoint path" in resumed.stderr + resumed.stdout
     assert "save_last=True" not in resumed.stderr + resumed.stdout  # Lightning's wrong hint
+
+
+def test_rng_states_round_trip_through_a_checkpoint(tmp_path: Path):
+    """The saved layout (torch, numpy, python; `torch.cuda` added by ExactResume) is the one checkpoints
+    written with Lightning's seed utilities hold; Python's state comes back as a list after some saves."""
+    import random
+
+    import numpy as np
+
+    from vitrain.callbacks.resume import collect_rng_states, set_rng_states
+
+    torch.manual_seed(3)
+    states = collect_rng_states()
+    assert set(states) == {"torch", "numpy", "python"}
+    expected = (torch.rand(3), np.random.rand(3), random.random())
+    torch.save({"rng_states": states}, tmp_path / "c.ckpt")
+    saved = torch.load(tmp_path / "c.ckpt", weights_only=False)["rng_states"]
+    version, state, gauss = saved["python"]
+    torch.manual_seed(9), np.random.seed(9), random.seed(9)
+    set_rng_states({**saved, "python": (version, list(state), gauss), "torch.cuda": []})
+    torch.testing.assert_close(torch.rand(3), expected[0])
+    assert (np.random.rand(3) == expected[1]).all() and random.random() == expected[2]

@@ -1,6 +1,7 @@
 """Hydra multirun sweeps (`python src/train.py -m ...`), on one process per job and with DDP, and their summary."""
 
 import csv
+import importlib
 import json
 import os
 import sys
@@ -141,6 +142,12 @@ def test_each_job_starts_from_the_launch_environment_of_the_sweep(monkeypatch: p
         assert "WORLD_SIZE" not in os.environ and os.environ["NODE_RANK"] == "0"
     finally:
         callback.on_multirun_end(config=None)
+    # Lightning's own command builders are back after the sweep
+    from vitrain.compat import HYDRA_LAUNCHER_MODULES
+    from vitrain.distributed import multirun
+
+    for name in HYDRA_LAUNCHER_MODULES:
+        assert importlib.import_module(name)._hydra_subprocess_cmd is not multirun._subprocess_cmd
 
 
 def test_summary_lists_jobs_without_a_report(tmp_path: Path):

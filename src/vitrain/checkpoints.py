@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
+from vitrain.compat import META_FILENAME, load_dcp_folder
 from vitrain.errors import UserError
 
 
@@ -117,14 +117,8 @@ def load(path: Path) -> dict[str, Any]:
 def _load_sharded(folder: Path) -> dict[str, Any]:
     """Lightning's `_load_distributed_checkpoint`, except for meta.pt: it reads that with torch's default
     weights_only=True, which refuses the hparams (DictConfig, partials) our checkpoints carry."""
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
-    checkpoint: dict[str, Any] = {}
-    reader, planner = FileSystemReader(folder), _EmptyStateDictLoadPlanner()
-    _load_state_dict(checkpoint, storage_reader=reader, planner=planner, no_dist=True)
-    meta = folder / _METADATA_FILENAME
+    checkpoint = load_dcp_folder(folder)
+    meta = folder / META_FILENAME
     if meta.is_file():
         checkpoint.update(torch.load(meta, map_location="cpu", weights_only=False))
     return checkpoint

@@ -20,6 +20,8 @@ import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from omegaconf import DictConfig
 
+from vitrain.compat import mkldnn_bf16_supported
+
 log = logging.getLogger(__name__)
 
 AUTO = "auto"
@@ -29,7 +31,7 @@ def cpu_bf16_support() -> tuple[bool, str]:
     """(native bf16 on this CPU, why), from what torch reports.
 
     Two conditions: the CPU has bf16 instructions (`torch.cpu.get_capabilities()`, cpuinfo), and oneDNN,
-    which runs torch's bf16 matmuls on CPU, may use bf16 kernels (`_is_mkldnn_bf16_supported`: False when
+    which runs torch's bf16 matmuls on CPU, may use bf16 kernels (`mkldnn_bf16_supported`: False when
     `ONEDNN_MAX_CPU_ISA` caps it below AVX-512, or without AVX-512 at all). The second alone is not enough:
     it is also True on AVX-512 CPUs without BF16 instructions, where oneDNN converts and runs fp32.
     """
@@ -40,8 +42,7 @@ def cpu_bf16_support() -> tuple[bool, str]:
         native = [name for name in ("avx512_bf16", "amx_bf16") if caps.get(name)]
     if not native:
         return False, f"{caps.get('cpu_name') or 'CPU'} has no bf16 instructions"
-    # private op (no public equivalent in torch 2.14); inductor uses the same call
-    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    if not mkldnn_bf16_supported():
         return False, f"{caps.get('cpu_name') or 'CPU'} has {'+'.join(native)}, but oneDNN may not use it"
     return True, f"{caps.get('cpu_name') or 'CPU'} with native {'+'.join(native)}"
 

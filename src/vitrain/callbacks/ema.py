@@ -27,6 +27,14 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.checkpoint.state_dict import set_model_state_dict
 from torch.distributed.tensor import DTensor
 
+from vitrain.compat import (
+    averaging_device,
+    averaging_uses_buffers,
+    foreach_lerp_,
+    latest_averaging_update,
+    set_averaging_device,
+    set_latest_averaging_update,
+)
 from vitrain.errors import UserError
 
 
@@ -70,7 +78,7 @@ class ShardedEMA:
         if self.n_averaged == 0:
             avg_i, cur_i = avg_f + avg_i, cur_f + cur_i
         elif avg_f:
-            torch._foreach_lerp_(avg_f, cur_f, 1.0 - decay)  # one fused kernel for all shards
+            foreach_lerp_(avg_f, cur_f, 1.0 - decay)  # one fused kernel for all shards
         for average, current in zip(avg_i, cur_i, strict=True):
             average.copy_(current)
         self.n_averaged += 1
@@ -123,10 +131,10 @@ class EMA(EMAWeightAveraging):
                 )
             self._fsdp = True  # the average is made from the shards in on_fit_start
             return
-        if stage == "fit" and self._device is None:
+        if stage == "fit" and averaging_device(self) is None:
             # Lightning's default is the module's device at setup, still the CPU before the strategy
             # moves the model: the EMA copy would then live on the CPU and each update copy the weights
-            self._device = trainer.strategy.root_device
+            set_averaging_device(self, trainer.strategy.root_device)
         with warnings.catch_warnings():
             # Lightning warns that it calls configure_model and cannot shard: ours shards only under FSDP,
             # which takes the branch above
@@ -140,7 +148,7 @@ class EMA(EMAWeightAveraging):
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # after the strategy has sharded the model and before a checkpoint is restored
         if self._fsdp:
-            self._sharded = ShardedEMA(pl_module, self._use_buffers)
+            self._sharded = ShardedEMA(pl_module, averaging_uses_buffers(self))
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -148,20 +156,20 @@ class EMA(EMAWeightAveraging):
         if self._sharded is None:
             return super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         # the same rule as Lightning's: once per optimizer step (gradient accumulation), if should_update
-        if trainer.global_step > self._latest_update_step and self.should_update(
+        if trainer.global_step > latest_averaging_update(self)[0] and self.should_update(
             step_idx=trainer.global_step - 1
         ):
             self._sharded.update(self.decay)
-            self._latest_update_step = trainer.global_step
+            set_latest_averaging_update(self, step=trainer.global_step)
         return None
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._sharded is None:
             return super().on_train_epoch_end(trainer, pl_module)
         epoch = trainer.current_epoch
-        if epoch > self._latest_update_epoch and self.should_update(epoch_idx=epoch):
+        if epoch > latest_averaging_update(self)[1] and self.should_update(epoch_idx=epoch):
             self._sharded.update(self.decay)
-            self._latest_update_epoch = epoch
+            set_latest_averaging_update(self, epoch=epoch)
         return None
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

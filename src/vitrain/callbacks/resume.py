@@ -15,10 +15,11 @@ import numpy as np
 import torch
 import torch.distributed
 from lightning.fabric.plugins.environments import SLURMEnvironment
-from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+from vitrain.compat import replace_sigterm_broadcast
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ class ExactResume(Callback):
         # GPU loads NVML anew: more than the states themselves. Asked once here.
         if self._cuda is None:
             self._cuda = torch.cuda.is_available()
-        states = _collect_rng_states(include_cuda=False)
+        states = collect_rng_states()
         # this process's devices' generators (CPU byte tensors: no device tensor reaches the checkpoint)
         states["torch.cuda"] = torch.cuda.get_rng_state_all() if self._cuda else []
         return states
@@ -77,12 +78,29 @@ class ExactResume(Callback):
             offset = self._pending.pop("offset_by_rank", False)
             if not torch.cuda.is_available():
                 self._pending.pop("torch.cuda", None)  # saved on GPUs, resumed on a CPU: nothing to restore
-            _set_rng_states(self._pending)
+            set_rng_states(self._pending)
             self._pending = None
             if offset:
                 offset_by_rank(trainer.global_rank)
         else:
             offset_by_rank(trainer.global_rank)
+
+
+def collect_rng_states() -> dict[str, Any]:
+    """This process's global torch (CPU), numpy and Python generator states, in the layout Lightning's
+    (private) seed utilities use, so checkpoints written with either restore alike."""
+    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+
+
+def set_rng_states(states: dict[str, Any]) -> None:
+    """Restore what `collect_rng_states` took, plus `torch.cuda` (this process's devices) when present."""
+    torch.set_rng_state(states["torch"])
+    if "torch.cuda" in states:
+        torch.cuda.set_rng_state_all(states["torch.cuda"])
+    if "numpy" in states:
+        np.random.set_state(states["numpy"])
+    version, state, gauss = states["python"]
+    random.setstate((version, tuple(state), gauss))  # a list after some serialisations
 
 
 def offset_by_rank(rank: int) -> None:
@@ -152,12 +170,10 @@ class CheckpointOnSigterm(Callback):
                 signal.signal(signum, note)  # replaces Lightning's handlers (restored when fit ends)
                 # restart system calls the signal interrupts instead of failing them: gloo does not retry
                 signal.siginterrupt(signum, False)
-        epoch_loop = trainer.fit_loop.epoch_loop
-        if trainer.world_size > 1 and hasattr(epoch_loop, "_broadcast_sigterm_tensor"):
-            # Lightning calls it before each batch when world_size > 1 (an instance attribute: this trainer
-            # only); tests/test_faults_distributed.py fails should an upgrade stop calling it
-            epoch_loop._broadcast_sigterm_tensor = lambda: self._agree(trainer)
-            self._replaced_lightning_check = True
+        if trainer.world_size > 1:
+            # the agreement replaces Lightning's SIGTERM broadcast before each batch (this trainer only);
+            # tests/test_faults_distributed.py fails should an upgrade stop running it
+            self._replaced_lightning_check = replace_sigterm_broadcast(trainer, lambda: self._agree(trainer))
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         if not self._replaced_lightning_check:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import re
-import time
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -19,9 +18,8 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.fabric.utilities.throughput import get_available_flops, measure_flops
-from lightning.pytorch.callbacks import ThroughputMonitor
-from lightning.pytorch.callbacks.throughput_monitor import _plugin_to_compute_dtype
-from lightning.pytorch.trainer.states import RunningStage
+
+from vitrain.compat import UnsyncedThroughputMonitor, plugin_compute_dtype
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +84,7 @@ def compute_dtype(precision_plugin: Any, strategy: Any = None) -> torch.dtype:
     options = getattr(strategy, "fsdp_options", None)
     if options is not None and fsdp_dtype(options.get("mixed_precision")) is not None:
         return fsdp_dtype(options["mixed_precision"])
-    return _plugin_to_compute_dtype(precision_plugin)
+    return plugin_compute_dtype(precision_plugin)
 
 
 def batch_size(batch: Any) -> int:
@@ -116,7 +114,7 @@ def flops_per_image(pl_module: L.LightningModule, training: bool) -> float | Non
         return None
 
 
-class ImageThroughputMonitor(ThroughputMonitor):
+class ImageThroughputMonitor(UnsyncedThroughputMonitor):
     """ThroughputMonitor for image classifiers: batch size from the batch, FLOPs from the model.
 
     `flops_per_batch` (what Lightning's monitor reads from the module) is set per stage: forward + backward
@@ -141,9 +139,7 @@ class ImageThroughputMonitor(ThroughputMonitor):
         peak = self.peak_flops or (
             peak_flops(self.device_name, self.compute_dtype) if device.type == "cuda" else None
         )
-        self.available_flops = int(peak) if peak else None
-        for throughput in self._throughputs.values():
-            throughput.available_flops = self.available_flops
+        self.set_available_flops(int(peak) if peak else None)
         if self.available_flops is None and self.train_flops is None and trainer.is_global_zero:
             log.info(
                 "No peak FLOPs known for %s: images/s are logged, MFU is not "
@@ -171,29 +167,3 @@ class ImageThroughputMonitor(ThroughputMonitor):
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, *_: Any, **__: Any
     ) -> None:
         self._set_flops(pl_module, self.eval_flops, batch)
-
-    @torch.inference_mode()
-    def _update(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, iter_num: int) -> None:
-        """Lightning's `_update` without its `torch.cuda.synchronize()` on every batch.
-
-        A synchronize per step stalls the host until the GPU is idle, so the next step's kernels are queued
-        late: the monitor itself slows the training it measures. The logged figures are rates over a window
-        of `window_size` batches ending at a logged step, so the clock needs to be exact there only: we
-        synchronise on those steps (every `log_every_n_steps`) and outside training, as Lightning does.
-        """
-        stage = trainer.state.stage
-        exact = stage != RunningStage.TRAINING or trainer._logger_connector.should_update_logs
-        if trainer.strategy.root_device.type == "cuda" and exact:
-            torch.cuda.synchronize()
-        elapsed = time.perf_counter() - self._t0s[stage]
-        if self.length_fn is not None:
-            self._lengths[stage] += self.length_fn(batch)
-        self._samples[stage] += self.batch_size_fn(batch)
-        self._batches[stage] += 1
-        self._throughputs[stage].update(
-            time=elapsed,
-            batches=self._batches[stage],
-            samples=self._samples[stage],
-            lengths=None if self.length_fn is None else self._lengths[stage],
-            flops=getattr(pl_module, "flops_per_batch", None),
-        )

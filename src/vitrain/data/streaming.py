@@ -22,6 +22,7 @@ from litdata import StreamingDataLoader, StreamingDataset
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
+from vitrain.compat import litdata_allow_http, litdata_distributed_env
 from vitrain.data.base import ImageDataModule, Splits, sample_seed, seed_sample
 from vitrain.data.shards import FORMAT_NAME, FORMAT_VERSION, METADATA_FILE
 from vitrain.data.transforms import timm_transform
@@ -311,10 +312,7 @@ def litdata_env(world_size: int, global_rank: int) -> Any:
     with several nodes) gives a chunk that straddles two nodes to both, so samples repeat within an epoch
     (found while testing this); one global shuffle per epoch is a partition for any number of nodes, at the
     price of less chunk-cache reuse between epochs."""
-    # private litdata name (vitrain/compat.py candidate): litdata has no public way to be told the ranks
-    from litdata.utilities.env import _DistributedEnv
-
-    return _DistributedEnv(world_size=world_size, global_rank=global_rank, num_nodes=1)
+    return litdata_distributed_env(world_size, global_rank, num_nodes=1)
 
 
 def _cache_key(location: str) -> str:
@@ -330,10 +328,7 @@ def _allow_http_endpoints(endpoint_url: str | None = None) -> None:
         endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or ""
     )
     if endpoint.startswith("http://"):
-        # private litdata name (vitrain/compat.py candidate): the client options obstore stores are built with
-        from litdata.streaming import downloader
-
-        downloader._OBSTORE_CLIENT_OPTIONS["allow_http"] = "true"
+        litdata_allow_http()
 
 
 _allow_http_endpoints()  # also in loader workers started with spawn (they import this module to unpickle)

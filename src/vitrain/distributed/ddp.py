@@ -11,7 +11,6 @@ See docs/distributed.md.
 from collections.abc import Callable
 from typing import Any
 
-from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
 from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
@@ -65,17 +64,20 @@ class DDPStrategy(LightningDDPStrategy):
             kwargs.update(ddp_comm_hook=hook, ddp_comm_state=state)
         super().__init__(**kwargs)
         self.gradient_compression = gradient_compression
+        self.comm_hook = kwargs.get("ddp_comm_hook")
+        self.comm_state = kwargs.get("ddp_comm_state")
+        self.comm_wrapper = kwargs.get("ddp_comm_wrapper")
 
-    def _register_ddp_hooks(self) -> None:
-        if self.root_device.type == "cuda":
-            return super()._register_ddp_hooks()
-        if self._ddp_comm_hook is None and self._ddp_comm_wrapper is None:
-            return None
+    def configure_ddp(self) -> None:
+        super().configure_ddp()  # wraps the model; registers the hook on CUDA
+        if self.root_device.type != "cuda":
+            self.register_comm_hook()
+
+    def register_comm_hook(self) -> None:
+        """Register the configured hook (wrapped in `ddp_comm_wrapper` if set) on the DDP model, as Lightning
+        does on CUDA."""
+        if self.comm_hook is None:
+            return
         assert isinstance(self.model, DistributedDataParallel)
-        _register_ddp_comm_hook(
-            model=self.model,
-            ddp_comm_state=self._ddp_comm_state,
-            ddp_comm_hook=self._ddp_comm_hook,
-            ddp_comm_wrapper=self._ddp_comm_wrapper,
-        )
-        return None
+        hook = self.comm_hook if self.comm_wrapper is None else self.comm_wrapper(self.comm_hook)
+        self.model.register_comm_hook(state=self.comm_state, hook=hook)

@@ -16,13 +16,14 @@ import torch
 import torch.distributed.checkpoint as dcp
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.apply_func import move_data_to_device
-from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from vitrain.compat import META_FILENAME, set_data_parallel_size
 
 # checkpoint entries other than `state_dict` that hold sharded weights: EMA's raw weights (callbacks/ema.py)
 SHARDED_ENTRIES = ("current_model_state",)
@@ -229,7 +230,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         self._fsdp_mesh: DeviceMesh | None = None
 
     def setup_environment(self) -> None:
-        self._data_parallel_size = self.num_nodes * self.num_processes
+        set_data_parallel_size(self, self.num_nodes * self.num_processes)
         super().setup_environment()
 
     def fsdp_mesh(self) -> DeviceMesh:
@@ -268,7 +269,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         state |= {f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))}
         dcp.save(state, checkpoint_id=path)
         if self.global_rank == 0:
-            torch.save(checkpoint, path / _METADATA_FILENAME)
+            torch.save(checkpoint, path / META_FILENAME)
         return None
 
     # evaluation gathers the weights once: ranks with different numbers of batches never wait on each other

@@ -1,6 +1,6 @@
 """Hydra multirun (`-m`) with Lightning's own multi-process launcher (DDP, FSDP on one node).
 
-Lightning starts local ranks 1..N-1 by re-running the command line (`_hydra_subprocess_cmd`). Under `-m`
+Lightning starts local ranks 1..N-1 by re-running the command line (its Hydra command builder). Under `-m`
 that command is the whole sweep, so every child would start its own copy of the sweep, in the wrong
 directory. And the jobs of a sweep run one after the other in one process, so job 2 inherits what job 1's
 launcher left behind: `LOCAL_RANK` in the environment (Lightning then believes an outside launcher made
@@ -29,6 +29,12 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from vitrain.compat import (
+    install_hydra_subprocess_cmd,
+    uninstall_hydra_subprocess_cmd,
+    upstream_hydra_subprocess_cmd,
+)
+
 log = logging.getLogger(__name__)
 
 # what Lightning's launcher, its DDP set-up and seed_everything write into os.environ
@@ -41,11 +47,6 @@ LAUNCH_VARS = (
     "OMP_NUM_THREADS",
     "PL_GLOBAL_SEED",
     "PL_SEED_WORKERS",
-)
-# the modules that hold (and call) Lightning's command builder
-LAUNCHER_MODULES = (
-    "lightning.fabric.strategies.launchers.subprocess_script",
-    "lightning.pytorch.strategies.launchers.subprocess_script",
 )
 # command-line flags that say which config to load (kept); every other flag belongs to the sweep
 _VALUE_FLAGS = ("--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd")
@@ -95,34 +96,20 @@ def _subprocess_cmd(local_rank: int) -> tuple[Sequence[str], str]:
     """Lightning's builder outside a multirun, `job_command` inside one."""
     if HydraConfig.get().mode == RunMode.MULTIRUN:
         return job_command(local_rank)
-    return _UPSTREAM[LAUNCHER_MODULES[0]](local_rank)
-
-
-_UPSTREAM: dict[str, Any] = {}
+    return upstream_hydra_subprocess_cmd(local_rank)
 
 
 def install() -> bool:
     """Route Lightning's child-command builder through `_subprocess_cmd`; False if Lightning changed."""
-    import importlib
-
-    for name in LAUNCHER_MODULES:
-        module = importlib.import_module(name)
-        current = getattr(module, "_hydra_subprocess_cmd", None)
-        if current is None:
-            log.warning("%s has no _hydra_subprocess_cmd: multirun with DDP is not supported here", name)
-            return False
-        if current is not _subprocess_cmd:
-            _UPSTREAM[name] = current
-            module._hydra_subprocess_cmd = _subprocess_cmd
+    missing = install_hydra_subprocess_cmd(_subprocess_cmd)
+    if missing is not None:
+        log.warning("%s has no Hydra command builder: multirun with DDP is not supported here", missing)
+        return False
     return True
 
 
 def uninstall() -> None:
-    import importlib
-
-    for name, original in _UPSTREAM.items():
-        importlib.import_module(name)._hydra_subprocess_cmd = original
-    _UPSTREAM.clear()
+    uninstall_hydra_subprocess_cmd()
 
 
 class DistributedMultirun(Callback):
@@ -155,6 +142,9 @@ class DistributedMultirun(Callback):
             torch.distributed.destroy_process_group()
         release_gpu_memory()
 
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        uninstall()
+
 
 def release_gpu_memory() -> None:
     """Give the finished job's GPU memory back before the next job of the sweep starts in this process.
@@ -166,6 +156,3 @@ def release_gpu_memory() -> None:
     gc.collect()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
-
-    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        uninstall()

@@ -18,8 +18,8 @@ import logging
 from typing import Any
 
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
+from vitrain.compat import checkpoint_wrapper
 from vitrain.distributed.fsdp import apply_fsdp, is_sharded, transformer_blocks
 
 log = logging.getLogger(__name__)

@@ -14,6 +14,7 @@ from torchmetrics import MeanMetric, MetricCollection
 from torchmetrics.classification import MulticlassAccuracy
 
 from vitrain.checkpoints import CheckpointError
+from vitrain.compat import attached_trainer, should_update_logs
 from vitrain.distributed.parallelize import parallelize
 from vitrain.errors import ModelError
 from vitrain.models.timm_net import create_net, input_spec
@@ -95,7 +96,8 @@ class ImageClassifier(L.LightningModule):
     def configure_model(self) -> None:
         # activation checkpointing, compile, sharding, in that order, as the strategy asks
         # (vitrain/distributed/parallelize.py); state-dict keys stay those of the plain model
-        strategy = self._trainer.strategy if self._trainer is not None else None
+        trainer = attached_trainer(self)
+        strategy = trainer.strategy if trainer is not None else None
         parallelize(self.net, strategy, compile=self.hparams.compile)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -117,7 +119,7 @@ class ImageClassifier(L.LightningModule):
         # Lightning reads a logged value with .item() for the progress bar after EVERY batch until the
         # epoch ends, a GPU sync each time were it a GPU tensor; the one copy here is on log steps only.
         # A float would be turned into a tensor on the model's device (a host-to-GPU copy, another sync).
-        if self.trainer._logger_connector.should_update_logs:
+        if should_update_logs(self.trainer):
             self.log("train/loss_step", loss.detach().to("cpu"), prog_bar=True)
             # one `lr` curve (LearningRateMonitor logs one per param group: lr/decay, lr/no_decay)
             self.log("lr", torch.tensor(float(self.trainer.optimizers[0].param_groups[0]["lr"])))

@@ -1,0 +1,258 @@
+"""Every private Lightning, torch and litdata name vitrain relies on, and nothing else.
+
+Each shim says which public API is missing. tests/test_compat.py has one test per name that fails with a
+clear message when an upgrade moves, renames or changes it; tests/test_layout.py keeps these names out of
+every other module. Upgrading Lightning, torch or litdata: run tests/test_compat.py first.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.fabric.utilities.load import _METADATA_FILENAME
+from lightning.pytorch.callbacks import ThroughputMonitor, WeightAveraging
+from lightning.pytorch.callbacks.throughput_monitor import _plugin_to_compute_dtype
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.trainer.states import RunningStage
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+__all__ = [
+    "HYDRA_LAUNCHER_MODULES",
+    "META_FILENAME",
+    "UnsyncedThroughputMonitor",
+    "attached_trainer",
+    "averaging_device",
+    "averaging_uses_buffers",
+    "checkpoint_wrapper",
+    "foreach_lerp_",
+    "install_hydra_subprocess_cmd",
+    "latest_averaging_update",
+    "litdata_allow_http",
+    "litdata_distributed_env",
+    "load_dcp_folder",
+    "mkldnn_bf16_supported",
+    "plugin_compute_dtype",
+    "replace_sigterm_broadcast",
+    "set_averaging_device",
+    "set_data_parallel_size",
+    "set_latest_averaging_update",
+    "should_update_logs",
+    "uninstall_hydra_subprocess_cmd",
+    "upstream_hydra_subprocess_cmd",
+]
+
+# --- Lightning: trainer and module ------------------------------------------------------------------
+
+
+def should_update_logs(trainer: L.Trainer) -> bool:
+    """Whether the loggers write on this step (`log_every_n_steps`). Lightning's own LearningRateMonitor
+    and ThroughputMonitor ask the logger connector; the Trainer has no public equivalent."""
+    return bool(trainer._logger_connector.should_update_logs)
+
+
+def attached_trainer(module: L.LightningModule) -> L.Trainer | None:
+    """The module's trainer, None when not attached: the public `module.trainer` raises instead."""
+    return module._trainer
+
+
+def replace_sigterm_broadcast(trainer: L.Trainer, check: Callable[[], None]) -> bool:
+    """Run `check` where Lightning broadcasts its SIGTERM flag before every batch under DDP/FSDP (this
+    trainer only); False when Lightning has no such step. No public hook replaces that collective."""
+    epoch_loop = trainer.fit_loop.epoch_loop
+    if not hasattr(epoch_loop, "_broadcast_sigterm_tensor"):
+        return False
+    epoch_loop._broadcast_sigterm_tensor = check
+    return True
+
+
+# --- Lightning: throughput --------------------------------------------------------------------------
+
+
+def plugin_compute_dtype(plugin: Any) -> torch.dtype:
+    """The dtype a precision plugin computes in; Lightning has no public accessor (its TODO: "integrate
+    this into the precision plugins")."""
+    return _plugin_to_compute_dtype(plugin)
+
+
+class UnsyncedThroughputMonitor(ThroughputMonitor):
+    """Lightning's ThroughputMonitor without its `torch.cuda.synchronize()` on every batch.
+
+    A synchronize per step stalls the host until the GPU is idle, so the next step's kernels are queued
+    late: the monitor itself slows the training it measures. The logged figures are rates over a window of
+    `window_size` batches ending at a logged step, so the clock needs to be exact there only: we
+    synchronise on those steps (every `log_every_n_steps`) and outside training, as Lightning does. The
+    monitor has no option for it, so its private `_update` and counters are replaced here.
+    """
+
+    def set_available_flops(self, flops: int | None) -> None:
+        """Peak FLOP/s for MFU, also in the per-stage meters `setup` already made."""
+        self.available_flops = flops
+        for throughput in self._throughputs.values():
+            throughput.available_flops = flops
+
+    @torch.inference_mode()
+    def _update(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, iter_num: int) -> None:
+        stage = trainer.state.stage
+        exact = stage != RunningStage.TRAINING or should_update_logs(trainer)
+        if trainer.strategy.root_device.type == "cuda" and exact:
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - self._t0s[stage]
+        if self.length_fn is not None:
+            self._lengths[stage] += self.length_fn(batch)
+        self._samples[stage] += self.batch_size_fn(batch)
+        self._batches[stage] += 1
+        self._throughputs[stage].update(
+            time=elapsed,
+            batches=self._batches[stage],
+            samples=self._samples[stage],
+            lengths=None if self.length_fn is None else self._lengths[stage],
+            flops=getattr(pl_module, "flops_per_batch", None),
+        )
+
+
+# --- Lightning: weight averaging (EMA) --------------------------------------------------------------
+# WeightAveraging keeps its settings and update counters in private attributes, with no accessors.
+
+
+def averaging_device(callback: WeightAveraging) -> torch.device | int | None:
+    """Where the AveragedModel will live (None: the module's device at setup)."""
+    return callback._device
+
+
+def set_averaging_device(callback: WeightAveraging, device: torch.device | int | None) -> None:
+    """Move where the AveragedModel will be built (before `setup`)."""
+    callback._device = device
+
+
+def averaging_uses_buffers(callback: WeightAveraging) -> bool:
+    """The `use_buffers` the callback was made with."""
+    return bool(callback._use_buffers)
+
+
+def latest_averaging_update(callback: WeightAveraging) -> tuple[int, int]:
+    """(optimizer step, epoch) of the last update, the counters `should_update` is checked against."""
+    return callback._latest_update_step, callback._latest_update_epoch
+
+
+def set_latest_averaging_update(
+    callback: WeightAveraging, step: int | None = None, epoch: int | None = None
+) -> None:
+    """Record an update made outside WeightAveraging's hooks (at `step` and/or `epoch`)."""
+    if step is not None:
+        callback._latest_update_step = step
+    if epoch is not None:
+        callback._latest_update_epoch = epoch
+
+
+# --- Lightning: strategies ---------------------------------------------------------------------------
+
+
+def set_data_parallel_size(strategy: ModelParallelStrategy, size: int) -> None:
+    """Replace ModelParallelStrategy's data-parallel size before its `setup_environment` builds the mesh:
+    the size is a constructor argument only, and the world size is known once the trainer set the devices
+    (its "auto" is the number of nodes, which on one node shards nothing)."""
+    strategy._data_parallel_size = size
+
+
+# --- Lightning: multi-process launch under Hydra ----------------------------------------------------
+
+# the modules that hold (and call) Lightning's command builder for local ranks 1..N-1
+HYDRA_LAUNCHER_MODULES = (
+    "lightning.fabric.strategies.launchers.subprocess_script",
+    "lightning.pytorch.strategies.launchers.subprocess_script",
+)
+_UPSTREAM: dict[str, Callable[[int], tuple[Sequence[str], str]]] = {}
+
+
+def install_hydra_subprocess_cmd(builder: Callable[[int], tuple[Sequence[str], str]]) -> str | None:
+    """Make Lightning build the child ranks' command with `builder(local_rank) -> (command, cwd)`; None on
+    success, else the module that lacks `_hydra_subprocess_cmd`. Lightning's launcher takes no builder."""
+    for name in HYDRA_LAUNCHER_MODULES:
+        module = importlib.import_module(name)
+        current = getattr(module, "_hydra_subprocess_cmd", None)
+        if current is None:
+            return name
+        if current is not builder:
+            _UPSTREAM[name] = current
+            module._hydra_subprocess_cmd = builder
+    return None
+
+
+def uninstall_hydra_subprocess_cmd() -> None:
+    """Lightning's own builders back."""
+    for name, original in _UPSTREAM.items():
+        importlib.import_module(name)._hydra_subprocess_cmd = original
+    _UPSTREAM.clear()
+
+
+def upstream_hydra_subprocess_cmd(local_rank: int) -> tuple[Sequence[str], str]:
+    """Lightning's own builder: (command, cwd) of local rank `local_rank`."""
+    name = HYDRA_LAUNCHER_MODULES[0]
+    builder = _UPSTREAM.get(name) or importlib.import_module(name)._hydra_subprocess_cmd
+    return builder(local_rank)
+
+
+# --- checkpoints: Lightning's sharded folder, torch's distributed checkpoint ------------------------
+
+# the file next to a sharded (DCP) checkpoint's shards that holds the rest of the checkpoint; Lightning
+# exports no constant for it
+META_FILENAME: str = _METADATA_FILENAME
+
+
+def load_dcp_folder(folder: Path) -> dict[str, Any]:
+    """The whole state dict of a torch distributed checkpoint folder, in this process, without a model to
+    load into. torch's public `dcp.load` fills only the keys given and `dcp_to_torch_save` writes a file;
+    both use this planner and loader internally."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    state: dict[str, Any] = {}
+    _load_state_dict(
+        state, storage_reader=FileSystemReader(folder), planner=_EmptyStateDictLoadPlanner(), no_dist=True
+    )
+    return state
+
+
+# --- torch ------------------------------------------------------------------------------------------
+
+
+def mkldnn_bf16_supported() -> bool:
+    """Whether oneDNN may run bf16 kernels on this CPU (False when `ONEDNN_MAX_CPU_ISA` caps it below
+    AVX-512). No public equivalent in torch; inductor uses the same op."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def foreach_lerp_(start: list[torch.Tensor], end: list[torch.Tensor], weight: float) -> None:
+    """`start[i].lerp_(end[i], weight)` for all i in one fused kernel: torch's foreach ops are documented
+    but carry an underscore (`torch._foreach_*`)."""
+    torch._foreach_lerp_(start, end, weight)
+
+
+# checkpoint_wrapper (activation checkpointing as a module wrapper whose state-dict keys stay the plain
+# model's): torch has no public path for it; torchtitan imports it from here too.
+
+
+# --- litdata ----------------------------------------------------------------------------------------
+
+
+def litdata_distributed_env(world_size: int, global_rank: int, num_nodes: int = 1) -> Any:
+    """litdata's description of the ranks, for `StreamingDataset.distributed_env`: litdata has no public
+    way to be told the ranks (it guesses them from torch.distributed and the GPUs per machine)."""
+    from litdata.utilities.env import _DistributedEnv
+
+    return _DistributedEnv(world_size=world_size, global_rank=global_rank, num_nodes=num_nodes)
+
+
+def litdata_allow_http() -> None:
+    """Let litdata's obstore client fetch from plain-HTTP endpoints (a MinIO in the cluster, a test
+    server): litdata builds its clients from these module-level options and exposes no setting."""
+    from litdata.streaming import downloader
+
+    downloader._OBSTORE_CLIENT_OPTIONS["allow_http"] = "true"
