@@ -4,16 +4,20 @@ checkpoint, as the run itself reports it.
 
 `trainer.precision=auto` picks bf16-mixed on a CPU with native bf16, else fp32 (the header says which this
 machine is). The LR schedule follows the time budget: on a machine too slow for the experiment's epochs the
-run stops at `max_time` with its LR decayed to the minimum, and the result says so.
+run stops at `max_time` with its LR decayed to the minimum, and the result says so. Goals: >= 70 % on either
+kind of CPU (the hardware issue), >= 78 % (the recipe issue). Each kind of CPU (native bf16 or not) keeps its
+latest result in `bench/results/cpu_kinds/`, so docs/benchmarks.md shows both kinds side by side.
 """
 
 from __future__ import annotations
 
 import json
+import subprocess
 import tempfile
 from pathlib import Path
 
 from common import (
+    ROOT,
     SMALL_VIT,
     SMOKE_NET,
     Result,
@@ -45,6 +49,7 @@ def main() -> None:
     acc = test.get("test/acc1")
     minutes = rec["fit_seconds"] / 60
     met = acc is not None and acc >= 0.78
+    met_70 = acc is not None and acc >= 0.70
     notes = []
     lr_end = rec.get("lr_end_ratio")
     if rec["stopped_early"]:
@@ -55,9 +60,10 @@ def main() -> None:
         )
     line = (
         f"test accuracy {100 * (acc or 0):.2f} % after {minutes:.1f} min of training, "
-        f"{rec['epochs']} epochs, {rec.get('precision')} (goal >= 78 %: {'met' if met else 'NOT met'})"
+        f"{rec['epochs']} epochs, {rec.get('precision')} (goals >= 70 %: {'met' if met_70 else 'NOT met'}; "
+        f">= 78 %: {'met' if met else 'NOT met'})"
     )
-    result.save(
+    path = result.save(
         line,
         figures={
             "test_acc1_percent": round(100 * (acc or 0), 2),
@@ -67,16 +73,28 @@ def main() -> None:
             "epochs": rec["epochs"],
             "images_per_s": round(rec["global_step"] * _batch(run_dir) / rec["fit_seconds"], 1),
         },
-        goal="test accuracy >= 78 % within 10 minutes of training",
+        goal="test accuracy >= 70 % (either CPU kind) and >= 78 % within 10 minutes of training",
         met=met,
+        verdict=None if met else ("met >= 70 %, **not** >= 78 %" if met_70 else None),
         notes=notes,
         stopped_by_max_time=rec["stopped_early"],
         precision=rec.get("precision"),
         lr_end_ratio=lr_end,
         global_step=rec["global_step"],
         command=train_command(argv),
+        commit=_commit(),
         config=_experiment_config(run_dir),
     )
+    if not args.smoke:  # this kind of CPU's latest result, beside the other kind's
+        record = json.loads(path.read_text())
+        kind = "native-bf16" if record["machine"].get("cpu_native_bf16") else "no-bf16"
+        (path.parent / "cpu_kinds").mkdir(exist_ok=True)
+        (path.parent / "cpu_kinds" / f"accuracy-{kind}.json").write_text(path.read_text())
+
+
+def _commit() -> str | None:
+    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
+    return done.stdout.strip() or None
 
 
 def _batch(run_dir: Path) -> int:

@@ -129,6 +129,8 @@ def render(run: dict[str, Any] | None, results: list[dict[str, Any]]) -> str:
         ]
         for note in r.get("notes") or []:
             out += [f"> {note}", ""]
+        if r["name"] == "accuracy":
+            out += cpu_kinds(ROOT / "bench" / "results" / "cpu_kinds")
         extra = {k: v for k, v in (r.get("details") or {}).items()}
         if extra:
             out += [
@@ -142,6 +144,36 @@ def render(run: dict[str, Any] | None, results: list[dict[str, Any]]) -> str:
                 "",
             ]
     return "\n".join(out)
+
+
+def cpu_kinds(folder: Path) -> list[str]:
+    """The latest accuracy result of each kind of CPU (native bf16 or not), each from its own machine and
+    date, with the network it trained: a row from an older recipe says so by its model."""
+    rows = [json.loads(p.read_text()) for p in sorted(folder.glob("accuracy-*.json"))]
+    if not rows:
+        return []
+    out = [
+        "**Each kind of CPU** (the latest `make bench` on each; `bench/results/cpu_kinds/`):",
+        "",
+        "| CPU | precision | test acc1 % | epochs | minutes | network | commit | measured |",
+        "| --- | --- | ---: | ---: | ---: | --- | --- | --- |",
+    ]
+    for r in rows:
+        net = (r.get("details", {}).get("config") or {}).get("model", {}).get("net", {})
+        stem = (net.get("embed_layer") or {}).get("backbone", {}).get("_target_", "").rsplit(".", 1)[-1]
+        network = f"{net.get('model_name')} {net.get('embed_dim')}x{net.get('depth')}" + (
+            f", {stem} stem" if stem else f", {net.get('patch_size')} px patches"
+        )
+        f, details = r["figures"], r.get("details", {})
+        precision = details.get("precision") or (details.get("config") or {}).get("trainer", {}).get(
+            "precision"
+        )
+        out.append(
+            f"| {r['machine']['cpu']}, {_bf16(r['machine'])} | {precision} "
+            f"| {f['test_acc1_percent']} | {f['epochs']} | {f['train_minutes']} | {network} "
+            f"| {details.get('commit') or '—'} | {r['date']} |"
+        )
+    return [*out, ""]
 
 
 def _bf16(m: dict[str, Any]) -> str:

@@ -4,8 +4,33 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from data_factory import make_class_folders
+
+# pytest-xdist runs two test processes at once (pyproject addopts): one compute thread each, here and in
+# the processes a test starts (they inherit OMP_NUM_THREADS), so two tests share the 2 cores instead of
+# fighting over 4 threads
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
+# fixtures that start one thing per test process (a server, a cluster, a decode into a shared cache): the
+# tests using them run in one xdist process, so it is started once
+ONE_PROCESS_FIXTURES = {
+    "slurm": "slurm",
+    "real_cifar10_cache": "real_cifar10",
+    "mlflow_server": "mlflow",
+}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        group = next(
+            (g for f, g in ONE_PROCESS_FIXTURES.items() if f in getattr(item, "fixturenames", ())), None
+        )
+        if group:
+            item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture(scope="session")
