@@ -3,6 +3,7 @@ generated data."""
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -504,3 +505,32 @@ def test_cifar100_trains_with_a_100_class_head(tmp_path: Path):
     ckpt = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=False)
     assert ckpt["class_names"] == list(CIFAR100_NAMES)
     assert ckpt["run_config"]["model"]["net"]["num_classes"] == 100
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_cifar100_trains_on_two_processes(tmp_path: Path, strategy: str):
+    """datamodule=cifar100 under DDP and FSDP x2: 180 training images split over the ranks (2 steps of a
+    global 8), the 20 validation images evaluated once each (the report's count), 100-class head."""
+    from helpers import run_cli, tiny_overrides
+
+    make_cifar100_python(tmp_path / "data", n_train_per_class=2, n_test_per_class=1)
+    run = tmp_path / "run"
+    args = [
+        *tiny_overrides(tmp_path / "data", tmp_path / "cache"),
+        "datamodule=cifar100",
+        "datamodule.val_size=20",
+        f"trainer={strategy}",
+        "trainer.devices=2",
+        "+trainer.limit_train_batches=2",
+        "test=false",
+        "logger=csv",
+        f"hydra.run.dir={run}",
+    ]
+    done = run_cli("train.py", args, timeout=280)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    report = json.loads((run / "report.json").read_text())
+    assert report["world_size"] == 2 and report["global_step"] == 2
+    assert report["data"]["num_classes"] == 100 and report["data"]["images"]["val"] == 20
