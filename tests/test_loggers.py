@@ -206,7 +206,7 @@ def test_mlflow_logs_params_metrics_and_the_best_checkpoint_to_a_server(
         run["info"]["run_id"], f"checkpoints/{best.name}", str(tmp_path / "dl")
     )
     assert Path(fetched).read_bytes() == best.read_bytes()
-    assert torch.load(fetched, weights_only=False)["run_config"]["model"]["net"]["embed_dim"] == 32
+    assert torch.load(fetched, weights_only=True)["run_config"]["model"]["net"]["embed_dim"] == 32
 
 
 def test_many_loggers_log_the_same_scalars(

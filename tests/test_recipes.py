@@ -315,8 +315,7 @@ def test_fsdp_ema_refuses_one_file_checkpoints():
 def tiny_classifier(**kwargs) -> ImageClassifier:
     net = {"model_name": "vit_tiny_patch16_224", "num_classes": 10, "img_size": 32, "patch_size": 8,
            "embed_dim": 32, "depth": 4, "num_heads": 2}  # fmt: skip
-    optimizer = lambda params: torch.optim.AdamW(params, lr=1e-3, weight_decay=0.05)  # noqa: E731
-    optimizer.keywords = {"lr": 1e-3, "weight_decay": 0.05}  # what a Hydra partial carries
+    optimizer = {"_target_": "torch.optim.AdamW", "lr": 1e-3, "weight_decay": 0.05}
     return ImageClassifier(net=net, optimizer=optimizer, **kwargs)
 
 

@@ -364,7 +364,7 @@ def test_mid_epoch_resume_continues_the_epoch(
     whole = Recorder()
     _fit(dm(), whole, tmp_path, max_epochs=1, callbacks=[SaveAt(3, ckpt)])
     assert len(whole.seen) == 8 * (N_TRAIN_READABLE // 8) and len(set(whole.seen)) == len(whole.seen)
-    saved = torch.load(ckpt, weights_only=False)["loops"]["fit_loop"]
+    saved = torch.load(ckpt, weights_only=True)["loops"]["fit_loop"]
     assert saved["state_dict"]["combined_loader"][0]["num_samples_yielded"] == 24
 
     rest = Recorder()

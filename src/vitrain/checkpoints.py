@@ -106,8 +106,7 @@ def load(path: Path) -> dict[str, Any]:
             if not (path / ".metadata").is_file():
                 raise CheckpointError(f"{path} is a folder but not a sharded checkpoint (no .metadata file)")
             return _load_sharded(path)
-        # weights_only=False: our checkpoints hold the optimizer/scheduler partials of the model's hparams
-        return torch.load(path, map_location="cpu", weights_only=False)
+        return torch.load(path, map_location="cpu", weights_only=True)
     except CheckpointError:
         raise
     except READ_ERRORS as err:
@@ -115,8 +114,8 @@ def load(path: Path) -> dict[str, Any]:
 
 
 def _load_sharded(folder: Path) -> dict[str, Any]:
-    """Lightning's `_load_distributed_checkpoint`, except for meta.pt: it reads that with torch's default
-    weights_only=True, which refuses the hparams (DictConfig, partials) our checkpoints carry."""
+    """The folder as Lightning's `_load_distributed_checkpoint` reads it, in one process: the shards, then
+    meta.pt (plain data: weights_only=True)."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
@@ -126,7 +125,7 @@ def _load_sharded(folder: Path) -> dict[str, Any]:
     _load_state_dict(checkpoint, storage_reader=reader, planner=planner, no_dist=True)
     meta = folder / _METADATA_FILENAME
     if meta.is_file():
-        checkpoint.update(torch.load(meta, map_location="cpu", weights_only=False))
+        checkpoint.update(torch.load(meta, map_location="cpu", weights_only=True))
     return checkpoint
 
 

@@ -108,9 +108,8 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
         ckpt_path = checkpoint_to_resume(cfg, trainer)
         decided = os.environ.get(DECIDED_ENV)
         os.environ[DECIDED_ENV] = ckpt_path or ""  # the local ranks Lightning starts follow this decision
-        # weights_only=False: our checkpoints hold the optimizer/scheduler partials of the model's hparams
         try:
-            trainer.fit(model=model, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=False)
+            trainer.fit(model=model, datamodule=datamodule, ckpt_path=ckpt_path)
         except RuntimeError as err:
             if "Error(s) in loading state_dict" not in str(err):
                 raise
@@ -131,7 +130,7 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
             # the path agrees on every rank (the monitored metric is synced); a rank that cannot read
             # it (no shared filesystem) fails loudly instead of testing other weights than its peers
             log.info(f"Testing the best checkpoint: {best}")
-            trainer.test(model=model, datamodule=datamodule, ckpt_path=best, weights_only=False)
+            trainer.test(model=model, datamodule=datamodule, ckpt_path=best)
         else:
             log.warning("No best checkpoint found: testing the current weights")
             trainer.test(model=model, datamodule=datamodule)

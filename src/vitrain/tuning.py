@@ -33,7 +33,6 @@ from typing import Any
 import lightning as L
 import psutil
 import torch
-from lightning.pytorch.plugins import TorchCheckpointIO
 from lightning.pytorch.tuner import Tuner
 from omegaconf import DictConfig, open_dict
 
@@ -139,15 +138,6 @@ class PerDeviceBatch(L.LightningDataModule):
         raise MemoryCapExceeded(f"{self.stopped_by} > max_memory_gb={self.cap / GB:.2f}")
 
 
-class TrustedCheckpointIO(TorchCheckpointIO):
-    """Loads the finder's own temporary checkpoint (written by this process moments before) in full: our
-    hyperparameters hold config objects that `torch.load(weights_only=True)` refuses."""
-
-    def load_checkpoint(self, path: Any, map_location: Any = "cpu", weights_only: bool | None = None) -> dict:
-        # to the CPU: the model is moved back to the device by the trainer (vitrain/checkpoints.py says why)
-        return super().load_checkpoint(path, map_location=map_location or "cpu", weights_only=False)
-
-
 def memory_cap_bytes(max_memory_gb: float | None, device: torch.device) -> float | None:
     """The cap in bytes: the configured one; on CPU half the RAM when none is configured; on GPU none (the
     device's own out-of-memory error stops the search)."""
@@ -233,7 +223,6 @@ def find_max_batch_size(
         num_sanity_val_steps=0,
         use_distributed_sampler=False,
         default_root_dir=str(run_dir),
-        plugins=[TrustedCheckpointIO()],
     )
     device = tuner_trainer.strategy.root_device
     cap = memory_cap_bytes(options.get("max_memory_gb"), device)

@@ -52,6 +52,9 @@ class ExactResume(Callback):
         if self._cuda is None:
             self._cuda = torch.cuda.is_available()
         states = _collect_rng_states(include_cuda=False)
+        # numpy's key as a list: a checkpoint with an ndarray needs torch.load(weights_only=False)
+        kind, key, pos, has_gauss, gauss = states["numpy"]
+        states["numpy"] = (kind, key.tolist(), int(pos), int(has_gauss), float(gauss))
         # this process's devices' generators (CPU byte tensors: no device tensor reaches the checkpoint)
         states["torch.cuda"] = torch.cuda.get_rng_state_all() if self._cuda else []
         return states
