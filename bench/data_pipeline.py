@@ -162,7 +162,7 @@ def data_wait(args: Any, workdir: Path) -> dict[str, Any]:
     with open_dict(cfg):
         cfg.callbacks["bench_probe"] = {"_target_": "probe.BenchProbe", "out": str(workdir / "wait.json")}
     objects = build(cfg)
-    datamodule, trainer = objects["datamodule"], objects["trainer"]
+    datamodule, trainer = objects.datamodule, objects.trainer
     events: list[tuple[float, float, str]] = []  # (start, seconds, what)
 
     augment = datamodule.on_after_batch_transfer
@@ -195,7 +195,7 @@ def data_wait(args: Any, workdir: Path) -> dict[str, Any]:
 
     datamodule.on_after_batch_transfer = timed_augment
     datamodule.train_dataloader = timed_loader
-    trainer.fit(objects["model"], datamodule=datamodule)
+    trainer.fit(objects.model, datamodule=datamodule)
     probe = next(c for c in trainer.callbacks if isinstance(c, BenchProbe))
     ends = probe.record["step_ends"]
     start, end = ends[warmup], ends[-1]

@@ -209,7 +209,7 @@ def test_step_values_are_logged_as_cpu_tensors_on_log_steps_only(
         tmp_path,
     )  # fmt: skip
     objects = build(cfg)
-    model, trainer = objects["model"], objects["trainer"]
+    model, trainer = objects.model, objects.trainer
     logged: list[tuple[int, str, Any]] = []
     original = model.log
 
@@ -219,7 +219,7 @@ def test_step_values_are_logged_as_cpu_tensors_on_log_steps_only(
         original(name, value, *args, **kwargs)
 
     monkeypatch.setattr(model, "log", spy)
-    trainer.fit(model, datamodule=objects["datamodule"])
+    trainer.fit(model, datamodule=objects.datamodule)
     steps = sorted({step for step, name, _ in logged if name == "train/loss_step"})
     assert steps == [1, 3], steps  # the batches after which Lightning writes logs (every 2nd step)
     for _, _, value in logged:

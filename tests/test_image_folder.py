@@ -102,9 +102,9 @@ def test_trains_one_process_then_eval_per_class(photos: Path, tmp_path: Path, ca
 
     cfg = compose_cfg("train", [*_overrides(photos, tmp_path), "+trainer.limit_train_batches=3"], tmp_path)
     metrics, objects = train(cfg)
-    assert objects["trainer"].global_step == 3 and "val/acc1" in metrics
-    assert objects["model"].net.head.out_features == 3
-    dm = objects["datamodule"]
+    assert objects.trainer.global_step == 3 and "val/acc1" in metrics
+    assert objects.model.net.head.out_features == 3
+    dm = objects.datamodule
     assert (len(dm.train_set), len(dm.val_set)) == (N_TRAIN_ALL, N_VAL_ALL)
     last = tmp_path / "checkpoints" / "last.ckpt"
     ckpt = torch.load(last, weights_only=True)

@@ -64,11 +64,11 @@ def test_auto_trains_in_memory_with_exact_eval(
     with caplog.at_level(logging.INFO, logger="vitrain.data.image_folder"):
         metrics, objects = train(cfg)
     assert any("image folder: in memory (datamodule.in_memory=auto)" in r.message for r in caplog.records)
-    dm, model = objects["datamodule"], objects["model"]
+    dm, model = objects.datamodule, objects.model
     assert isinstance(dm.train_set, TensorImageDataset) and isinstance(dm.val_set, TensorImageDataset)
     assert dm.train_set.x.shape == (N_TRAIN_ALL, 3, 32, 32) and dm.train_set.x.dtype == torch.uint8
     assert dm.num_workers() == 0 and dm.device_transform() is not None
-    assert objects["trainer"].global_step == 3 and model.net.head.out_features == 3
+    assert objects.trainer.global_step == 3 and model.net.head.out_features == 3
     ckpt = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)
     assert ckpt["class_names"] == list(CLASSES)
 

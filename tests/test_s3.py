@@ -541,7 +541,7 @@ def test_train_uploads_best_once_and_eval_from_s3_matches_local(
 
     monkeypatch.setenv("S3_BUCKET", s3_bucket)
     _, objects = train(compose_cfg("train", _train_overrides(tiny_cifar, data_cache), tmp_path / "run"))
-    best = Path(objects["best_model_path"])
+    best = Path(objects.best_model_path)
     key = f"runs/run/checkpoints/{best.name}"
     assert upload_calls.count(key) == 1
     assert _body(s3_env, s3_bucket, key) == best.read_bytes()
@@ -556,9 +556,9 @@ def test_train_uploads_best_once_and_eval_from_s3_matches_local(
         return evaluate(compose_cfg("eval", overrides, tmp_path / out))
 
     local, _ = evaluate_ckpt(str(best), "eval_local")
-    remote, objects = evaluate_ckpt(f"s3://{s3_bucket}/{key}", "eval_s3")
+    remote, evaluated = evaluate_ckpt(f"s3://{s3_bucket}/{key}", "eval_s3")
     assert remote == local and "val/acc1" in remote
-    assert objects["checkpoint_path"].is_relative_to(tmp_path / "cache")
+    assert evaluated["checkpoint_path"].is_relative_to(tmp_path / "cache")
 
 
 @pytest.mark.slow

@@ -27,7 +27,7 @@ def test_train_writes_checkpoints_and_tensorboard(tmp_path: Path, tiny_cifar: Pa
 
     ckpt_dir = tmp_path / "checkpoints"
     assert (ckpt_dir / "last.ckpt").is_file()
-    best = Path(objects["best_model_path"])
+    best = Path(objects.best_model_path)
     assert best.is_file() and best.parent == ckpt_dir
     for name in (
         "train/loss_epoch",

@@ -28,13 +28,16 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning as L
 import psutil
 import torch
 from lightning.pytorch.tuner import Tuner
 from omegaconf import DictConfig, open_dict
+
+if TYPE_CHECKING:
+    from vitrain.training import RunObjects
 
 from vitrain.distributed.ranks import devices_per_node, global_rank_from_env
 from vitrain.errors import UserError
@@ -157,7 +160,7 @@ def first_device(devices: Any) -> int | list[int]:
     return 1
 
 
-def search_batch_size(cfg: DictConfig, objects: dict[str, Any]) -> dict[str, Any] | None:
+def search_batch_size(cfg: DictConfig, objects: RunObjects) -> dict[str, Any] | None:
     """Run the search if `tune.batch_size` is configured (`+tune=batch_size`); returns its result."""
     options = (cfg.get("tune") or {}).get("batch_size")
     if not options or not options.get("enabled", True):
@@ -170,7 +173,7 @@ def search_batch_size(cfg: DictConfig, objects: dict[str, Any]) -> dict[str, Any
             return None
         result = _read_result(run_dir)  # global rank zero searched before it launched this process
     else:
-        result = find_max_batch_size(objects["model"], objects["datamodule"], cfg, world, run_dir, options)
+        result = find_max_batch_size(objects.model, objects.datamodule, cfg, world, run_dir, options)
         (run_dir / SEARCH_FILE).write_text(json.dumps(result, indent=2) + "\n")
         log.info(
             "Largest batch size that fits: %d per device, %d global (%d processes); see %s",
@@ -180,12 +183,12 @@ def search_batch_size(cfg: DictConfig, objects: dict[str, Any]) -> dict[str, Any
             run_dir / SEARCH_FILE,
         )
     if options.get("apply"):
-        objects["datamodule"].hparams.batch_size = result["global"]
+        objects.datamodule.hparams.batch_size = result["global"]
         with open_dict(cfg):
             cfg.datamodule.batch_size = result["global"]
-        if getattr(objects["model"], "run_config", None):
-            objects["model"].run_config["datamodule"]["batch_size"] = result["global"]
-    objects["batch_size_search"] = result
+        if getattr(objects.model, "run_config", None):
+            objects.model.run_config["datamodule"]["batch_size"] = result["global"]
+    objects.batch_size_search = result
     return result
 
 

@@ -69,7 +69,9 @@ class ImageClassifier(L.LightningModule):
         super().__init__()
         net, optimizer, scheduler, mixup = plain(net), plain(optimizer), plain(scheduler), plain(mixup)
         for name, node in (("optimizer", optimizer), ("scheduler", scheduler)):
-            if not (isinstance(node, dict) and "_target_" in node) and (node is not None or name == "optimizer"):
+            if not (isinstance(node, dict) and "_target_" in node) and (
+                node is not None or name == "optimizer"
+            ):
                 raise ModelError(f"model.{name} must be a config node with a _target_, not {node!r}")
         self.save_hyperparameters(logger=False)  # the plain values above (read from this frame's locals)
         self.net: nn.Module = create_net(net, weights_file)
@@ -176,11 +178,11 @@ class ImageClassifier(L.LightningModule):
             base_lr = options["lr"]
             for group in groups:
                 group["lr"] = base_lr * group["lr_scale"]  # torch's schedulers scale each group's own lr
-        optimizer = build(options)(params=groups)
+        optimizer = hydra_partial(options)(params=groups)
         if self.hparams.scheduler is None:
             return {"optimizer": optimizer}
         # the trainer: its max_time is the schedule's time budget (vitrain/models/schedules.py)
-        scheduler = build(self.hparams.scheduler)(
+        scheduler = hydra_partial(self.hparams.scheduler)(
             optimizer=optimizer, total_steps=self.trainer.estimated_stepping_batches, trainer=self.trainer
         )
         return {
@@ -200,7 +202,7 @@ class ImageClassifier(L.LightningModule):
         check_classes(checkpoint.get("class_names"), self.class_names, "ckpt_path")
 
 
-def build(node: Mapping[str, Any]) -> Any:
+def hydra_partial(node: Mapping[str, Any]) -> Any:
     """A Hydra node as a partial, called with the objects (param groups, optimizer, trainer) only now there:
     passed to `instantiate` itself they would be copied into the config."""
     return hydra.utils.instantiate(node, _partial_=True, _convert_="all")
