@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from common import (
     SMALL_VIT,
+    SMOKE_NET,
     Result,
     compose,
     data_overrides,
@@ -151,10 +152,7 @@ def data_wait(args: Any, workdir: Path) -> dict[str, Any]:
     ]
     if args.smoke:
         overrides += [
-            "model.net.patch_size=8",
-            "model.net.embed_dim=32",
-            "model.net.depth=2",
-            "model.net.num_heads=2",
+            *SMOKE_NET,  # the experiment's conv stem shrunk (a patch size of 8 would not fit its 4x4 map)
             "datamodule.batch_size=8",
             "datamodule.val_size=16",
         ]

@@ -77,3 +77,15 @@ def test_optimizer_must_be_a_node(bad: Any):
            "embed_dim": 32, "depth": 1, "num_heads": 2}  # fmt: skip
     with pytest.raises(ModelError, match=r"model\.optimizer must be a config node"):
         ImageClassifier(net=net, optimizer=bad)
+
+
+def test_a_checkpoint_with_python_objects_is_refused_in_one_line(tmp_path: Path):
+    """What a checkpoint of an earlier version (config objects in its hyperparameters) gives."""
+    from omegaconf import OmegaConf
+
+    path = tmp_path / "old.ckpt"
+    torch.save({"hyper_parameters": {"net": OmegaConf.create({"model_name": "x"})}}, path)
+    with pytest.raises(checkpoints.CheckpointError, match="holds Python objects, not only plain data"):
+        checkpoints.load(path)
+    with pytest.raises(checkpoints.CheckpointError, match="holds Python objects"):
+        checkpoints.AtomicCheckpointIO().load_checkpoint(path)

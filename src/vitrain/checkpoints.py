@@ -122,6 +122,12 @@ def state_dict_mismatch(err: BaseException) -> str | None:
 
 
 def _damaged(path: Path, err: BaseException) -> CheckpointError:
+    if "Weights only load failed" in str(err):
+        # checkpoints hold plain data only; those of earlier versions pickled config objects
+        return CheckpointError(
+            f"checkpoint {path} holds Python objects, not only plain data: written by an earlier vitrain "
+            "(before plain checkpoints) or by other code; torch.load(weights_only=True) refuses it"
+        )
     return CheckpointError(
         f"checkpoint {path} is truncated or corrupted ({type(err).__name__}): use another checkpoint"
     )
