@@ -152,7 +152,7 @@ def data_wait(args: Any, workdir: Path) -> dict[str, Any]:
     ]
     if args.smoke:
         overrides += [
-            *SMOKE_NET,
+            *SMOKE_NET,  # the experiment's conv stem shrunk (a patch size of 8 would not fit its 4x4 map)
             "datamodule.batch_size=8",
             "datamodule.val_size=16",
         ]
@@ -160,7 +160,7 @@ def data_wait(args: Any, workdir: Path) -> dict[str, Any]:
     with open_dict(cfg):
         cfg.callbacks["bench_probe"] = {"_target_": "probe.BenchProbe", "out": str(workdir / "wait.json")}
     objects = build(cfg)
-    datamodule, trainer = objects["datamodule"], objects["trainer"]
+    datamodule, trainer = objects.datamodule, objects.trainer
     events: list[tuple[float, float, str]] = []  # (start, seconds, what)
 
     augment = datamodule.on_after_batch_transfer
@@ -193,7 +193,7 @@ def data_wait(args: Any, workdir: Path) -> dict[str, Any]:
 
     datamodule.on_after_batch_transfer = timed_augment
     datamodule.train_dataloader = timed_loader
-    trainer.fit(objects["model"], datamodule=datamodule)
+    trainer.fit(objects.model, datamodule=datamodule)
     probe = next(c for c in trainer.callbacks if isinstance(c, BenchProbe))
     ends = probe.record["step_ends"]
     start, end = ends[warmup], ends[-1]

@@ -129,7 +129,7 @@ def data_wait(source: str, data_dir: Path, args: Any, workdir: Path) -> dict[str
         overrides += ["+model.net.depth=1", "+model.net.embed_dim=64", "+model.net.num_heads=2"]
     cfg = compose(overrides, workdir / "wait")
     objects = build(cfg)
-    dm, trainer = objects["datamodule"], objects["trainer"]
+    dm, trainer = objects.datamodule, objects.trainer
     fetch: list[float] = []
     ends: list[float] = []
     make_loader = dm.train_dataloader
@@ -156,7 +156,7 @@ def data_wait(source: str, data_dir: Path, args: Any, workdir: Path) -> dict[str
 
     trainer.callbacks.append(LambdaCallback(on_train_batch_end=lambda *a: ends.append(time.perf_counter())))
     dm.train_dataloader = timed_loader
-    trainer.fit(objects["model"], datamodule=dm)
+    trainer.fit(objects.model, datamodule=dm)
     # fetch[i] precedes step i; steady state: steps after the warm-up
     waited = sum(fetch[warmup + 1 : len(ends)])
     window = ends[-1] - ends[warmup]

@@ -74,12 +74,12 @@ def timed_fit(args: Any, overrides: list[str], workdir: Path) -> dict[str, Any]:
             "warmup": args.warmup,
         }
     _, objects = train(cfg)
-    probe = next(c for c in objects["trainer"].callbacks if isinstance(c, BenchProbe))
+    probe = next(c for c in objects.trainer.callbacks if isinstance(c, BenchProbe))
     rec = probe.record
     ends = rec["step_ends"][args.warmup :]
     batch = int(cfg.datamodule.batch_size)
     net_cfg = OmegaConf.to_container(cfg.model.net, resolve=True)
-    img = int(objects["model"].input_spec["img_size"])
+    img = int(objects.model.input_spec["img_size"])
     return {
         "images_per_s": batch * (len(ends) - 1) / (ends[-1] - ends[0]),
         "flops_per_image": flops_per_image(net_cfg, img),
@@ -87,7 +87,7 @@ def timed_fit(args: Any, overrides: list[str], workdir: Path) -> dict[str, Any]:
         "batch_size": batch,
         "img_size": img,
         "model": net_cfg["model_name"],
-        "device": str(objects["trainer"].strategy.root_device),
+        "device": str(objects.trainer.strategy.root_device),
     }
 
 

@@ -299,10 +299,10 @@ def check_ddp(ctx: Ctx) -> Outcome:
     last = checkpoint_in(run_dir)
     from vitrain.checkpoints import AtomicCheckpointIO
 
-    raw = torch.load(last, weights_only=False)  # where the tensors were saved (rank 0: cuda:0)
+    raw = torch.load(last, weights_only=True)  # plain data; where the tensors were saved (rank 0: cuda:0)
     fig["saved_on"] = sorted({p.rsplit(" on ", 1)[1] for p in device_tensors(raw)})
     del raw
-    on_device = device_tensors(AtomicCheckpointIO().load_checkpoint(last, weights_only=False))
+    on_device = device_tensors(AtomicCheckpointIO().load_checkpoint(last))
     expect(not on_device, f"AtomicCheckpointIO loaded tensors to GPUs: {on_device[:3]}")
     resumed = ctx.run("ddp_resume", "train.py", setting(overrides, trainer__max_epochs=3, ckpt_path=last))
     rfig = gpu_figures(report_of(resumed))
@@ -351,7 +351,7 @@ def check_fsdp(ctx: Ctx) -> Outcome:
     expect_gpu_report(ctx, fig, ctx.gpus)
     last = checkpoint_in(run_dir)
     expect(last.is_dir(), f"{last} is not a sharded folder")
-    meta = torch.load(last / "meta.pt", weights_only=False)  # as Lightning reads it: no map_location
+    meta = torch.load(last / "meta.pt", weights_only=True)  # as Lightning reads it: no map_location
     on_device = device_tensors(meta)
     expect(not on_device, f"GPU tensors in meta.pt: {on_device[:3]}")
     resumed = ctx.run(

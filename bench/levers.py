@@ -69,13 +69,13 @@ class Variant:
         import hydra
         from timm.optim import param_groups_weight_decay
 
-        from vitrain.models.classifier import set_fused_attn
+        from vitrain.models.classifier import hydra_partial, set_fused_attn
 
         torch.manual_seed(0)
         self.net = hydra.utils.instantiate(cfg.model).net.train()
         if fused_attn is not None:
             set_fused_attn(self.net, fused_attn)
-        factory = hydra.utils.instantiate(cfg.model.optimizer)
+        factory = hydra_partial(cfg.model.optimizer)
         kwargs = {k: v for k, v in factory.keywords.items() if k not in ("fused", "foreach")}
         groups = param_groups_weight_decay(self.net, weight_decay=kwargs.get("weight_decay", 0.0))
         self.optimizer = factory.func(

@@ -60,6 +60,7 @@ class PlainLoop:
         from timm.optim import param_groups_weight_decay
 
         from vitrain.data.augment import BatchTransform
+        from vitrain.models.classifier import hydra_partial
 
         self.cfg, self.device = cfg, device
         # the same timm net (and attention setting) the template builds, used as a plain nn.Module
@@ -72,13 +73,11 @@ class PlainLoop:
         self.x, self.y = datamodule.train_set.x.to(device), datamodule.train_set.y.to(device)
         self.transform: BatchTransform = datamodule.transform
         self.batch = int(cfg.datamodule.batch_size)
-        opt_factory = hydra.utils.instantiate(cfg.model.optimizer)
+        opt_factory = hydra_partial(cfg.model.optimizer)
         wd = opt_factory.keywords.get("weight_decay", 0.0)
         self.optimizer = opt_factory(params=param_groups_weight_decay(self.net, weight_decay=wd))
         steps = len(self.y) // self.batch
-        self.scheduler = hydra.utils.instantiate(cfg.model.scheduler)(
-            optimizer=self.optimizer, total_steps=steps
-        )
+        self.scheduler = hydra_partial(cfg.model.scheduler)(optimizer=self.optimizer, total_steps=steps)
         self.label_smoothing = float(cfg.model.label_smoothing)
         precision = str(resolve_precision(cfg.trainer))  # `auto`: what the template's own run resolves to
         self.autocast = (

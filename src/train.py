@@ -15,7 +15,7 @@ register_resolvers()
 def main(cfg: DictConfig) -> float | None:
     metrics, objects = run_task(train, cfg)
     # what a Hydra sweeper (hparams_search=...) optimises: the best value the run reached
-    return best_value(cfg.get("optimized_metric") or "val/acc1", metrics, objects["trainer"])
+    return best_value(cfg.get("optimized_metric") or "val/acc1", metrics, objects.trainer)
 
 
 if __name__ == "__main__":

@@ -48,7 +48,7 @@ def main(strategy: str, data: str, cache: str, out: str, *extra: str) -> None:
         ]
         cfg = compose_cfg("train", overrides, out_dir / family)
         _, objects = train(cfg)
-        trainer, net = objects["trainer"], objects["model"].net
+        trainer, net = objects.trainer, objects.model.net
         rank = trainer.global_rank
         result = {
             "world_size": trainer.world_size,
@@ -56,7 +56,7 @@ def main(strategy: str, data: str, cache: str, out: str, *extra: str) -> None:
             "sharded_units": sum(isinstance(m, FSDPModule) for m in net.modules()),
             "dtensor_params": sum(type(p).__name__ == "DTensor" for p in net.parameters()),
             "finite": all(bool(torch.isfinite(_full(p)).all()) for p in net.parameters()),
-            "best": objects.get("best_model_path"),
+            "best": objects.best_model_path,
         }
         (out_dir / f"{family}.rank{rank}.json").write_text(json.dumps(result))
 

@@ -5,7 +5,9 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
+import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
@@ -84,3 +86,20 @@ def run_cli(
         timeout=timeout,
         **popen,
     )
+
+
+# what `torch.load(weights_only=True)` reads: a checkpoint holds nothing else
+PLAIN = (str, int, float, bool, type(None), torch.Tensor)
+
+
+def assert_plain(value: Any, where: str = "checkpoint") -> None:
+    """Only dicts, lists, tuples, scalars, strings and tensors: no config or numpy objects anywhere."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            assert isinstance(key, str | int), f"{where}: key {key!r}"
+            assert_plain(item, f"{where}/{key}")
+    elif isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            assert_plain(item, f"{where}[{i}]")
+    else:
+        assert isinstance(value, PLAIN), f"{where}: {type(value).__name__}"

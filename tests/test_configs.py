@@ -79,7 +79,7 @@ def test_every_experiment_runs_fast_dev_run(
         "extras.print_config=false",
     ]
     metrics, objects = train(compose_cfg("train", overrides, tmp_path))
-    assert objects["trainer"].global_step == 1
+    assert objects.trainer.global_step == 1
     assert {"train/loss_epoch", "val/acc1", "test/acc1"} <= metrics.keys()
 
 
@@ -117,9 +117,9 @@ def test_seed_command_trains_single_process(tmp_path: Path, real_cifar10_cache):
         "extras.print_config=false",
     ]
     metrics, objects = train(compose_cfg("train", overrides, tmp_path))
-    trainer = objects["trainer"]
+    trainer = objects.trainer
     assert trainer.global_step == 1 and trainer.world_size == 1
-    assert objects["model"].net.patch_embed.proj.kernel_size == (32, 32)
-    assert objects["datamodule"].hparams.batch_size == 384
-    assert Path(objects["best_model_path"]).is_file()
+    assert objects.model.net.patch_embed.proj.kernel_size == (32, 32)
+    assert objects.datamodule.hparams.batch_size == 384
+    assert Path(objects.best_model_path).is_file()
     assert "test/acc1" in metrics

@@ -497,12 +497,12 @@ def test_cifar100_trains_with_a_100_class_head(tmp_path: Path):
         "logger=csv",
     ]
     metrics, objects = train(compose_cfg("train", overrides, tmp_path / "run"))
-    dm, model = objects["datamodule"], objects["model"]
+    dm, model = objects.datamodule, objects.model
     assert isinstance(dm, CIFAR100DataModule) and dm.num_classes == 100 and dm.mean == CIFAR100_MEAN
-    assert model.net.head.out_features == 100 and objects["trainer"].global_step == 3
+    assert model.net.head.out_features == 100 and objects.trainer.global_step == 3
     assert (len(dm.train_set), len(dm.val_set), len(dm.test_set)) == (180, 20, 100)
     assert "val/acc1" in metrics
-    ckpt = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=False)
+    ckpt = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=True)
     assert ckpt["class_names"] == list(CIFAR100_NAMES)
     assert ckpt["run_config"]["model"]["net"]["num_classes"] == 100
 

@@ -53,7 +53,7 @@ def test_debug_config_runs(
     option: str, shorter: list[str], steps: int, tmp_path: Path, tiny_cifar: Path, data_cache: Path
 ):
     metrics, objects = debug_run(option, tmp_path, tiny_cifar, data_cache, *shorter)
-    trainer = objects["trainer"]
+    trainer = objects.trainer
     assert trainer.global_step == steps and trainer.world_size == 1
     # no logger but the record (fast_dev_run swaps every logger for Lightning's DummyLogger)
     expected = "DummyLogger" if option == "fdr" else "MetricRecord"
@@ -72,7 +72,7 @@ def test_debug_profiler_writes_its_table_into_the_run_dir(tmp_path: Path, tiny_c
 def test_debug_overfit_loss_falls(tmp_path: Path, tiny_cifar: Path, data_cache: Path):
     """The same 3 batches again and again: the training loss must fall (6 of the config's 20 epochs)."""
     _, objects = debug_run("overfit", tmp_path, tiny_cifar, data_cache, "trainer.max_epochs=6")
-    trainer = objects["trainer"]
+    trainer = objects.trainer
     assert trainer.global_step == 18 and trainer.num_training_batches == 3
     assert not list(tmp_path.glob("checkpoints/*.ckpt"))
     losses = [

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from helpers import PYTHON, ROOT, TINY_VIT, compose_cfg, run_cli, tiny_overrides
+from helpers import PYTHON, ROOT, TINY_VIT, assert_plain, compose_cfg, run_cli, tiny_overrides
 from vitrain import checkpoints
 from vitrain.distributed.ddp import DDPStrategy
 from vitrain.distributed.ranks import devices_per_node, global_rank_from_env
@@ -147,6 +147,35 @@ def test_fsdp_two_processes_saves_shards(fsdp_run: Run):
     assert sorted(p.name for p in last.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
     assert "FSDPVisionTransformer" in fsdp_run.output  # the model summary shows the sharded net
     assert "test/acc1" in fsdp_run.output  # the sharded best checkpoint reloads for testing
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(RUN_TIMEOUT)
+@pytest.mark.parametrize("name", ["ddp_run", "fsdp_run"])
+def test_checkpoints_are_plain(name: str, request: pytest.FixtureRequest):
+    """`torch.load(weights_only=True)` reads the DDP file and the FSDP folder's meta.pt (rank 0's RNG
+    states and those gathered from rank 1 included); the folder loads whole with checkpoints.load."""
+    run: Run = request.getfixturevalue(name)
+    last = run.dir / "checkpoints" / "last.ckpt"
+    meta = torch.load(last / "meta.pt" if last.is_dir() else last, weights_only=True)
+    assert_plain(meta, name)
+    assert len(meta["rng_states_per_rank"]) == 2 and meta["hyper_parameters"]["optimizer"]["_target_"]
+    assert "state_dict" in checkpoints.load(last)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(RUN_TIMEOUT)
+def test_fsdp_one_file_checkpoint_is_plain(tmp_path: Path, tiny_cifar: Path, data_cache: Path):
+    """`save_distributed_checkpoint=false`: rank 0 writes one file; testing reloads the best one."""
+    args = [*overrides(tiny_cifar, data_cache), "trainer=fsdp", "trainer.devices=2",
+            "trainer.strategy.save_distributed_checkpoint=false"]  # fmt: skip
+    run = launch(tmp_path / "run", args)
+    assert "test/acc1" in run.output
+    last = run.dir / "checkpoints" / "last.ckpt"
+    assert last.is_file()
+    checkpoint = torch.load(last, weights_only=True)
+    assert_plain(checkpoint, "last.ckpt")
+    assert any(k.startswith("net.") for k in checkpoint["state_dict"])
 
 
 @pytest.mark.distributed

@@ -3,8 +3,12 @@
 from pathlib import Path
 
 import pytest
+import torch
 
 from helpers import run_cli, tiny_overrides
+from vitrain.checkpoints import state_dict_mismatch
+from vitrain.errors import ModelError
+from vitrain.models.timm_net import create_net
 
 
 def _last_line(stderr: str) -> str:
@@ -135,3 +139,20 @@ def test_master_port_in_use(tmp_path: Path):
         done = _launch(tmp_path, {"NODE_RANK": "0", "MASTER_PORT": str(port), "WORLD_SIZE": "2"})
     _assert_clean_failure(done, f"MASTER_PORT={port} is in use on this machine")
     assert done.returncode == 2
+
+
+def test_state_dict_mismatch_gives_the_first_detail(tmp_path: Path):
+    """One helper turns torch's multi-line state-dict error into its first detail: resume, eval.py, weights_file."""
+    with pytest.raises(RuntimeError) as info:
+        torch.nn.Linear(2, 3).load_state_dict({"weight": torch.zeros(4, 2), "bias": torch.zeros(3)})
+    assert state_dict_mismatch(info.value).startswith("size mismatch for weight")
+    assert state_dict_mismatch(RuntimeError("out of memory")) is None
+
+    net = {"model_name": "vit_tiny_patch16_224", "img_size": 32, "patch_size": 8, "depth": 1,
+           "num_heads": 2, "num_classes": 10}  # fmt: skip
+    weights = tmp_path / "wider.pth"
+    torch.save(create_net({**net, "embed_dim": 48}).state_dict(), weights)
+    with pytest.raises(
+        ModelError, match=r"model\.weights_file=.* does not fit vit_tiny_patch16_224: size mismatch"
+    ):
+        create_net({**net, "embed_dim": 32}, str(weights))

@@ -37,12 +37,12 @@ def test_sigterm_two_process_ddp_saves_last_then_resumes(tmp_path: Path, tiny_ci
         start_new_session=True,
     )
     assert stopped.returncode == 143, stopped.stderr[-3000:]
-    saved = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)
+    saved = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)
     assert saved["global_step"] == 10  # signalled after step 5; the ranks agree every 10 steps
 
     resumed = run_cli("train.py", [*overrides, "ckpt_path=last"], env={"PYTHONPATH": TESTS})
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    final = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)
+    final = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)
     assert final["epoch"] == 1 and final["global_step"] == 2 * 28  # 224 images / global batch 8, 2 epochs
 
 

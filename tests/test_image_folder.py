@@ -102,12 +102,12 @@ def test_trains_one_process_then_eval_per_class(photos: Path, tmp_path: Path, ca
 
     cfg = compose_cfg("train", [*_overrides(photos, tmp_path), "+trainer.limit_train_batches=3"], tmp_path)
     metrics, objects = train(cfg)
-    assert objects["trainer"].global_step == 3 and "val/acc1" in metrics
-    assert objects["model"].net.head.out_features == 3
-    dm = objects["datamodule"]
+    assert objects.trainer.global_step == 3 and "val/acc1" in metrics
+    assert objects.model.net.head.out_features == 3
+    dm = objects.datamodule
     assert (len(dm.train_set), len(dm.val_set)) == (N_TRAIN_ALL, N_VAL_ALL)
     last = tmp_path / "checkpoints" / "last.ckpt"
-    ckpt = torch.load(last, weights_only=False)
+    ckpt = torch.load(last, weights_only=True)
     assert ckpt["class_names"] == list(CLASSES)
     assert ckpt["run_config"]["model"]["net"]["num_classes"] == 3
 
@@ -270,7 +270,7 @@ def test_mid_epoch_resume_continues_the_epoch(photos: Path, tmp_path: Path, monk
     whole = Recorder()
     _trainer(callbacks=[SaveAt(3, ckpt)], default_root_dir=tmp_path).fit(whole, datamodule=dm())
     assert len(whole.seen) == 8 * (N_TRAIN_ALL // 8) and sorted(whole.seen) == list(range(N_TRAIN_ALL))
-    saved = torch.load(ckpt, weights_only=False)["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]
+    saved = torch.load(ckpt, weights_only=True)["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]
     assert saved["_snapshot"]["_snapshot_step"] == 3  # the StatefulDataLoader's own state
 
     rest = Recorder()
@@ -304,7 +304,7 @@ def test_ddp_two_processes_exact_eval(photos: Path, tmp_path: Path):
     done = run_cli("train.py", args, env={"PYTHONPATH": str(ROOT / "tests")}, timeout=RUN_TIMEOUT)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     assert "GLOBAL_RANK: 1, MEMBER: 2/2" in done.stdout + done.stderr
-    ckpt = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=False)
+    ckpt = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=True)
     assert ckpt["class_names"] == list(CLASSES) and ckpt["global_step"] == 2
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert sorted(map(len, ranks)) == [4, 5]

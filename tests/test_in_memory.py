@@ -64,12 +64,12 @@ def test_auto_trains_in_memory_with_exact_eval(
     with caplog.at_level(logging.INFO, logger="vitrain.data.image_folder"):
         metrics, objects = train(cfg)
     assert any("image folder: in memory (datamodule.in_memory=auto)" in r.message for r in caplog.records)
-    dm, model = objects["datamodule"], objects["model"]
+    dm, model = objects.datamodule, objects.model
     assert isinstance(dm.train_set, TensorImageDataset) and isinstance(dm.val_set, TensorImageDataset)
     assert dm.train_set.x.shape == (N_TRAIN_ALL, 3, 32, 32) and dm.train_set.x.dtype == torch.uint8
     assert dm.num_workers() == 0 and dm.device_transform() is not None
-    assert objects["trainer"].global_step == 3 and model.net.head.out_features == 3
-    ckpt = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)
+    assert objects.trainer.global_step == 3 and model.net.head.out_features == 3
+    ckpt = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)
     assert ckpt["class_names"] == list(CLASSES)
 
     # the validation tensors are the val/ files, in order, each decoded once
@@ -192,7 +192,7 @@ def test_ddp_two_processes_in_memory_exact_eval(photos: Path, tmp_path: Path):
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-4000:]
     assert "x 2 processes on this node" in out and "image folder: in memory" in out
-    ckpt = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=False)
+    ckpt = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=True)
     assert ckpt["class_names"] == list(CLASSES) and ckpt["global_step"] == 2
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert sorted(map(len, ranks)) == [4, 5]
@@ -216,7 +216,7 @@ def test_sigterm_mid_epoch_then_resume_is_bitwise(photos: Path, tmp_path: Path):
         )
 
     def weights(run_dir: Path) -> dict[str, torch.Tensor]:
-        ckpt = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)
+        ckpt = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)
         assert ckpt["global_step"] == 2 * (N_TRAIN_ALL // 8)
         return ckpt["state_dict"]
 
@@ -229,7 +229,7 @@ def test_sigterm_mid_epoch_then_resume_is_bitwise(photos: Path, tmp_path: Path):
         start_new_session=True,
     )
     assert stopped.returncode == 143, stopped.stderr[-3000:]
-    saved = torch.load(tmp_path / "stopped" / "checkpoints" / "last.ckpt", weights_only=False)
+    saved = torch.load(tmp_path / "stopped" / "checkpoints" / "last.ckpt", weights_only=True)
     assert (saved["global_step"], saved["epoch"]) == (11, 1)
     resumed = run(tmp_path / "stopped", "ckpt_path=last")
     assert resumed.returncode == 0, resumed.stderr[-3000:]

@@ -196,7 +196,7 @@ def test_mlflow_logs_params_metrics_and_the_best_checkpoint_to_a_server(
     # the best checkpoint, byte for byte, as an artifact served by the tracking server
     from mlflow.tracking import MlflowClient
 
-    best = Path(objects["best_model_path"])
+    best = Path(objects.best_model_path)
     client = MlflowClient(mlflow_server)
     listed = [Path(a.path).name for a in client.list_artifacts(run["info"]["run_id"], "checkpoints")]
     assert listed == [best.name]
@@ -206,7 +206,7 @@ def test_mlflow_logs_params_metrics_and_the_best_checkpoint_to_a_server(
         run["info"]["run_id"], f"checkpoints/{best.name}", str(tmp_path / "dl")
     )
     assert Path(fetched).read_bytes() == best.read_bytes()
-    assert torch.load(fetched, weights_only=False)["run_config"]["model"]["net"]["embed_dim"] == 32
+    assert torch.load(fetched, weights_only=True)["run_config"]["model"]["net"]["embed_dim"] == 32
 
 
 def test_many_loggers_log_the_same_scalars(
@@ -227,7 +227,7 @@ def test_many_loggers_log_the_same_scalars(
     cfg = compose_cfg("train", overrides, tmp_path)
     assert set(cfg.logger) == {"tensorboard", "csv", "mlflow", "wandb"}
     _, objects = train(cfg)
-    assert len(objects["loggers"]) == 4
+    assert len(objects.loggers) == 4
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

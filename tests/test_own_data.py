@@ -89,15 +89,15 @@ def test_experiment_trains_on_a_folder(experiment: str, drawn: PhotoFolder, tmp_
     recipe trains: RandAugment + random erasing in the loader workers, layer decay or mixup in the model."""
     overrides = _overrides(drawn.root, tmp_path, f"experiment={experiment}")
     metrics, objects = train(compose_cfg("train", [*overrides, "datamodule.bad_images=skip"], tmp_path))
-    assert objects["trainer"].global_step == 2 and "val/acc1" in metrics and "test/acc1" in metrics
-    assert objects["model"].net.head.out_features == len(drawn.classes)
-    dm = objects["datamodule"]
+    assert objects.trainer.global_step == 2 and "val/acc1" in metrics and "test/acc1" in metrics
+    assert objects.model.net.head.out_features == len(drawn.classes)
+    dm = objects.datamodule
     assert dm.hparams.auto_augment == "rand-m9-mstd0.5-inc1" and dm.hparams.re_prob == 0.25
     assert any(type(t).__name__ == "RandomErasing" for t in dm.train_set.transform.transforms)
     if experiment == "imagenet":
-        assert objects["model"].mixup is not None
+        assert objects.model.mixup is not None
     else:
-        lrs = {g["lr"] for g in objects["trainer"].optimizers[0].param_groups}
+        lrs = {g["lr"] for g in objects.trainer.optimizers[0].param_groups}
         assert len(lrs) > 2  # one LR per depth: layer-wise decay
 
 
@@ -122,9 +122,9 @@ def test_drawn_classes_train_and_the_report_counts_the_skipped_file(
         "train", [*overrides, "datamodule.bad_images=skip", f"datamodule.in_memory={in_memory}"], tmp_path
     )
     metrics, objects = train(cfg)
-    assert objects["trainer"].global_step == 2 and "test/acc1" in metrics
-    assert objects["model"].net.head.out_features == len(drawn.classes)
-    dm = objects["datamodule"]
+    assert objects.trainer.global_step == 2 and "test/acc1" in metrics
+    assert objects.model.net.head.out_features == len(drawn.classes)
+    dm = objects.datamodule
     assert dm.memory_plan().in_memory is (in_memory == "auto")
     assert (len(dm.train_set), len(dm.val_set)) == (drawn.n_train, drawn.n_val)
     if in_memory == "false":

@@ -41,11 +41,11 @@ def test_resnet18_with_default_model_config_on_cpu(tmp_path: Path, tiny_cifar: P
     )
     assert "img_size" not in cfg.model.net and "patch_size" not in cfg.model.net
     metrics, objects = train(cfg)
-    assert objects["trainer"].global_step == 2
+    assert objects.trainer.global_step == 2
     assert "test/acc1" in metrics
     # the input spec from timm's data config for the model: ImageNet mean/std only when pretrained
-    assert objects["model"].input_spec["img_size"] == 224  # timm's size, the datamodule's 32 wins
-    assert objects["datamodule"].img_size == 32
+    assert objects.model.input_spec["img_size"] == 224  # timm's size, the datamodule's 32 wins
+    assert objects.datamodule.img_size == 32
 
 
 def test_keyword_of_another_family_is_one_line_error(tmp_path: Path, tiny_cifar: Path, data_cache: Path):
@@ -170,18 +170,16 @@ def ema_run(tmp_path_factory: pytest.TempPathFactory, tiny_cifar: Path, data_cac
 
 def test_ema_weights_are_checkpointed_tested_and_evaluated(ema_run, tmp_path: Path):
     run_dir, metrics, objects = ema_run
-    best = checkpoints.load(Path(objects["best_model_path"]))
+    best = checkpoints.load(Path(objects.best_model_path))
     ema, raw = best["state_dict"], best["current_model_state"]
     assert any(not torch.equal(ema[k], raw[k]) for k in ema if k.startswith("net."))
     # test ran on the best checkpoint's EMA weights, not on its raw `current_model_state`
-    tested = objects["model"].state_dict()
+    tested = objects.model.state_dict()
     assert all(torch.equal(tested[k], v) for k, v in ema.items() if k.startswith("net."))
     last = checkpoints.load(run_dir / "checkpoints" / "last.ckpt")
     # test after fit ran on the best checkpoint's EMA weights; eval.py on the same file agrees exactly
     evaluated = evaluate(
-        compose_cfg(
-            "eval", [f"ckpt_path={objects['best_model_path']}", "extras.print_config=false"], tmp_path
-        )
+        compose_cfg("eval", [f"ckpt_path={objects.best_model_path}", "extras.print_config=false"], tmp_path)
     )[0]
     assert evaluated["test/acc1"] == pytest.approx(metrics["test/acc1"])
     # same weights; the loss may differ in the last digits (eval.py may pick another precision)
@@ -315,8 +313,7 @@ def test_fsdp_ema_refuses_one_file_checkpoints():
 def tiny_classifier(**kwargs) -> ImageClassifier:
     net = {"model_name": "vit_tiny_patch16_224", "num_classes": 10, "img_size": 32, "patch_size": 8,
            "embed_dim": 32, "depth": 4, "num_heads": 2}  # fmt: skip
-    optimizer = lambda params: torch.optim.AdamW(params, lr=1e-3, weight_decay=0.05)  # noqa: E731
-    optimizer.keywords = {"lr": 1e-3, "weight_decay": 0.05}  # what a Hydra partial carries
+    optimizer = {"_target_": "torch.optim.AdamW", "lr": 1e-3, "weight_decay": 0.05}
     return ImageClassifier(net=net, optimizer=optimizer, **kwargs)
 
 
@@ -363,9 +360,9 @@ def test_recipe_options_train_together(tmp_path: Path, tiny_cifar: Path, data_ca
         "test=false",
     ]
     _, objects = train(compose_cfg("train", overrides, tmp_path))
-    assert objects["trainer"].global_step == 2
-    assert objects["model"].net.grad_checkpointing is True
-    assert all(torch.isfinite(p).all() for p in objects["model"].parameters())
+    assert objects.trainer.global_step == 2
+    assert objects.model.net.grad_checkpointing is True
+    assert all(torch.isfinite(p).all() for p in objects.model.parameters())
 
 
 # --- per-image random augmentation -------------------------------------------------------------------

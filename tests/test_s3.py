@@ -477,7 +477,7 @@ def test_callback_outage_until_the_end(
             trainer, _ = _fit(tmp_path / "run", upload, epochs=6, extra=(stopper,))
             assert trainer.current_epoch == 6
     last = tmp_path / "run" / "checkpoints" / "last.ckpt"
-    assert torch.load(last, weights_only=False)["epoch"] == (2 if fatal else 5)  # intact; fatal stopped early
+    assert torch.load(last, weights_only=True)["epoch"] == (2 if fatal else 5)  # intact; fatal stopped early
     assert any(r.levelno == logging.ERROR and "S3 upload failed" in r.message for r in caplog.records)
     assert any("NOT uploaded" in r.message for r in caplog.records)
     assert upload.failures
@@ -541,7 +541,7 @@ def test_train_uploads_best_once_and_eval_from_s3_matches_local(
 
     monkeypatch.setenv("S3_BUCKET", s3_bucket)
     _, objects = train(compose_cfg("train", _train_overrides(tiny_cifar, data_cache), tmp_path / "run"))
-    best = Path(objects["best_model_path"])
+    best = Path(objects.best_model_path)
     key = f"runs/run/checkpoints/{best.name}"
     assert upload_calls.count(key) == 1
     assert _body(s3_env, s3_bucket, key) == best.read_bytes()
@@ -556,9 +556,9 @@ def test_train_uploads_best_once_and_eval_from_s3_matches_local(
         return evaluate(compose_cfg("eval", overrides, tmp_path / out))
 
     local, _ = evaluate_ckpt(str(best), "eval_local")
-    remote, objects = evaluate_ckpt(f"s3://{s3_bucket}/{key}", "eval_s3")
+    remote, evaluated = evaluate_ckpt(f"s3://{s3_bucket}/{key}", "eval_s3")
     assert remote == local and "val/acc1" in remote
-    assert objects["checkpoint_path"].is_relative_to(tmp_path / "cache")
+    assert evaluated["checkpoint_path"].is_relative_to(tmp_path / "cache")
 
 
 @pytest.mark.slow
@@ -707,8 +707,8 @@ def _resume_fsdp_folder_from_s3(
         assert (copy / rel).read_bytes() == (last / rel).read_bytes()
     assert f"Restored all states from the checkpoint at {copy}" in output, output[-4000:]
 
-    before = torch.load(last / "meta.pt", weights_only=False)
-    after = torch.load(run_dir / "checkpoints" / "last.ckpt" / "meta.pt", weights_only=False)
+    before = torch.load(last / "meta.pt", weights_only=True)
+    after = torch.load(run_dir / "checkpoints" / "last.ckpt" / "meta.pt", weights_only=True)
     assert before["epoch"] == 1 and after["epoch"] == 2
     assert after["global_step"] == before["global_step"] + 3  # limit_train_batches=3: one epoch more
 
@@ -740,7 +740,7 @@ def test_resume_from_s3_on_an_empty_disk(
             tmp_path / machine / "run",
         )
         train(cfg)
-        return torch.load(tmp_path / machine / "run" / "checkpoints" / "last.ckpt", weights_only=False)
+        return torch.load(tmp_path / machine / "run" / "checkpoints" / "last.ckpt", weights_only=True)
 
     assert run("first", "trainer.max_epochs=1")["global_step"] == 28
     resumed = run("second", "trainer.max_epochs=2")  # nothing local: `last` comes from the bucket

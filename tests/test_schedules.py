@@ -178,7 +178,7 @@ def test_budgeted_run_stops_at_max_time_with_the_lr_at_its_minimum(
         "logger=none",
     ]
     metrics, objects = train(compose_cfg("train", overrides, tmp_path))
-    trainer = objects["trainer"]
+    trainer = objects.trainer
     scheduler = trainer.lr_scheduler_configs[0].scheduler
     assert isinstance(scheduler, WarmupCosine) and scheduler.time_budget_s == 6.0
     assert 0 < trainer.global_step < trainer.estimated_stepping_batches / 100  # time, not steps, ended it

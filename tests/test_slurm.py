@@ -82,7 +82,7 @@ def _overrides(tiny_cifar: Path, data_cache: Path, logs: Path) -> list[str]:
 
 
 def _last(run_dir: Path) -> dict:
-    return torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False, map_location="cpu")
+    return torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True, map_location="cpu")
 
 
 @pytest.fixture(scope="module")

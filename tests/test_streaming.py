@@ -255,7 +255,7 @@ def test_train_from_local_shards_one_process(local_shards: Path, tmp_path: Path)
             "train", [*_overrides(str(local_shards), tmp_path), "+trainer.limit_train_batches=3"], tmp_path
         )
     )
-    assert objects["trainer"].global_step == 3
+    assert objects.trainer.global_step == 3
     assert 0 <= metrics["val/acc1"] <= 1 and "test/acc1" in metrics
 
 
@@ -272,7 +272,7 @@ def test_shards_on_s3_train_one_process(photos: Path, s3_bucket: str, s3_env: st
             "train", [*_overrides(uri, tmp_path / "cache"), "+trainer.limit_train_batches=3"], tmp_path
         )
     )
-    assert objects["trainer"].global_step == 3 and "val/acc1" in metrics
+    assert objects.trainer.global_step == 3 and "val/acc1" in metrics
     assert any((tmp_path / "cache" / "shards").rglob("chunk-*.bin")), "chunks were cached locally"
 
 
@@ -364,7 +364,7 @@ def test_mid_epoch_resume_continues_the_epoch(
     whole = Recorder()
     _fit(dm(), whole, tmp_path, max_epochs=1, callbacks=[SaveAt(3, ckpt)])
     assert len(whole.seen) == 8 * (N_TRAIN_READABLE // 8) and len(set(whole.seen)) == len(whole.seen)
-    saved = torch.load(ckpt, weights_only=False)["loops"]["fit_loop"]
+    saved = torch.load(ckpt, weights_only=True)["loops"]["fit_loop"]
     assert saved["state_dict"]["combined_loader"][0]["num_samples_yielded"] == 24
 
     rest = Recorder()

@@ -27,7 +27,7 @@ def test_train_writes_checkpoints_and_tensorboard(tmp_path: Path, tiny_cifar: Pa
 
     ckpt_dir = tmp_path / "checkpoints"
     assert (ckpt_dir / "last.ckpt").is_file()
-    best = Path(objects["best_model_path"])
+    best = Path(objects.best_model_path)
     assert best.is_file() and best.parent == ckpt_dir
     for name in (
         "train/loss_epoch",
@@ -47,7 +47,7 @@ def test_train_writes_checkpoints_and_tensorboard(tmp_path: Path, tiny_cifar: Pa
     lrs = [e.value for e in _events(tmp_path).Scalars("lr")]
     assert lrs[0] < max(lrs), "warm-up: the learning rate rises first"
 
-    saved = torch.load(best, weights_only=False)
+    saved = torch.load(best, weights_only=True)
     assert saved["run_config"]["model"]["net"]["embed_dim"] == 32
     assert saved["hyper_parameters"]["label_smoothing"] == cfg.model.label_smoothing
 
@@ -84,7 +84,7 @@ def test_train_and_eval_cli(tmp_path: Path, tiny_cifar: Path, data_cache: Path):
     ).read_text()
     assert (run_dir / ".hydra" / "config.yaml").is_file()
     best = next((run_dir / "checkpoints").glob("epoch*.ckpt"))
-    best_score = torch.load(best, weights_only=False)["callbacks"]
+    best_score = torch.load(best, weights_only=True)["callbacks"]
     score = next(v["best_model_score"] for k, v in best_score.items() if k.startswith("ModelCheckpoint"))
 
     eval_dir = tmp_path / "eval"

@@ -2,7 +2,6 @@
 
 import errno
 import io
-import os
 import pickle
 import zipfile
 from pathlib import Path
@@ -13,6 +12,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from vitrain.compat import META_FILENAME, load_dcp_folder
 from vitrain.errors import UserError
+from vitrain.utils.atomic import write_atomic
 
 
 class CheckpointError(UserError):
@@ -24,7 +24,7 @@ READ_ERRORS = (RuntimeError, EOFError, OSError, pickle.UnpicklingError, zipfile.
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """Writes a checkpoint next to its target, fsyncs it, then renames it over the target.
+    """Writes a checkpoint next to its target, fsyncs it, then renames it over the target (`write_atomic`).
 
     Lightning's own save goes through an fsspec transaction whose temporary file lives in the system temp
     dir: when that is another filesystem (a tmpfs, a container layer) the final move is a copy, and a
@@ -36,18 +36,11 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
     ) -> None:
         target = Path(path)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
         buffer = io.BytesIO()  # serialised first, as Lightning does: a failed write then raises OSError
         torch.save(checkpoint, buffer)  # with its errno, not the zip writer's bare RuntimeError
         try:
-            with tmp.open("wb") as f:
-                f.write(buffer.getbuffer())
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, target)
+            write_atomic(target, buffer.getbuffer(), durable=True)
         except OSError as err:
-            tmp.unlink(missing_ok=True)
             if err.errno in NO_SPACE:
                 kept = " (the previous one is intact)" if target.exists() else ""
                 raise CheckpointError(
@@ -55,7 +48,6 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                     "callbacks.model_checkpoint.dirpath at a larger disk"
                 ) from err
             raise
-        _fsync_dir(target.parent)
 
     def load_checkpoint(self, path: Any, map_location: Any = "cpu", weights_only: bool | None = None) -> dict:
         """Lightning's load to the CPU, with a one-line error naming the file when it is missing or damaged.
@@ -72,15 +64,6 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             )
         except READ_ERRORS as err:
             raise _damaged(Path(path), err) from err
-
-
-def _fsync_dir(folder: Path) -> None:
-    """Make the rename itself durable (a crash right after must not bring back the old name's content)."""
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def resolve(ckpt_path: str, cache_dir: str | Path) -> Path:
@@ -106,8 +89,7 @@ def load(path: Path) -> dict[str, Any]:
             if not (path / ".metadata").is_file():
                 raise CheckpointError(f"{path} is a folder but not a sharded checkpoint (no .metadata file)")
             return _load_sharded(path)
-        # weights_only=False: our checkpoints hold the optimizer/scheduler partials of the model's hparams
-        return torch.load(path, map_location="cpu", weights_only=False)
+        return torch.load(path, map_location="cpu", weights_only=True)
     except CheckpointError:
         raise
     except READ_ERRORS as err:
@@ -115,16 +97,31 @@ def load(path: Path) -> dict[str, Any]:
 
 
 def _load_sharded(folder: Path) -> dict[str, Any]:
-    """Lightning's `_load_distributed_checkpoint`, except for meta.pt: it reads that with torch's default
-    weights_only=True, which refuses the hparams (DictConfig, partials) our checkpoints carry."""
+    """The folder as Lightning's `_load_distributed_checkpoint` reads it, in one process: the shards, then
+    meta.pt (plain data: weights_only=True)."""
     checkpoint = load_dcp_folder(folder)
     meta = folder / META_FILENAME
     if meta.is_file():
-        checkpoint.update(torch.load(meta, map_location="cpu", weights_only=False))
+        checkpoint.update(torch.load(meta, map_location="cpu", weights_only=True))
     return checkpoint
 
 
+def state_dict_mismatch(err: BaseException) -> str | None:
+    """The first detail of torch's "Error(s) in loading state_dict" (a missing key, a size mismatch), for a
+    one-line message; None when `err` is another error."""
+    text = str(err)
+    if "Error(s) in loading state_dict" not in text:
+        return None
+    return next((line.strip() for line in text.splitlines()[1:] if line.strip()), text[:200])
+
+
 def _damaged(path: Path, err: BaseException) -> CheckpointError:
+    if "Weights only load failed" in str(err):
+        # checkpoints hold plain data only; those of earlier versions pickled config objects
+        return CheckpointError(
+            f"checkpoint {path} holds Python objects, not only plain data: written by an earlier vitrain "
+            "(before plain checkpoints) or by other code; torch.load(weights_only=True) refuses it"
+        )
     return CheckpointError(
         f"checkpoint {path} is truncated or corrupted ({type(err).__name__}): use another checkpoint"
     )

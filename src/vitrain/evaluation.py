@@ -14,7 +14,7 @@ from rich.table import Table
 from torchmetrics.classification import MulticlassAccuracy
 
 from vitrain import checkpoints
-from vitrain.checkpoints import CheckpointError
+from vitrain.checkpoints import CheckpointError, state_dict_mismatch
 from vitrain.models.classifier import check_classes
 from vitrain.precision import resolve_precision
 from vitrain.utils.config import instantiate_dict
@@ -74,8 +74,10 @@ def evaluate(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
     try:
         model.load_state_dict(checkpoint["state_dict"])
     except RuntimeError as err:
-        first = next((line.strip() for line in str(err).splitlines()[1:] if line.strip()), str(err)[:200])
-        raise CheckpointError(f"{path} does not fit model {run_cfg.model.net.model_name}: {first}") from err
+        detail = state_dict_mismatch(err)
+        if detail is None:
+            raise
+        raise CheckpointError(f"{path} does not fit model {run_cfg.model.net.model_name}: {detail}") from err
     datamodule.set_input_spec(**model.input_spec)
     # synced across ranks by torchmetrics at compute(): every sample once, as for the other metrics
     model.per_class_acc = MulticlassAccuracy(num_classes=len(classes), average=None, validate_args=False)

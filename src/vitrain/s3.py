@@ -372,16 +372,12 @@ class S3Store:
             log.info("S3: %s has no sha256 metadata and a multipart ETag: only its size was verified", uri)
 
 
-def fetch_checkpoint(uri: str, cache_dir: Path | None = None, options: S3Options | None = None) -> Path:
+def fetch_checkpoint(uri: str, cache_dir: Path, options: S3Options | None = None) -> Path:
     """Local path (file, or folder for a sharded checkpoint) of the checkpoint at `uri`, downloaded if needed.
 
     Client settings default to the environment (AWS_ENDPOINT_URL, AWS_PROFILE, AWS_REGION, ...).
     """
-    return S3Store(options).fetch(parse_s3_uri(uri), cache_dir or default_cache_dir())
-
-
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("VITRAIN_CACHE") or "~/.cache/vitrain").expanduser() / "s3"
+    return S3Store(options).fetch(parse_s3_uri(uri), cache_dir)
 
 
 # --- helpers ------------------------------------------------------------------------------------------------

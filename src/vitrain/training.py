@@ -2,16 +2,18 @@
 
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import hydra
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.loggers import Logger
 from omegaconf import DictConfig, open_dict
 
-from vitrain.checkpoints import CheckpointError
+from vitrain.checkpoints import CheckpointError, state_dict_mismatch
 from vitrain.errors import DataError
 from vitrain.loggers import MetricRecord, finish_runs, log_run_config
 from vitrain.precision import resolve_precision
@@ -27,7 +29,23 @@ from vitrain.utils.secrets import redact
 log = logging.getLogger(__name__)
 
 
-def build(cfg: DictConfig) -> dict[str, Any]:
+@dataclass
+class RunObjects:
+    """What `build` makes from the config, and what the run adds: the training task's second result."""
+
+    cfg: DictConfig
+    datamodule: L.LightningDataModule
+    model: L.LightningModule
+    callbacks: list[Callback]
+    loggers: list[Logger]
+    trainer: L.Trainer
+    #: the best checkpoint after fit (None: none was saved)
+    best_model_path: str | None = None
+    #: the batch-size search's result (`+tune=batch_size`, vitrain/tuning.py)
+    batch_size_search: dict[str, Any] | None = None
+
+
+def build(cfg: DictConfig) -> RunObjects:
     """Datamodule, model, callbacks, loggers and trainer, exactly as the config says."""
     datamodule: L.LightningDataModule = hydra.utils.instantiate(cfg.datamodule)
     model: L.LightningModule = build_model(cfg, datamodule)
@@ -39,14 +57,7 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     trainer: L.Trainer = hydra.utils.instantiate(
         cfg.trainer, callbacks=callbacks, logger=[*loggers, record], precision=resolve_precision(cfg.trainer)
     )
-    return {
-        "cfg": cfg,
-        "datamodule": datamodule,
-        "model": model,
-        "callbacks": callbacks,
-        "loggers": loggers,
-        "trainer": trainer,
-    }
+    return RunObjects(cfg, datamodule, model, callbacks, loggers, trainer)
 
 
 def build_model(cfg: DictConfig, datamodule: L.LightningDataModule) -> L.LightningModule:
@@ -93,14 +104,14 @@ def best_value(metric: str, metrics: dict[str, float], trainer: L.Trainer) -> fl
     return metrics.get(metric)
 
 
-def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
+def train(cfg: DictConfig) -> tuple[dict[str, float], RunObjects]:
     """Fit (optionally resuming from `cfg.ckpt_path`), then test the best checkpoint; returns metrics."""
     if cfg.get("seed") is not None:
         # the same seed on every rank: identical initial weights everywhere
         L.seed_everything(cfg.seed, workers=True)
     objects = build(cfg)
-    trainer, model, datamodule = objects["trainer"], objects["model"], objects["datamodule"]
-    log_run_config(objects["loggers"], model.run_config)  # rank zero: W&B / MLflow start their run here
+    trainer, model, datamodule = objects.trainer, objects.model, objects.datamodule
+    log_run_config(objects.loggers, model.run_config)  # rank zero: W&B / MLflow start their run here
     use_tensor_cores_for_fp32(trainer)
     search_batch_size(cfg, objects)  # only with `+tune=batch_size`
 
@@ -108,13 +119,12 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
         ckpt_path = checkpoint_to_resume(cfg, trainer)
         decided = os.environ.get(DECIDED_ENV)
         os.environ[DECIDED_ENV] = ckpt_path or ""  # the local ranks Lightning starts follow this decision
-        # weights_only=False: our checkpoints hold the optimizer/scheduler partials of the model's hparams
         try:
-            trainer.fit(model=model, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=False)
+            trainer.fit(model=model, datamodule=datamodule, ckpt_path=ckpt_path)
         except RuntimeError as err:
-            if "Error(s) in loading state_dict" not in str(err):
+            detail = state_dict_mismatch(err)
+            if detail is None:
                 raise
-            detail = next((ln.strip() for ln in str(err).splitlines()[1:] if ln.strip()), "")
             raise CheckpointError(
                 f"ckpt_path={cfg.ckpt_path} does not fit model {cfg.model.net.model_name}: {detail}"
             ) from err
@@ -125,13 +135,13 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
 
     checkpoint = trainer.checkpoint_callback
     best = checkpoint.best_model_path if isinstance(checkpoint, ModelCheckpoint) else ""
-    objects["best_model_path"] = best or None
+    objects.best_model_path = best or None
     if cfg.get("test"):
         if best:
             # the path agrees on every rank (the monitored metric is synced); a rank that cannot read
             # it (no shared filesystem) fails loudly instead of testing other weights than its peers
             log.info(f"Testing the best checkpoint: {best}")
-            trainer.test(model=model, datamodule=datamodule, ckpt_path=best, weights_only=False)
+            trainer.test(model=model, datamodule=datamodule, ckpt_path=best)
         else:
             log.warning("No best checkpoint found: testing the current weights")
             trainer.test(model=model, datamodule=datamodule)
@@ -141,15 +151,15 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
     return metrics, objects
 
 
-def finish_run(objects: dict[str, Any]) -> dict[str, Any] | None:
+def finish_run(objects: RunObjects) -> dict[str, Any] | None:
     """The end of a training task, on global rank zero: checkpoint paths and S3 keys into run_stats.json,
     then the report, then (when an S3 upload callback is there) the report files to S3.
 
     A failure here is logged, never raised: the run itself has succeeded."""
-    trainer = objects["trainer"]
+    trainer = objects.trainer
     if not trainer.is_global_zero:
         return None
-    run_dir = Path(objects["cfg"].paths.output_dir)
+    run_dir = Path(objects.cfg.paths.output_dir)
     try:
         from vitrain.callbacks.s3_upload import S3CheckpointUpload  # boto3: only once a run is over
 

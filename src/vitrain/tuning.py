@@ -28,14 +28,16 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning as L
 import psutil
 import torch
-from lightning.pytorch.plugins import TorchCheckpointIO
 from lightning.pytorch.tuner import Tuner
 from omegaconf import DictConfig, open_dict
+
+if TYPE_CHECKING:
+    from vitrain.training import RunObjects
 
 from vitrain.distributed.ranks import devices_per_node, global_rank_from_env
 from vitrain.errors import UserError
@@ -139,15 +141,6 @@ class PerDeviceBatch(L.LightningDataModule):
         raise MemoryCapExceeded(f"{self.stopped_by} > max_memory_gb={self.cap / GB:.2f}")
 
 
-class TrustedCheckpointIO(TorchCheckpointIO):
-    """Loads the finder's own temporary checkpoint (written by this process moments before) in full: our
-    hyperparameters hold config objects that `torch.load(weights_only=True)` refuses."""
-
-    def load_checkpoint(self, path: Any, map_location: Any = "cpu", weights_only: bool | None = None) -> dict:
-        # to the CPU: the model is moved back to the device by the trainer (vitrain/checkpoints.py says why)
-        return super().load_checkpoint(path, map_location=map_location or "cpu", weights_only=False)
-
-
 def memory_cap_bytes(max_memory_gb: float | None, device: torch.device) -> float | None:
     """The cap in bytes: the configured one; on CPU half the RAM when none is configured; on GPU none (the
     device's own out-of-memory error stops the search)."""
@@ -167,7 +160,7 @@ def first_device(devices: Any) -> int | list[int]:
     return 1
 
 
-def search_batch_size(cfg: DictConfig, objects: dict[str, Any]) -> dict[str, Any] | None:
+def search_batch_size(cfg: DictConfig, objects: RunObjects) -> dict[str, Any] | None:
     """Run the search if `tune.batch_size` is configured (`+tune=batch_size`); returns its result."""
     options = (cfg.get("tune") or {}).get("batch_size")
     if not options or not options.get("enabled", True):
@@ -180,7 +173,7 @@ def search_batch_size(cfg: DictConfig, objects: dict[str, Any]) -> dict[str, Any
             return None
         result = _read_result(run_dir)  # global rank zero searched before it launched this process
     else:
-        result = find_max_batch_size(objects["model"], objects["datamodule"], cfg, world, run_dir, options)
+        result = find_max_batch_size(objects.model, objects.datamodule, cfg, world, run_dir, options)
         (run_dir / SEARCH_FILE).write_text(json.dumps(result, indent=2) + "\n")
         log.info(
             "Largest batch size that fits: %d per device, %d global (%d processes); see %s",
@@ -190,12 +183,12 @@ def search_batch_size(cfg: DictConfig, objects: dict[str, Any]) -> dict[str, Any
             run_dir / SEARCH_FILE,
         )
     if options.get("apply"):
-        objects["datamodule"].hparams.batch_size = result["global"]
+        objects.datamodule.hparams.batch_size = result["global"]
         with open_dict(cfg):
             cfg.datamodule.batch_size = result["global"]
-        if getattr(objects["model"], "run_config", None):
-            objects["model"].run_config["datamodule"]["batch_size"] = result["global"]
-    objects["batch_size_search"] = result
+        if getattr(objects.model, "run_config", None):
+            objects.model.run_config["datamodule"]["batch_size"] = result["global"]
+    objects.batch_size_search = result
     return result
 
 
@@ -233,7 +226,6 @@ def find_max_batch_size(
         num_sanity_val_steps=0,
         use_distributed_sampler=False,
         default_root_dir=str(run_dir),
-        plugins=[TrustedCheckpointIO()],
     )
     device = tuner_trainer.strategy.root_device
     cap = memory_cap_bytes(options.get("max_memory_gb"), device)

@@ -88,8 +88,11 @@ class ExactResume(Callback):
 
 def collect_rng_states() -> dict[str, Any]:
     """This process's global torch (CPU), numpy and Python generator states, in the layout Lightning's
-    (private) seed utilities use, so checkpoints written with either restore alike."""
-    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    (private) seed utilities use, so checkpoints written with either restore alike. numpy's key as a list:
+    an ndarray would need torch.load(weights_only=False)."""
+    kind, key, pos, has_gauss, gauss = np.random.get_state()
+    numpy_state = (kind, key.tolist(), int(pos), int(has_gauss), float(gauss))
+    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": numpy_state}
 
 
 def set_rng_states(states: dict[str, Any]) -> None:

@@ -101,11 +101,11 @@ def flops_per_image(pl_module: L.LightningModule, training: bool) -> float | Non
     spec = getattr(pl_module, "input_spec", None)
     if net_cfg is None or spec is None:
         return None
-    import timm
+    from vitrain.models.timm_net import create_net  # builds the net's Hydra nodes (an embed_layer) too
 
     try:
         with torch.device("meta"):
-            net = timm.create_model(**{**dict(net_cfg), "pretrained": False})
+            net = create_net({**dict(net_cfg), "pretrained": False})
             x = torch.empty(1, 3, spec["img_size"], spec["img_size"])
         loss_fn = (lambda y: y.sum()) if training else None
         return float(measure_flops(net, lambda: net(x), loss_fn))

@@ -26,6 +26,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from vitrain.data.augment import BatchTransform
 from vitrain.errors import DataError
+from vitrain.utils.config import plain
 
 
 class ResumableLoader(DataLoader):
@@ -203,6 +204,8 @@ class ImageDataModule(LightningDataModule):
             raise DataError(f"datamodule.val_size={val_size!r} must be a count or a fraction below 1")
         # collects the subclass's own arguments too (Lightning walks the __init__ frames)
         self.save_hyperparameters()
+        # plain lists, not ListConfigs: checkpoints store these, and torch.load(weights_only=True) reads them
+        self.save_hyperparameters(plain(dict(self.hparams)))
         self.train_set: Dataset | None = None
         self.val_set: Dataset | None = None
         self.test_set: Dataset | None = None

@@ -18,8 +18,9 @@ import torch
 from PIL import Image, ImageOps
 from torch import Tensor
 
-from vitrain.data.sources import _atomic_write, _digest, _stat_key
+from vitrain.data.sources import _digest, _stat_key
 from vitrain.errors import DataError
+from vitrain.utils.atomic import write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -140,5 +141,5 @@ def load_or_decode(
             done[id(files)] = decode_files(files, size, resample, workers)
         out[name] = done[id(files)]
     target.parent.mkdir(parents=True, exist_ok=True)
-    _atomic_write(target, lambda f: torch.save({k: list(v) for k, v in out.items()}, f))
+    write_atomic(target, lambda f: torch.save({k: list(v) for k, v in out.items()}, f))
     return out

@@ -31,6 +31,7 @@ import torch
 
 from vitrain.data.sources import ARCHIVE_SUFFIXES, unpack_archive
 from vitrain.errors import DataError, UserError
+from vitrain.utils.atomic import write_atomic
 
 log = logging.getLogger(__name__)
 logging.getLogger("litdata").setLevel(logging.WARNING)  # per-worker cache sizing notes at INFO
@@ -243,9 +244,7 @@ def write_shards(
             meta_file.write_text(json.dumps(metadata, indent=1))
             store.upload_file(meta_file, target.child(METADATA_FILE))
         else:
-            tmp = stage / f".{METADATA_FILE}.tmp"
-            tmp.write_text(json.dumps(metadata, indent=1))
-            tmp.replace(stage / METADATA_FILE)
+            write_atomic(stage / METADATA_FILE, json.dumps(metadata, indent=1))
     finally:
         if remote:
             shutil.rmtree(stage, ignore_errors=True)

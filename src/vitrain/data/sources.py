@@ -15,7 +15,6 @@ import tarfile
 import tempfile
 import warnings
 import zlib
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +25,7 @@ from torch import Tensor
 from torchvision.io import ImageReadMode, decode_image
 
 from vitrain.errors import DataError
+from vitrain.utils.atomic import write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -403,7 +403,7 @@ def _decode_and_cache(layout: Layout, target: Path, spec: CifarSpec, decode_work
     log.info("decoding %s from %s into %s (first run only)", spec.name, layout.root, target)
     data = decode_layout(layout, decode_workers, spec)
     target.parent.mkdir(parents=True, exist_ok=True)
-    _atomic_write(target, lambda f: torch.save({**data.__dict__, "format": CACHE_FORMAT}, f))
+    write_atomic(target, lambda f: torch.save({**data.__dict__, "format": CACHE_FORMAT}, f))
     return data
 
 
@@ -418,17 +418,6 @@ def _load_cached(path: Path) -> Decoded | None:
     except Exception as e:  # a damaged cache is rebuilt, not fatal
         log.warning("ignoring unreadable cache file %s (%s)", path, e)
         return None
-
-
-def _atomic_write(path: Path, write: Callable) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _is_archive(path: Path) -> bool:

@@ -300,10 +300,7 @@ class FSDP2Strategy(ModelParallelStrategy):
             reshard_after_eval(self.lightning_module, self.fsdp_options["reshard_after_forward"])
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        # Lightning 2.6 drops `fit/test(weights_only=False)` on the way to strategies that restore after
-        # setup (Trainer._run), and torch then refuses the hparams (DictConfig, partials) in meta.pt. Our
-        # checkpoints are loaded with weights_only=False everywhere (vitrain/training.py), so here too.
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=bool(weights_only))
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         path = Path(self.broadcast(checkpoint_path))
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if path.is_dir() and trainer is not None and trainer.state.fn == TrainerFn.FITTING:

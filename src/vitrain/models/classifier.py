@@ -1,8 +1,9 @@
 """LightningModule around a timm network: loss, top-1/top-5 accuracy, AdamW + warm-up/cosine."""
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
+import hydra
 import lightning as L
 import torch
 import torch.nn.functional as F
@@ -18,6 +19,7 @@ from vitrain.compat import attached_trainer, should_update_logs
 from vitrain.distributed.parallelize import parallelize
 from vitrain.errors import ModelError
 from vitrain.models.timm_net import create_net, input_spec
+from vitrain.utils.config import plain
 
 
 def _metrics(num_classes: int, prefix: str, validate_args: bool = True) -> MetricCollection:
@@ -46,13 +48,17 @@ class ImageClassifier(L.LightningModule):
     The batch arrives augmented and normalised by the datamodule (on the device), so the step is only
     forward, loss, metrics. Label smoothing applies to the training loss only: val/test losses are plain
     cross-entropy so they compare across runs.
+
+    `optimizer` and `scheduler` are Hydra nodes kept as data (`_target_` and keywords; the scheduler's
+    target also gets `optimizer`, `total_steps` and `trainer`), built in `configure_optimizers`: the
+    hyperparameters a checkpoint stores are plain containers, which `torch.load(weights_only=True)` reads.
     """
 
     def __init__(
         self,
         net: Mapping[str, Any],
-        optimizer: Callable[..., torch.optim.Optimizer],
-        scheduler: Callable[..., torch.optim.lr_scheduler.LRScheduler] | None = None,
+        optimizer: Mapping[str, Any],
+        scheduler: Mapping[str, Any] | None = None,
         label_smoothing: float = 0.0,
         weights_file: str | None = None,
         compile: bool = False,
@@ -62,7 +68,13 @@ class ImageClassifier(L.LightningModule):
         grad_checkpointing: bool = False,
     ) -> None:
         super().__init__()
-        self.save_hyperparameters(logger=False)
+        net, optimizer, scheduler, mixup = plain(net), plain(optimizer), plain(scheduler), plain(mixup)
+        for name, node in (("optimizer", optimizer), ("scheduler", scheduler)):
+            if not (isinstance(node, dict) and "_target_" in node) and (
+                node is not None or name == "optimizer"
+            ):
+                raise ModelError(f"model.{name} must be a config node with a _target_, not {node!r}")
+        self.save_hyperparameters(logger=False)  # the plain values above (read from this frame's locals)
         self.net: nn.Module = create_net(net, weights_file)
         if fused_attn is not None:
             set_fused_attn(self.net, fused_attn)
@@ -155,8 +167,8 @@ class ImageClassifier(L.LightningModule):
         self.log_dict(self.test_metrics, on_step=False, on_epoch=True)
 
     def configure_optimizers(self) -> dict[str, Any]:
-        optimizer_factory = self.hparams.optimizer
-        weight_decay = getattr(optimizer_factory, "keywords", {}).get("weight_decay", 0.0)
+        options = self.hparams.optimizer
+        weight_decay = options.get("weight_decay", 0.0)
         # no weight decay on norms, biases, position embeddings and tokens (timm's own grouping)
         no_decay = getattr(self.net, "no_weight_decay", set)()
         if self.hparams.layer_decay is None:
@@ -165,14 +177,14 @@ class ImageClassifier(L.LightningModule):
                 group["name"] = "decay" if group["weight_decay"] else "no_decay"
         else:
             groups = layer_decay_groups(self.net, weight_decay, self.hparams.layer_decay, no_decay)
-            base_lr = optimizer_factory.keywords["lr"]
+            base_lr = options["lr"]
             for group in groups:
                 group["lr"] = base_lr * group["lr_scale"]  # torch's schedulers scale each group's own lr
-        optimizer = optimizer_factory(params=groups)
+        optimizer = hydra_partial(options)(params=groups)
         if self.hparams.scheduler is None:
             return {"optimizer": optimizer}
         # the trainer: its max_time is the schedule's time budget (vitrain/models/schedules.py)
-        scheduler = self.hparams.scheduler(
+        scheduler = hydra_partial(self.hparams.scheduler)(
             optimizer=optimizer, total_steps=self.trainer.estimated_stepping_batches, trainer=self.trainer
         )
         return {
@@ -190,6 +202,12 @@ class ImageClassifier(L.LightningModule):
         """Refuse, in one line, a checkpoint trained on other classes than the data now given (runs before
         the weights are loaded, which would fail on the head's shape with a long message)."""
         check_classes(checkpoint.get("class_names"), self.class_names, "ckpt_path")
+
+
+def hydra_partial(node: Mapping[str, Any]) -> Any:
+    """A Hydra node as a partial, called with the objects (param groups, optimizer, trainer) only now there:
+    passed to `instantiate` itself they would be copied into the config."""
+    return hydra.utils.instantiate(node, _partial_=True, _convert_="all")
 
 
 def check_classes(saved: list[str] | None, found: list[str] | None, what: str) -> None:

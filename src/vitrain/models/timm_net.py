@@ -11,6 +11,7 @@ import timm
 import torch
 from torch import nn
 
+from vitrain.checkpoints import state_dict_mismatch
 from vitrain.errors import ModelError
 
 
@@ -77,12 +78,10 @@ def create_net(net: Mapping[str, Any], weights_file: str | None = None) -> nn.Mo
             "model.weights_file=/path/to/weights.safetensors"
         ) from err
     except RuntimeError as err:
-        if weights_file and ("size mismatch" in str(err) or "Missing key" in str(err)):
-            first = str(err).strip().splitlines()[1:2] or [str(err)[:200]]
-            raise ModelError(
-                f"model.weights_file={weights_file} does not fit {name}: {first[0].strip()}"
-            ) from err
-        raise
+        detail = state_dict_mismatch(err) if weights_file else None
+        if detail is None:
+            raise
+        raise ModelError(f"model.weights_file={weights_file} does not fit {name}: {detail}") from err
 
 
 def input_spec(net: nn.Module, pretrained: bool, img_size: int | None) -> dict[str, Any]:

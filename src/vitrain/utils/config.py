@@ -1,6 +1,6 @@
 """Printing, saving and instantiating the composed Hydra config."""
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -8,7 +8,7 @@ import hydra
 import rich.syntax
 import rich.tree
 from lightning.pytorch.utilities import rank_zero_only
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from vitrain.utils.secrets import redact
 
@@ -49,3 +49,14 @@ def instantiate_dict(cfg: DictConfig | None) -> list[Any]:
 def to_container(cfg: DictConfig) -> dict[str, Any]:
     """Plain, resolved dict of the config without secrets (what a checkpoint stores)."""
     return redact(OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False))
+
+
+def plain(value: Any) -> Any:
+    """`value` as plain dicts/lists/scalars: OmegaConf nodes resolved, Hydra nodes (`_target_`) kept as data."""
+    if isinstance(value, DictConfig | ListConfig):
+        return OmegaConf.to_container(value, resolve=True)
+    if isinstance(value, Mapping):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [plain(v) for v in value]
+    return value

@@ -23,7 +23,8 @@ from vitrain.utils.secrets import install_secret_filter
 
 log = logging.getLogger(__name__)
 
-Task = Callable[[DictConfig], tuple[dict[str, Any], dict[str, Any]]]
+# a task returns its metrics and the objects it built (training.RunObjects, evaluation's dict)
+Task = Callable[[DictConfig], tuple[dict[str, float], Any]]
 
 
 def user_error(err: BaseException) -> UserError | None:
@@ -58,7 +59,7 @@ def peer_lost(err: BaseException) -> bool:
     return False
 
 
-def run_task(task: Task, cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
+def run_task(task: Task, cfg: DictConfig) -> tuple[dict[str, float], Any]:
     """Run `task(cfg)`; a UserError ends the process with its one-line message and exit code 2.
 
     The full traceback is printed only with HYDRA_FULL_ERROR=1, as Hydra does for its own errors.

@@ -1,0 +1,91 @@
+"""Checkpoints hold plain data only: `torch.load(path, weights_only=True)` reads every one of them.
+
+The DDP and FSDP (sharded folder and one file) checkpoints are checked in tests/test_distributed.py, on the
+runs made there.
+"""
+
+from pathlib import Path
+from typing import Any
+
+import hydra
+import numpy as np
+import pytest
+import torch
+
+from helpers import TINY_VIT, assert_plain, compose_cfg
+from vitrain import checkpoints
+from vitrain.callbacks.resume import ExactResume
+
+
+def test_single_process_checkpoints_are_plain(tiny_checkpoint: Path):
+    saved = sorted((tiny_checkpoint / "checkpoints").glob("*.ckpt"))
+    assert len(saved) == 2  # last and the best
+    for path in saved:
+        checkpoint = torch.load(path, weights_only=True)
+        assert_plain(checkpoint, path.name)
+        assert checkpoints.load(path).keys() == checkpoint.keys()
+    hparams = checkpoint["hyper_parameters"]
+    assert hparams["optimizer"]["_target_"] == "torch.optim.AdamW" and "_partial_" not in hparams["optimizer"]
+    assert hparams["scheduler"]["_target_"] == "vitrain.models.schedules.warmup_cosine"
+    assert checkpoint["run_config"]["model"]["optimizer"] == hparams["optimizer"]
+
+
+def test_model_builds_the_optimizer_it_is_configured_with(tmp_path: Path):
+    """`model.optimizer._target_=...` swaps the class (docs/recipes.md's SGD command); the node stays data."""
+    overrides = [
+        *TINY_VIT,
+        "model.net.num_classes=10",
+        "model.optimizer._target_=torch.optim.SGD",
+        "~model.optimizer.betas",
+        "model.optimizer.lr=0.03",
+        "+model.optimizer.momentum=0.9",
+        "model.scheduler=null",
+    ]
+    model = hydra.utils.instantiate(compose_cfg("train", overrides, tmp_path).model)
+    assert model.hparams.optimizer == {"_target_": "torch.optim.SGD", "lr": 0.03, "weight_decay": 0.05,
+                                       "momentum": 0.9}  # fmt: skip
+    assert_plain(dict(model.hparams), "hparams")
+    optimizer = model.configure_optimizers()["optimizer"]
+    assert isinstance(optimizer, torch.optim.SGD)
+    assert {g["lr"] for g in optimizer.param_groups} == {0.03}
+    assert {g["momentum"] for g in optimizer.param_groups} == {0.9}
+    assert {g["weight_decay"] for g in optimizer.param_groups} == {0.0, 0.05}  # norms, biases: no decay
+
+
+def test_datamodule_lists_are_plain(tmp_path: Path):
+    cfg = compose_cfg("train", ["datamodule.mean=[0.5,0.5,0.5]", "datamodule.std=[0.2,0.2,0.2]"], tmp_path)
+    datamodule = hydra.utils.instantiate(cfg.datamodule)
+    assert datamodule.hparams.mean == [0.5, 0.5, 0.5] and type(datamodule.hparams.std) is list
+
+
+def test_numpy_generator_state_is_saved_as_a_list():
+    np.random.seed(3)
+    state = ExactResume()._collect()
+    assert_plain(state, "rng_states")
+    expected = np.random.random(4)
+    np.random.seed(4)
+    np.random.set_state(state["numpy"])  # as Lightning's _set_rng_states restores it
+    assert np.array_equal(np.random.random(4), expected)
+
+
+@pytest.mark.parametrize("bad", [None, "torch.optim.SGD"])
+def test_optimizer_must_be_a_node(bad: Any):
+    from vitrain.errors import ModelError
+    from vitrain.models.classifier import ImageClassifier
+
+    net = {"model_name": "vit_tiny_patch16_224", "num_classes": 10, "img_size": 32, "patch_size": 8,
+           "embed_dim": 32, "depth": 1, "num_heads": 2}  # fmt: skip
+    with pytest.raises(ModelError, match=r"model\.optimizer must be a config node"):
+        ImageClassifier(net=net, optimizer=bad)
+
+
+def test_a_checkpoint_with_python_objects_is_refused_in_one_line(tmp_path: Path):
+    """What a checkpoint of an earlier version (config objects in its hyperparameters) gives."""
+    from omegaconf import OmegaConf
+
+    path = tmp_path / "old.ckpt"
+    torch.save({"hyper_parameters": {"net": OmegaConf.create({"model_name": "x"})}}, path)
+    with pytest.raises(checkpoints.CheckpointError, match="holds Python objects, not only plain data"):
+        checkpoints.load(path)
+    with pytest.raises(checkpoints.CheckpointError, match="holds Python objects"):
+        checkpoints.AtomicCheckpointIO().load_checkpoint(path)
