@@ -387,8 +387,9 @@ def _fit(
     return trainer, model
 
 
-def _upload_cb(bucket: str, run_dir: Path, **kwargs) -> S3CheckpointUpload:
-    return S3CheckpointUpload(bucket=bucket, prefix="runs", run_dir=str(run_dir), max_attempts=2, **kwargs)
+def _upload_cb(bucket: str, run_dir: Path, endpoint_url: str | None = None, **kwargs) -> S3CheckpointUpload:
+    options = {"max_attempts": 2, "endpoint_url": endpoint_url}  # a plain mapping, as Hydra passes it
+    return S3CheckpointUpload(bucket=bucket, prefix="runs", run_dir=str(run_dir), options=options, **kwargs)
 
 
 @pytest.fixture
@@ -509,6 +510,28 @@ def test_hydra_list_selection_adds_the_callback(tmp_path: Path, monkeypatch: pyt
     upload = instantiate(cfg.callbacks.s3_upload)
     assert isinstance(upload, S3CheckpointUpload) and upload.bucket == "from-env" and upload.prefix == "runs"
     assert upload.options.request_checksum_calculation == "when_required"
+    assert upload.options.multipart_threshold == 64 * MiB  # `multipart_threshold_mb` in the config
+
+
+def test_callback_options_node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """The client settings are one nested node: overridable there, a typo is an error."""
+    from hydra.utils import instantiate
+
+    from helpers import compose_cfg
+
+    overrides = [
+        "callbacks=[default,s3]",
+        "callbacks.s3_upload.options.endpoint_url=http://minio:9000",
+        "callbacks.s3_upload.options.multipart_chunksize_mb=8",
+        "callbacks.s3_upload.options.verify_etag=false",
+    ]
+    upload = instantiate(compose_cfg("train", overrides, tmp_path).callbacks.s3_upload)
+    assert upload.options == S3Options(
+        endpoint_url="http://minio:9000", multipart_chunksize=8 * MiB, verify_etag=False
+    )
+    assert S3CheckpointUpload(bucket="b", options=upload.options).options is upload.options
+    with pytest.raises(UserError, match=r"endpont_url; valid: .*endpoint_url"):
+        S3CheckpointUpload(bucket="b", options={"endpont_url": "http://x"})
 
 
 # --- end to end: the training and evaluation tasks --------------------------------------------------------------

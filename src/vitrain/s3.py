@@ -13,8 +13,8 @@ import os
 import re
 import shutil
 import uuid
-from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -116,6 +116,25 @@ class S3Options:
     # Compare the ETag with the locally computed MD5 (multipart: MD5 of part MD5s). Turn off for stores whose
     # ETag is not an MD5 (SSE-KMS on AWS, some gateways); size and the sha256 metadata are still checked.
     verify_etag: bool = True
+
+    @classmethod
+    def from_config(cls, values: S3Options | Mapping[str, Any] | None) -> S3Options:
+        """From a config node (plain data, sizes as `*_mb` in MiB); an unknown key is an error, not ignored."""
+        if isinstance(values, S3Options):
+            return values
+        kwargs = dict(values or {})
+        for name in ("multipart_threshold", "multipart_chunksize"):
+            if f"{name}_mb" in kwargs:
+                kwargs[name] = int(kwargs.pop(f"{name}_mb") * MiB)
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            valid = ", ".join(sorted(known - {"multipart_threshold", "multipart_chunksize"}))
+            raise UserError(
+                f"unknown S3 option(s) {', '.join(unknown)}; valid: {valid}, multipart_threshold_mb, "
+                "multipart_chunksize_mb"
+            )
+        return cls(**kwargs)
 
 
 def make_client(options: S3Options) -> Any:

@@ -15,7 +15,7 @@ import logging
 import os
 import tempfile
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -132,6 +132,9 @@ def _sharded_complete(folder: Path) -> bool:
 class S3CheckpointUpload(Callback):
     """Mirror the run to `s3://<bucket>/<prefix>/<run_name>/` (see configs/callbacks/s3.yaml for the knobs).
 
+    `options` (client and transfer settings) is one node so the callback's own knobs stay apart from boto3's,
+    and so a resume from S3 reads with the same client the run uploaded with.
+
     Only global rank zero talks to S3. Failures never stop training unless `fatal=True`; the local files are
     always kept. After fit, `uploaded` lists the s3:// URIs and `failures` the errors still unresolved.
     """
@@ -158,18 +161,7 @@ class S3CheckpointUpload(Callback):
         preflight: bool = True,
         fatal: bool = False,
         wait_timeout: float | None = None,
-        endpoint_url: str | None = None,
-        region: str | None = None,
-        profile: str | None = None,
-        max_attempts: int = 5,
-        connect_timeout: float = 10.0,
-        read_timeout: float = 60.0,
-        request_checksum_calculation: str = "when_required",
-        response_checksum_validation: str = "when_required",
-        multipart_threshold_mb: float = 64,
-        multipart_chunksize_mb: float = 16,
-        max_concurrency: int = 4,
-        verify_etag: bool = True,
+        options: S3Options | Mapping[str, Any] | None = None,
     ) -> None:
         self.bucket = bucket
         self.prefix = prefix
@@ -184,20 +176,7 @@ class S3CheckpointUpload(Callback):
         self.preflight = preflight
         self.fatal = fatal
         self.wait_timeout = wait_timeout
-        self.options = S3Options(
-            endpoint_url=endpoint_url,
-            region=region,
-            profile=profile,
-            max_attempts=max_attempts,
-            connect_timeout=connect_timeout,
-            read_timeout=read_timeout,
-            request_checksum_calculation=request_checksum_calculation,
-            response_checksum_validation=response_checksum_validation,
-            multipart_threshold=int(multipart_threshold_mb * MiB),
-            multipart_chunksize=int(multipart_chunksize_mb * MiB),
-            max_concurrency=max_concurrency,
-            verify_etag=verify_etag,
-        )
+        self.options = S3Options.from_config(options)  # a frozen dataclass: the callback stays picklable
         # Created in `setup`, not here: a callback holding threads or clients cannot be pickled (ddp_spawn).
         self._store: S3Store | None = None
         self._worker: _Worker | None = None
