@@ -101,7 +101,7 @@ def render(run: dict[str, Any] | None, results: list[dict[str, Any]]) -> str:
         "variants measured alternately (A, B, A, B ...) in one run, the median of the per-round ratios. The "
         "load average at the start and end of each benchmark is listed with it.",
         "",
-        'Run it: `make bench` (15-19 minutes here, most of it the 10-minute accuracy run; `BENCH_ARGS="--only overhead,startup"` for a subset, '
+        'Run it: `make bench` (20-40 minutes on 2 CPU cores, 11 of them the accuracy run; `BENCH_ARGS="--only overhead,startup"` for a subset, '
         "`--wait-quiet 60` to wait for an idle machine first). On a CUDA machine the same command measures on "
         "the GPU where a benchmark can (overhead, data pipeline, GPU figures); the CPU-only ones (DDP scaling "
         "on CPU, the 10-minute CPU budget) stay what they are. Raw results: `bench/results/*.json`.",
