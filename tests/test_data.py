@@ -23,9 +23,10 @@ from data_factory import (
     pattern_image,
 )
 from vitrain.data.augment import BatchTransform, random_crop_flip, to_model_input
-from vitrain.data.base import make_sampler, per_process_batch, split_indices
 from vitrain.data.cifar10 import CIFAR10_MEAN, CIFAR10_STD, CIFAR10DataModule
-from vitrain.data.sources import CIFAR100, load_cifar, load_cifar10
+from vitrain.data.cifar_spec import CIFAR100
+from vitrain.data.sampling import make_sampler, per_process_batch, split_indices
+from vitrain.data.sources import load_cifar, load_cifar10
 from vitrain.errors import DataError
 
 

@@ -29,8 +29,8 @@ from test_image_folder import (  # noqa: F401 - `photos` is a fixture
     photos,
 )
 from vitrain.data import in_memory
-from vitrain.data.base import TensorImageDataset
 from vitrain.data.image_folder import ImageFileDataset, ImageFolderDataModule
+from vitrain.data.loaders import TensorImageDataset
 from vitrain.errors import DataError
 from vitrain.evaluation import evaluate
 from vitrain.training import train

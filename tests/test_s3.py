@@ -18,23 +18,20 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from moto.server import ThreadedMotoServer
 from omegaconf import OmegaConf
 
-from vitrain.callbacks.s3_upload import S3CheckpointUpload, _sharded_complete
+from vitrain.callbacks.s3_upload import S3CheckpointUpload
+from vitrain.callbacks.upload_queue import sharded_complete
 from vitrain.errors import UserError
-from vitrain.s3 import (
-    MiB,
+from vitrain.s3.client import MiB, S3Options, S3Uri, parse_s3_uri
+from vitrain.s3.digest import file_digest
+from vitrain.s3.errors import (
     S3BucketNotFound,
     S3CredentialsError,
     S3EndpointError,
     S3Error,
     S3ObjectNotFound,
-    S3Options,
-    S3Store,
-    S3Uri,
     S3VerifyError,
-    fetch_checkpoint,
-    file_digest,
-    parse_s3_uri,
 )
+from vitrain.s3.store import S3Store, fetch_checkpoint
 from vitrain.utils.secrets import (
     REDACTED,
     SECRET_ENV_VARS,
@@ -223,7 +220,7 @@ def test_sharded_folder_upload_and_fetch(s3_bucket: str, s3_env: str, tmp_path: 
     folder = tmp_path / "epoch=1.ckpt"
     dcp.save({"w": torch.randn(8, 8), "b": torch.randn(8)}, checkpoint_id=str(folder))
     torch.save({"epoch": 1}, folder / "meta.pt")
-    assert _sharded_complete(folder)
+    assert sharded_complete(folder)
     S3Store().upload_tree(folder, S3Uri(s3_bucket, "runs/r/checkpoints/epoch=1.ckpt"))
 
     local = fetch_checkpoint(f"s3://{s3_bucket}/runs/r/checkpoints/epoch=1.ckpt", tmp_path / "cache")
@@ -234,7 +231,7 @@ def test_sharded_folder_upload_and_fetch(s3_bucket: str, s3_env: str, tmp_path: 
 
     shard = next(folder.glob("*.distcp"))
     shard.unlink()  # another node's shard, on a filesystem rank zero does not see
-    assert not _sharded_complete(folder)
+    assert not sharded_complete(folder)
 
 
 def test_fsdp_folder_fetched_by_concurrent_ranks_downloads_once(

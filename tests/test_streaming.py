@@ -168,7 +168,7 @@ def test_s3_errors_are_one_line(
     tmp_path: Path,
     capsys: pytest.CaptureFixture,
 ):
-    from vitrain.s3 import S3BucketNotFound, S3CredentialsError
+    from vitrain.s3.errors import S3BucketNotFound, S3CredentialsError
 
     with pytest.raises(DataError, match=f"no shards at s3://{s3_bucket}/none"):
         _ = StreamingDataModule(data_dir=f"s3://{s3_bucket}/none", cache_dir=str(tmp_path)).classes
@@ -230,7 +230,7 @@ def test_eval_reads_every_sample_once_on_two_ranks(local_shards: Path, tmp_path:
     """9 validation images on 2 ranks: 5 + 4, none padded or dropped (the base's UnrepeatedDistributedSampler)."""
     from torch.utils.data import DataLoader
 
-    from vitrain.data.base import make_sampler
+    from vitrain.data.sampling import make_sampler
 
     dm = _datamodule(local_shards, tmp_path, batch_size=4, workers=1)
     dm.setup("fit")

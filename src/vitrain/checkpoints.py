@@ -69,7 +69,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 def resolve(ckpt_path: str, cache_dir: str | Path) -> Path:
     """A local path for `ckpt_path`, downloading (and verifying) s3:// URIs into the cache."""
     if ckpt_path.startswith("s3://"):
-        from vitrain.s3 import fetch_checkpoint  # boto3 only when needed
+        from vitrain.s3.store import fetch_checkpoint  # boto3 only when needed
 
         return fetch_checkpoint(ckpt_path, Path(cache_dir) / "s3")
     path = Path(ckpt_path).expanduser()

@@ -129,7 +129,8 @@ def _s3_last(cfg: DictConfig, trainer: L.Trainer) -> Path | None:
     upload: Any = next((c for c in trainer.callbacks if isinstance(c, S3CheckpointUpload)), None)
     if upload is None or not upload.bucket:
         return None
-    from vitrain.s3 import S3ObjectNotFound, S3Store
+    from vitrain.s3.errors import S3ObjectNotFound
+    from vitrain.s3.store import S3Store
 
     uri = upload.run_uri(trainer).child("checkpoints", LAST)
     try:

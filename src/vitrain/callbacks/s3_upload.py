@@ -10,123 +10,23 @@ the file, or every shard of a folder (checked against the DCP `.metadata`), is c
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import tempfile
-import threading
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
+from vitrain.callbacks.upload_jobs import UploadRunner
+from vitrain.callbacks.upload_queue import Signature, UploadJob, UploadWorker, sharded_complete, signature
 from vitrain.errors import UserError
-from vitrain.s3 import MiB, S3Error, S3Options, S3Store, S3Uri, S3VerifyError, Uploaded, parse_s3_uri
-from vitrain.utils.secrets import find_secrets, scrub
+from vitrain.s3.client import S3Options, S3Uri, parse_s3_uri
+from vitrain.s3.errors import S3Error
+from vitrain.s3.store import S3Store
 
 log = logging.getLogger(__name__)
-
-Signature = tuple[Any, ...]
-_TEXT_SUFFIXES = {".yaml", ".yml", ".log", ".md", ".json", ".txt", ".csv"}
-
-
-@dataclass(frozen=True)
-class _Job:
-    local: Path
-    uri: S3Uri
-    slot: str  # jobs for the same slot replace each other: only the newest `last.ckpt` matters
-    signature: Signature
-    kind: str  # "best", "last" or "file"
-
-
-class _Worker:
-    """One background thread draining a queue of jobs keyed by slot."""
-
-    def __init__(self, run: Callable[[_Job], None]) -> None:
-        self._run = run
-        self._cond = threading.Condition()
-        self._pending: dict[str, _Job] = {}
-        self._busy = False
-        self._closed = False
-        self._thread = threading.Thread(target=self._loop, name="s3-upload", daemon=True)
-        self._thread.start()
-
-    def submit(self, job: _Job) -> None:
-        with self._cond:
-            self._pending.pop(job.slot, None)  # re-insert at the end: keep submission order
-            self._pending[job.slot] = job
-            self._cond.notify_all()
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """True when the queue is empty and nothing is running."""
-        with self._cond:
-            return self._cond.wait_for(lambda: not self._pending and not self._busy, timeout)
-
-    def close(self, timeout: float | None = None) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-        self._thread.join(timeout)
-
-    @property
-    def pending(self) -> int:
-        with self._cond:
-            return len(self._pending) + int(self._busy)
-
-    def _loop(self) -> None:
-        while True:
-            with self._cond:
-                self._cond.wait_for(lambda: self._pending or self._closed)
-                if not self._pending:
-                    return
-                slot = next(iter(self._pending))
-                job = self._pending.pop(slot)
-                self._busy = True
-            try:
-                self._run(job)
-            except Exception:  # the worker must survive anything: a dead thread would hang `wait`
-                log.exception("S3: unexpected error uploading %s", job.local)
-            finally:
-                with self._cond:
-                    self._busy = False
-                    self._cond.notify_all()
-
-
-def signature(path: Path) -> Signature | None:
-    """Identity of what is on disk at `path` (a file or a sharded folder), or None if missing."""
-    try:
-        if path.is_dir():
-            files = sorted(p for p in path.rglob("*") if p.is_file())
-            return tuple((p.relative_to(path).as_posix(), *_stat(p)) for p in files)
-        return _stat(path)
-    except FileNotFoundError:
-        return None
-
-
-def _stat(path: Path) -> Signature:
-    st = path.stat()
-    return (st.st_size, st.st_mtime_ns, st.st_ino)
-
-
-def _sharded_complete(folder: Path) -> bool:
-    """Every shard named in the DCP `.metadata` exists: false without a shared filesystem across nodes."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    if not (folder / ".metadata").is_file():
-        return False
-    try:
-        storage = FileSystemReader(str(folder)).read_metadata().storage_data
-    except Exception:
-        return False
-    needed: dict[str, int] = {}
-    for info in storage.values():
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
-    return all(
-        (folder / rel).is_file() and (folder / rel).stat().st_size >= end for rel, end in needed.items()
-    )
 
 
 class S3CheckpointUpload(Callback):
@@ -178,30 +78,21 @@ class S3CheckpointUpload(Callback):
         self.wait_timeout = wait_timeout
         self.options = S3Options.from_config(options)  # a frozen dataclass: the callback stays picklable
         # Created in `setup`, not here: a callback holding threads or clients cannot be pickled (ddp_spawn).
-        self._store: S3Store | None = None
-        self._worker: _Worker | None = None
-        self._lock: threading.Lock | None = None
+        self._runner: UploadRunner | None = None  # the store, and what was uploaded or failed
+        self._worker: UploadWorker | None = None
         self.base: S3Uri | None = None
         self._queued: dict[Path, Signature] = {}  # what was last handed to the worker, per local path
-        self._done: dict[str, Uploaded] = {}  # by URI, in upload order
-        self._failed: dict[str, tuple[_Job, str]] = {}  # by slot
-        self._bests: dict[str, list[Uploaded]] = {}  # by slot, for pruning replaced bests
         self._stop_requested = False
 
     # --- public results ---------------------------------------------------------------------------------------
 
     @property
     def uploaded(self) -> list[str]:
-        with self._locked():
-            return list(self._done)
+        return self._runner.uploaded if self._runner is not None else []
 
     @property
     def failures(self) -> list[str]:
-        with self._locked():
-            return [message for _job, message in self._failed.values()]
-
-    def _locked(self) -> threading.Lock | contextlib.nullcontext:
-        return self._lock or contextlib.nullcontext()
+        return self._runner.failures if self._runner is not None else []
 
     # --- Lightning hooks --------------------------------------------------------------------------------------
 
@@ -248,7 +139,7 @@ class S3CheckpointUpload(Callback):
         self.upload_run_files(trainer, wait=False)
         self._wait()
         self._report()
-        if self.fatal and self._failed:
+        if self.fatal and self.failures:
             raise S3Error(self._fatal_message())
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -276,10 +167,10 @@ class S3CheckpointUpload(Callback):
         Called at the end of fit; call it again after writing a report (only changed files go up again).
         Returns the URIs uploaded so far.
         """
-        if self._worker is None and self._store is None:
+        if self._runner is None:
             return self.uploaded
         if self._worker is None:  # after teardown: a short-lived worker for this call
-            self._worker = _Worker(self._run_job)
+            self._worker = UploadWorker(self._runner)
             closing = True
         else:
             closing = False
@@ -309,11 +200,11 @@ class S3CheckpointUpload(Callback):
                 "or pass callbacks.s3_upload.bucket=<bucket>"
             )
         self.base = self.run_uri(trainer)
-        self._store = S3Store(self.options)
+        store = S3Store(self.options)
         if self.preflight:
-            self._store.preflight(self.base)
-        self._lock = threading.Lock()
-        self._worker = _Worker(self._run_job)
+            store.preflight(self.base)
+        self._runner = UploadRunner(store, prune=self.prune, fatal=self.fatal)
+        self._worker = UploadWorker(self._runner)
         log.info("S3: uploading checkpoints to %s/", self.base)
 
     def run_uri(self, trainer: L.Trainer) -> S3Uri:
@@ -376,113 +267,22 @@ class S3CheckpointUpload(Callback):
         sig = signature(path)
         if sig is None or self._queued.get(path) == sig:
             return False
-        if path.is_dir() and not _sharded_complete(path):
+        if path.is_dir() and not sharded_complete(path):
             log.warning(
                 "S3: %s lacks shards listed in its .metadata (no shared filesystem?); not uploaded", path
             )
             return False
         assert self._worker is not None
         self._queued[path] = sig
-        self._worker.submit(_Job(path, self._uri_for(path, kind), slot, sig, kind))
+        self._worker.submit(UploadJob(path, self._uri_for(path, kind), slot, sig, kind))
         return True
 
     def _retry_failed(self) -> None:
-        assert self._lock is not None and self._worker is not None
-        with self._lock:
-            failed = list(self._failed.values())
-        for job, _message in failed:
+        assert self._runner is not None and self._worker is not None
+        for job in self._runner.failed_jobs():
             sig = signature(job.local)
             if sig is not None:  # else superseded: ModelCheckpoint removed it
-                self._worker.submit(_Job(job.local, job.uri, job.slot, sig, job.kind))
-
-    def _run_job(self, job: _Job) -> None:
-        """Worker thread: upload, verify, record; never raises."""
-        assert self._store is not None and self._lock is not None
-        try:
-            uploads = self._upload(job)
-        except FileNotFoundError:
-            log.debug("S3: %s is gone before upload (replaced by a newer checkpoint)", job.local)
-            self._resolve(job.slot)
-            return
-        except S3VerifyError as err:
-            if signature(job.local) != job.signature:  # rewritten while uploading: the newer save is queued
-                log.debug("S3: %s changed during upload; the newer version will be uploaded", job.local)
-                return
-            self._record_failure(job, str(err))
-            return
-        except S3Error as err:
-            self._record_failure(job, str(err))
-            return
-        except Exception as err:
-            self._record_failure(job, scrub(f"{type(err).__name__}: {err}"))
-            return
-        with self._lock:
-            for up in uploads:
-                self._done.pop(str(up.uri), None)
-                self._done[str(up.uri)] = up
-            self._failed.pop(job.slot, None)
-        for up in uploads:
-            log.info("S3: uploaded %s (%.1f MiB, sha256 %s)", up.uri, up.size / MiB, up.sha256[:12])
-        if job.kind == "best":
-            self._prune(job.slot, uploads[0])
-
-    def _upload(self, job: _Job) -> list[Uploaded]:
-        assert self._store is not None
-        if job.local.is_dir():
-            return self._store.upload_tree(job.local, job.uri)
-        if job.kind == "file" and job.local.suffix in _TEXT_SUFFIXES and job.local.stat().st_size < 16 * MiB:
-            text = job.local.read_text(errors="replace")
-            leaked = find_secrets(text)
-            if leaked:  # never let a secret reach the bucket, even if some writer leaked it locally
-                log.warning(
-                    "S3: %s contains the value of %s; uploading a redacted copy", job.local, ", ".join(leaked)
-                )
-                return [self._upload_text(scrub(text), job)]
-        return [self._store.upload_file(job.local, job.uri)]
-
-    def _upload_text(self, text: str, job: _Job) -> Uploaded:
-        assert self._store is not None
-        with tempfile.TemporaryDirectory() as tmp:
-            copy = Path(tmp) / job.local.name
-            copy.write_text(text)
-            up = self._store.upload_file(copy, job.uri)
-        return Uploaded(up.uri, job.local, up.size, up.sha256)
-
-    def _record_failure(self, job: _Job, message: str) -> None:
-        assert self._lock is not None
-        with self._lock:
-            self._failed[job.slot] = (job, message)
-        what = (
-            "fatal (fatal=true): training will stop"
-            if self.fatal
-            else "training goes on; will retry at the next save and at the end"
-        )
-        log.error("S3 upload failed: %s. Local copy kept at %s; %s", message, job.local, what)
-
-    def _resolve(self, slot: str) -> None:
-        assert self._lock is not None
-        with self._lock:
-            self._failed.pop(slot, None)
-
-    def _prune(self, slot: str, new: Uploaded) -> None:
-        """Delete earlier bests of this slot once ModelCheckpoint has removed them locally (save_top_k)."""
-        assert self._store is not None and self._lock is not None
-        keep: list[Uploaded] = []
-        for old in self._bests.get(slot, []):
-            if old.uri == new.uri:
-                continue
-            if self.prune and not old.local.exists():
-                try:
-                    self._store.delete(old.uri)
-                except S3Error as err:
-                    log.warning("S3: could not delete replaced checkpoint %s: %s", old.uri, err)
-                else:
-                    with self._lock:
-                        self._done.pop(str(old.uri), None)
-                    log.info("S3: deleted replaced checkpoint %s", old.uri)
-                    continue
-            keep.append(old)
-        self._bests[slot] = [*keep, new]
+                self._worker.submit(UploadJob(job.local, job.uri, job.slot, sig, job.kind))
 
     def _wait(self, timeout: float | None = None) -> None:
         if self._worker is None:
@@ -496,7 +296,7 @@ class S3CheckpointUpload(Callback):
             )
 
     def _must_stop(self, trainer: L.Trainer) -> bool:
-        stop = bool(self._failed) and trainer.is_global_zero
+        stop = bool(self.failures) and trainer.is_global_zero
         if trainer.world_size > 1:
             stop = bool(trainer.strategy.broadcast(stop, src=0))
         if stop and not self._stop_requested:
@@ -510,7 +310,7 @@ class S3CheckpointUpload(Callback):
     def _report(self) -> None:
         if self.base is None:
             return
-        lines = [f"  {uri}" for uri in self._done]
+        lines = [f"  {uri}" for uri in self.uploaded]
         log.info("S3: %d object(s) under %s/:\n%s", len(lines), self.base, "\n".join(lines) or "  (none)")
         for message in self.failures:
             log.error("S3: NOT uploaded: %s", message)

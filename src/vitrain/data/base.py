@@ -1,79 +1,30 @@
-"""What every datamodule shares: splits, distributed sampling, the global batch split across processes, class
-names, the model's input spec, resumable loaders, and batches augmented on the device for in-memory data.
+"""What every datamodule shares: splits, class names, the model's input spec, the loaders, and batches
+augmented on the device for in-memory data.
 
 A subclass says where its classes and images come from (`find_classes`, `load_splits`); the base turns the
-datasets into loaders. The trainer runs with `use_distributed_sampler=false`: the samplers here are the
-only ones, so evaluation stays exact (no padding) and training order is a function of (seed, epoch).
+datasets into loaders. The trainer runs with `use_distributed_sampler=false`: the samplers the base takes
+from `sampling` are the only ones, so evaluation stays exact (no padding) and training order is a function
+of (seed, epoch).
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
-import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from lightning.pytorch import LightningDataModule
-from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from torch import Tensor
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, SequentialSampler
+from torch.utils.data import DataLoader, Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from vitrain.data.augment import BatchTransform
+from vitrain.data.loaders import ResumableLoader, TensorImageDataset, passthrough_collate
+from vitrain.data.sampling import make_sampler, per_process_batch
 from vitrain.errors import DataError
 from vitrain.utils.config import plain
-
-
-class ResumableLoader(DataLoader):
-    """In-memory data: a DataLoader that skips the batches a mid-epoch checkpoint had already trained on.
-
-    The training order is a function of (seed, epoch) alone and a batch is a tensor slice, so skipping the
-    batches the restored loop has completed continues exactly where the interrupted run stopped (bitwise,
-    tests/test_resume.py). Worker-process loaders use torchdata's StatefulDataLoader instead.
-    """
-
-    def __init__(self, *args: Any, batches_done: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._batches_done = batches_done
-
-    def __iter__(self) -> Iterator:
-        iterator = super().__iter__()
-
-        def batches() -> Iterator:
-            # decided at the first batch: Lightning creates the iterator before it restores its loop counters
-            for _ in range(self._batches_done()):
-                next(iterator, None)
-            yield from iterator
-
-        return batches()
-
-
-class TensorImageDataset(Dataset):
-    """Images and labels held as tensors; `__getitems__` lets the DataLoader slice a whole batch at once."""
-
-    def __init__(self, x: Tensor, y: Tensor) -> None:
-        self.x, self.y = x, y
-
-    def __len__(self) -> int:
-        return len(self.y)
-
-    def __getitem__(self, i: int) -> tuple[Tensor, Tensor]:
-        return self.x[i], self.y[i]
-
-    def __getitems__(self, indices: list[int]) -> tuple[Tensor, Tensor]:
-        idx = torch.as_tensor(indices, dtype=torch.long)
-        # index_select: ~5x faster than x[idx] advanced indexing for a batch of rows on the CPU
-        return self.x.index_select(0, idx), self.y.index_select(0, idx)
-
-
-def passthrough_collate(batch: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
-    """`__getitems__` already returns a collated batch (module-level so worker processes can pickle it)."""
-    return batch
 
 
 @dataclass
@@ -83,73 +34,6 @@ class Splits:
     train: Dataset
     val: Dataset
     test: Dataset
-
-
-class EpochTaggedSampler(DistributedSampler):
-    """DistributedSampler that yields `(epoch, index)`: a dataset that augments per sample seeds its random ops
-    from (seed, epoch, index), so an image gets the same augmentation whatever the rank, the worker or a
-    resume, and worker processes need no seeding of their own (`sample_seed`)."""
-
-    def __iter__(self) -> Iterator[tuple[int, int]]:  # type: ignore[override]
-        epoch = self.epoch
-        return ((epoch, i) for i in super().__iter__())
-
-
-def sample_seed(seed: int, epoch: int, index: int) -> int:
-    """A 63-bit seed for one sample of one epoch (hash, not a sum: (1, 2) and (2, 1) must differ)."""
-    digest = hashlib.blake2b(f"{seed}|{epoch}|{index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
-
-
-def seed_sample(seed: int) -> None:
-    """Seed every RNG a per-sample transform may draw from (timm uses `random`, torchvision uses torch)."""
-    random.seed(seed)
-    torch.manual_seed(seed)
-    np.random.seed(seed % 2**32)
-
-
-def per_process_batch(batch_size: int, world_size: int, name: str = "batch_size") -> int:
-    """The global batch split across processes; refuse sizes that would silently change the global batch."""
-    if batch_size < 1:
-        raise DataError(f"datamodule.{name}={batch_size} must be at least 1")
-    if batch_size % world_size:
-        raise DataError(
-            f"datamodule.{name}={batch_size} does not divide across {world_size} processes "
-            f"(trainer.devices x trainer.num_nodes): use a multiple of {world_size}"
-        )
-    return batch_size // world_size
-
-
-def make_sampler(
-    dataset: Dataset, *, train: bool, num_replicas: int, rank: int, seed: int, tag_epoch: bool = False
-) -> Sampler:
-    """Train: shuffled, equal shards (each sample at most once per epoch over all ranks; the last
-    `len % world` samples of a shuffled order wait for another epoch). Eval: every sample exactly once over
-    all ranks, no padding; ranks may then differ by one batch, which is safe because the model syncs its
-    metrics only at epoch end.
-
-    Training always uses a DistributedSampler, also on one process: its order is a function of (seed, epoch)
-    alone, so a run resumed at an epoch boundary sees exactly the batches the uninterrupted run saw.
-    """
-    if train:
-        cls = EpochTaggedSampler if tag_epoch else DistributedSampler
-        return cls(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=True)
-    if num_replicas > 1:
-        return UnrepeatedDistributedSampler(dataset, num_replicas=num_replicas, rank=rank, shuffle=False)
-    return SequentialSampler(dataset)
-
-
-def split_indices(n: int, val_size: int | float, seed: int) -> tuple[Tensor, Tensor]:
-    """(train, val) indices from a private generator, so every rank and every restart carves the same split.
-    `val_size` is a count, or a fraction of `n` when below 1."""
-    count = round(val_size * n) if isinstance(val_size, float) and val_size < 1 else int(val_size)
-    if not 0 < count < n:
-        raise DataError(
-            f"datamodule.val_size={val_size} must be between 1 and {n - 1} images "
-            f"(the training set has {n} images)"
-        )
-    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
-    return perm[count:], perm[:count]
 
 
 def check_ints(**values: object) -> None:

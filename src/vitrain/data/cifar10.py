@@ -4,8 +4,11 @@ training device (the shared base, vitrain/data/base.py, does splits, sampling, l
 from __future__ import annotations
 
 from vitrain.data.augment import BatchTransform
-from vitrain.data.base import ImageDataModule, Splits, TensorImageDataset, check_ints, split_indices
-from vitrain.data.sources import CIFAR10, CIFAR10_CLASSES, CIFAR100, CifarSpec, Decoded, load_cifar
+from vitrain.data.base import ImageDataModule, Splits, check_ints
+from vitrain.data.cifar_spec import CIFAR10, CIFAR10_CLASSES, CIFAR100, CifarSpec, Decoded
+from vitrain.data.loaders import TensorImageDataset
+from vitrain.data.sampling import split_indices
+from vitrain.data.sources import load_cifar
 
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR10_STD = (0.2470, 0.2435, 0.2616)

@@ -29,16 +29,11 @@ from torch.utils.data import Dataset
 
 from vitrain.data import in_memory
 from vitrain.data.augment import BatchTransform
-from vitrain.data.base import (
-    ImageDataModule,
-    Splits,
-    TensorImageDataset,
-    check_ints,
-    sample_seed,
-    seed_sample,
-)
+from vitrain.data.base import ImageDataModule, Splits, check_ints
+from vitrain.data.cache import unpack_archive
+from vitrain.data.loaders import TensorImageDataset
+from vitrain.data.sampling import sample_seed, seed_sample
 from vitrain.data.shards import Source, carve_val, find_source, find_unreadable, scan
-from vitrain.data.sources import unpack_archive
 from vitrain.data.transforms import timm_transform
 from vitrain.errors import DataError
 

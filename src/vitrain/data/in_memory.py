@@ -18,7 +18,7 @@ import torch
 from PIL import Image, ImageOps
 from torch import Tensor
 
-from vitrain.data.sources import _digest, _stat_key
+from vitrain.data.cache import digest, stat_key
 from vitrain.errors import DataError
 from vitrain.utils.atomic import write_atomic
 
@@ -119,12 +119,12 @@ def load_or_decode(
     covers each file's path, size and mtime, the size S and the resampling filter. Splits that are the same
     file list (test = val when there is no test/) share one tensor."""
     listing = "\n".join(
-        f"{name}|{path}|{label}|{_stat_key(Path(path))}"
+        f"{name}|{path}|{label}|{stat_key(Path(path))}"
         for name, files in splits.items()
         for path, label in files
     )
     target = Path(cache_dir).expanduser().absolute() / "image_folder"
-    target = target / f"decoded-{_digest(f'{CACHE_FORMAT}|{size}|{resample}|{listing}')}.pt"
+    target = target / f"decoded-{digest(f'{CACHE_FORMAT}|{size}|{resample}|{listing}')}.pt"
     if target.is_file():
         try:
             return {

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from vitrain.data.sources import ARCHIVE_SUFFIXES, unpack_archive
+from vitrain.data.cache import ARCHIVE_SUFFIXES, unpack_archive
 from vitrain.errors import DataError, UserError
 from vitrain.utils.atomic import write_atomic
 
@@ -184,7 +184,8 @@ def write_shards(
     cache_dir: str | os.PathLike | None = None,
 ) -> dict[str, Any]:
     """Write SRC as shards at DST (a folder or s3://bucket/prefix); returns the metadata written."""
-    from vitrain.s3 import S3Store, is_s3_uri, parse_s3_uri
+    from vitrain.s3.client import is_s3_uri, parse_s3_uri
+    from vitrain.s3.store import S3Store
 
     remote = is_s3_uri(dst)
     store = S3Store() if remote else None

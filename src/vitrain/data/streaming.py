@@ -23,7 +23,8 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
 from vitrain.compat import litdata_allow_http, litdata_distributed_env
-from vitrain.data.base import ImageDataModule, Splits, sample_seed, seed_sample
+from vitrain.data.base import ImageDataModule, Splits
+from vitrain.data.sampling import sample_seed, seed_sample
 from vitrain.data.shards import FORMAT_NAME, FORMAT_VERSION, METADATA_FILE
 from vitrain.data.transforms import timm_transform
 from vitrain.errors import DataError
@@ -41,7 +42,8 @@ def read_metadata(location: str, endpoint_url: str | None = None) -> dict[str, A
 
     Read with vitrain's S3 client before litdata touches the bucket: litdata's own client retries a missing
     bucket or absent credentials for a long time instead of failing."""
-    from vitrain.s3 import S3Options, S3Store, is_s3_uri, parse_s3_uri
+    from vitrain.s3.client import S3Options, is_s3_uri, parse_s3_uri
+    from vitrain.s3.store import S3Store
 
     where = f"{location.rstrip('/')}/{METADATA_FILE}"
     if is_s3_uri(location):

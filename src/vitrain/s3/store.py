@@ -1,8 +1,7 @@
-"""S3 (and S3-compatible: MinIO, R2, Ceph) storage for checkpoints and run files.
+"""`S3Store`: a configured client plus the verified operations the project needs.
 
-Every transfer is verified against the local bytes, because a checkpoint that silently differs from what
-was trained is worse than none. Credentials come from the usual AWS chain (env, profile, instance role);
-nothing here reads or stores them.
+Upload checks what the store holds against the local bytes; download goes through a cache keyed by the
+object's ETag, filled once per node and only by atomic rename, so a resume never reads a half-written file.
 """
 
 from __future__ import annotations
@@ -13,185 +12,23 @@ import os
 import re
 import shutil
 import uuid
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, fields, replace
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import boto3
 from boto3.s3.transfer import TransferConfig
-from botocore.config import Config
-from botocore.exceptions import (
-    BotoCoreError,
-    ClientError,
-    ConnectionError,
-    CredentialRetrievalError,
-    HTTPClientError,
-    NoCredentialsError,
-    PartialCredentialsError,
-    ProfileNotFound,
-)
+from botocore.exceptions import BotoCoreError, ClientError
 from filelock import FileLock
-from s3transfer.utils import ChunksizeAdjuster
 
 from vitrain.errors import UserError
-from vitrain.utils.secrets import scrub
+from vitrain.s3.client import S3Options, S3Uri, make_client, parse_s3_uri
+from vitrain.s3.digest import Digest, file_digest
+from vitrain.s3.errors import S3Error, S3ObjectNotFound, S3VerifyError, classify, error_code
 
 log = logging.getLogger(__name__)
 
-MiB = 1024**2
 SHA256_META = "sha256"  # object metadata key (sent as x-amz-meta-sha256)
-_HASH_BLOCK = 4 * MiB
-
-
-class S3Error(UserError):
-    """S3 could not be used; the message names the bucket/endpoint and what to check."""
-
-
-class S3EndpointError(S3Error):
-    """The endpoint did not answer (network, DNS, wrong AWS_ENDPOINT_URL, outage)."""
-
-
-class S3CredentialsError(S3Error):
-    """No credentials were found, or the store rejected them."""
-
-
-class S3AccessDenied(S3Error):
-    """Valid credentials without permission for this bucket or key."""
-
-
-class S3BucketNotFound(S3Error):
-    """The bucket does not exist at this endpoint."""
-
-
-class S3ObjectNotFound(S3Error):
-    """Neither an object nor a prefix exists at the given URI."""
-
-
-class S3VerifyError(S3Error):
-    """Stored bytes differ from the local file (size or checksum)."""
-
-
-@dataclass(frozen=True)
-class S3Uri:
-    bucket: str
-    key: str = ""
-
-    def __str__(self) -> str:
-        return f"s3://{self.bucket}/{self.key}"
-
-    def child(self, *parts: str) -> S3Uri:
-        segments = [p.strip("/") for p in (self.key, *parts) if p and p.strip("/")]
-        return S3Uri(self.bucket, "/".join(segments))
-
-
-def is_s3_uri(value: object) -> bool:
-    return isinstance(value, str) and value.startswith("s3://")
-
-
-def parse_s3_uri(uri: str) -> S3Uri:
-    """`s3://bucket/some/key` -> S3Uri; a bucket alone is allowed (key "")."""
-    match = re.fullmatch(r"s3://([a-z0-9][a-z0-9.\-]{1,61}[a-z0-9])(?:/(.*))?", uri.strip())
-    if not match:
-        raise UserError(f"not an S3 URI: {uri!r} (expected s3://<bucket>/<key>, lower-case bucket name)")
-    return S3Uri(match.group(1), match.group(2) or "")
-
-
-@dataclass(frozen=True)
-class S3Options:
-    """Client and transfer settings. `None` means "let boto3 decide" (env vars, ~/.aws/config)."""
-
-    endpoint_url: str | None = None  # None: boto3 reads AWS_ENDPOINT_URL(_S3) itself
-    region: str | None = None
-    profile: str | None = None
-    max_attempts: int = 5  # botocore "standard" retry mode: throttling, 5xx and connection errors
-    connect_timeout: float = 10.0
-    read_timeout: float = 60.0
-    # Recent boto3 sends CRC32 trailers by default, which several S3-compatible stores reject.
-    request_checksum_calculation: str = "when_required"
-    response_checksum_validation: str = "when_required"
-    multipart_threshold: int = 64 * MiB
-    multipart_chunksize: int = 16 * MiB
-    max_concurrency: int = 4
-    # Compare the ETag with the locally computed MD5 (multipart: MD5 of part MD5s). Turn off for stores whose
-    # ETag is not an MD5 (SSE-KMS on AWS, some gateways); size and the sha256 metadata are still checked.
-    verify_etag: bool = True
-
-    @classmethod
-    def from_config(cls, values: S3Options | Mapping[str, Any] | None) -> S3Options:
-        """From a config node (plain data, sizes as `*_mb` in MiB); an unknown key is an error, not ignored."""
-        if isinstance(values, S3Options):
-            return values
-        kwargs = dict(values or {})
-        for name in ("multipart_threshold", "multipart_chunksize"):
-            if f"{name}_mb" in kwargs:
-                kwargs[name] = int(kwargs.pop(f"{name}_mb") * MiB)
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(kwargs) - known)
-        if unknown:
-            valid = ", ".join(sorted(known - {"multipart_threshold", "multipart_chunksize"}))
-            raise UserError(
-                f"unknown S3 option(s) {', '.join(unknown)}; valid: {valid}, multipart_threshold_mb, "
-                "multipart_chunksize_mb"
-            )
-        return cls(**kwargs)
-
-
-def make_client(options: S3Options) -> Any:
-    session = (
-        boto3.session.Session(profile_name=options.profile) if options.profile else boto3.session.Session()
-    )
-    config = Config(
-        retries={"mode": "standard", "max_attempts": options.max_attempts},
-        connect_timeout=options.connect_timeout,
-        read_timeout=options.read_timeout,
-        request_checksum_calculation=options.request_checksum_calculation,
-        response_checksum_validation=options.response_checksum_validation,
-    )
-    return session.client(
-        "s3", endpoint_url=options.endpoint_url or None, region_name=options.region, config=config
-    )
-
-
-@dataclass(frozen=True)
-class Digest:
-    size: int
-    sha256: str
-    etag: str  # what S3 computes for this file uploaded with our transfer config
-
-
-def file_digest(path: Path, multipart_threshold: int, multipart_chunksize: int) -> Digest:
-    """sha256 and the expected S3 ETag of `path`, in one pass over the file."""
-    size = path.stat().st_size
-    multipart = size >= multipart_threshold  # same rule as s3transfer
-    part_size = ChunksizeAdjuster().adjust_chunksize(multipart_chunksize, size) if multipart else 0
-    sha, whole, part = hashlib.sha256(), _md5(), _md5()
-    parts: list[bytes] = []
-    in_part = 0
-    with path.open("rb") as f:
-        while block := f.read(_HASH_BLOCK):
-            sha.update(block)
-            if not multipart:
-                whole.update(block)
-                continue
-            view = memoryview(block)
-            while view:
-                take = min(len(view), part_size - in_part)
-                part.update(view[:take])
-                in_part += take
-                view = view[take:]
-                if in_part == part_size:
-                    parts.append(part.digest())
-                    part, in_part = _md5(), 0
-    if not multipart:
-        return Digest(size, sha.hexdigest(), whole.hexdigest())
-    if in_part:
-        parts.append(part.digest())
-    return Digest(size, sha.hexdigest(), f"{_md5(b''.join(parts)).hexdigest()}-{len(parts)}")
-
-
-def _md5(data: bytes = b"") -> Any:
-    return hashlib.md5(data, usedforsecurity=False)
 
 
 @dataclass(frozen=True)
@@ -210,7 +47,7 @@ class S3Store:
         try:
             self.client = make_client(self.options)
         except BotoCoreError as exc:  # e.g. AWS_PROFILE names no profile
-            raise _classify(exc, "creating the client", self.options.endpoint_url or "(default)") from None
+            raise classify(exc, "creating the client", self.options.endpoint_url or "(default)") from None
         self.transfer = TransferConfig(
             multipart_threshold=self.options.multipart_threshold,
             multipart_chunksize=self.options.multipart_chunksize,
@@ -242,7 +79,7 @@ class S3Store:
 
     def error(self, exc: BaseException, doing: str) -> S3Error:
         """One-line, classified, secret-free error for a boto3/botocore failure."""
-        return _classify(exc, doing, self.endpoint)
+        return classify(exc, doing, self.endpoint)
 
     # --- upload ---------------------------------------------------------------------------------------------
 
@@ -311,7 +148,7 @@ class S3Store:
         try:
             head = self.client.head_object(Bucket=uri.bucket, Key=uri.key)
         except ClientError as exc:
-            if _code(exc) not in {"404", "NoSuchKey", "NotFound"}:
+            if error_code(exc) not in {"404", "NoSuchKey", "NotFound"}:
                 raise self.error(exc, f"reading {uri}") from exc
             return self._fetch_prefix(uri, cache_dir / uri.bucket / rel)
         except Exception as exc:
@@ -423,57 +260,3 @@ def _safe_relpath(key: str) -> Path:
 
 def _etag_dir(etag: str) -> str:
     return "etag-" + re.sub(r"[^A-Za-z0-9-]", "", etag)
-
-
-def _code(exc: ClientError) -> str:
-    return str(exc.response.get("Error", {}).get("Code", ""))
-
-
-_CREDENTIAL_CODES = {
-    "InvalidAccessKeyId",
-    "SignatureDoesNotMatch",
-    "ExpiredToken",
-    "InvalidToken",
-    "TokenRefreshRequired",
-    "AuthorizationHeaderMalformed",
-    "InvalidClientTokenId",
-}
-_DENIED_CODES = {"AccessDenied", "403", "Forbidden", "AllAccessDisabled", "AccountProblem"}
-
-
-def _classify(exc: BaseException, doing: str, endpoint: str) -> S3Error:
-    """Map the botocore exception in `exc`'s chain to one of our S3Error classes with a fix-it hint."""
-    cause: BaseException | None = exc
-    while cause is not None and not isinstance(cause, BotoCoreError | ClientError | S3Error):
-        cause = cause.__cause__ or cause.__context__
-    err: BaseException = cause or exc
-    if isinstance(err, S3Error):
-        return err
-    what = f"S3: {doing}"
-    if isinstance(
-        err, NoCredentialsError | PartialCredentialsError | CredentialRetrievalError | ProfileNotFound
-    ):
-        msg = f"{what}: no usable AWS credentials ({err}); set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY (env or .env), AWS_PROFILE, or use an instance role"
-        return S3CredentialsError(scrub(msg))
-    if isinstance(err, ConnectionError | HTTPClientError):
-        msg = f"{what}: endpoint {endpoint} unreachable ({type(err).__name__}); check AWS_ENDPOINT_URL and the network"
-        return S3EndpointError(scrub(msg))
-    if isinstance(err, ClientError):
-        code = _code(err)
-        status = err.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-        if code == "NoSuchBucket":
-            return S3BucketNotFound(
-                f"{what}: bucket does not exist at {endpoint} (create it, or fix S3_BUCKET)"
-            )
-        if code in _CREDENTIAL_CODES:
-            return S3CredentialsError(
-                f"{what}: the store rejected the credentials ({code}); check AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY/AWS_PROFILE"
-            )
-        if code in _DENIED_CODES or status == 403:
-            return S3AccessDenied(
-                f"{what}: access denied ({code}); the credentials lack s3:PutObject/GetObject/ListBucket here"
-            )
-        if code in {"404", "NoSuchKey", "NotFound"}:
-            return S3ObjectNotFound(f"{what}: not found")
-        return S3Error(scrub(f"{what}: {code or status}: {err}"))
-    return S3Error(scrub(f"{what}: {type(err).__name__}: {err}"))
