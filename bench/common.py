@@ -36,6 +36,15 @@ CACHE_DIR = Path(os.environ.get("VITRAIN_BENCH_CACHE", Path.home() / ".cache" / 
 # the CPU experiment's model, for benchmarks that need "a small ViT"
 SMALL_VIT = "experiment=cifar_cpu"
 # --smoke: that network shrunk to run in seconds
+# a plain ViT small enough for CPU smoke runs (4x4 patches of 8 px at 32 px input)
+TINY_VIT_NET = [
+    "model.net.model_name=vit_tiny_patch16_224",
+    "model.net.img_size=32",
+    "model.net.patch_size=8",
+    "+model.net.embed_dim=32",
+    "+model.net.depth=2",
+    "+model.net.num_heads=2",
+]
 SMOKE_NET = [
     "model.net.embed_layer.backbone.channels=[8,8,16,16,32,32]",
     "model.net.embed_dim=32",
@@ -191,6 +200,32 @@ def command_line() -> str:
 
 
 # --- Hydra configs and the template's own objects -------------------------------------------------------
+
+
+def time_next_calls(datamodule: Any, record: Callable[[float, float], None]) -> None:
+    """Make every `next()` on the datamodule's training loader call `record(start, seconds)`: the loader is
+    the one the datamodule builds (same class, workers, sampler), only its iteration is timed."""
+    make_loader = datamodule.train_dataloader
+
+    def timed_loader() -> Any:
+        loader = make_loader()
+
+        class Timed(type(loader)):
+            def __iter__(self) -> Any:
+                inner = super().__iter__()
+                while True:
+                    t = time.perf_counter()
+                    try:
+                        batch = next(inner)
+                    except StopIteration:
+                        return
+                    record(t, time.perf_counter() - t)
+                    yield batch
+
+        loader.__class__ = Timed
+        return loader
+
+    datamodule.train_dataloader = timed_loader
 
 
 def short_run(train_batches: int, val_batches: int = 0, bare: bool = False) -> list[str]:

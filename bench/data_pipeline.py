@@ -36,6 +36,7 @@ from common import (
     ratio,
     short_run,
     synced_clock,
+    time_next_calls,
 )
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
@@ -171,28 +172,8 @@ def data_wait(args: Any, workdir: Path) -> dict[str, Any]:
         events.append((t, time.perf_counter() - t, "augment"))
         return out
 
-    make_loader = datamodule.train_dataloader
-
-    def timed_loader() -> DataLoader:
-        loader = make_loader()
-
-        class Timed(type(loader)):  # the same DataLoader, with next() timed
-            def __iter__(self) -> Any:
-                inner = super().__iter__()
-                while True:
-                    t = time.perf_counter()
-                    try:
-                        batch = next(inner)
-                    except StopIteration:
-                        return
-                    events.append((t, time.perf_counter() - t, "fetch"))
-                    yield batch
-
-        loader.__class__ = Timed
-        return loader
-
     datamodule.on_after_batch_transfer = timed_augment
-    datamodule.train_dataloader = timed_loader
+    time_next_calls(datamodule, lambda t, seconds: events.append((t, seconds, "fetch")))
     trainer.fit(objects.model, datamodule=datamodule)
     probe = next(c for c in trainer.callbacks if isinstance(c, BenchProbe))
     ends = probe.record["step_ends"]

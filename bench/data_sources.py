@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import ROOT, Result, compose, interleave, median, parse_args, ratio, short_run
+from common import ROOT, Result, compose, interleave, median, parse_args, ratio, short_run, time_next_calls
 from PIL import Image
 from torch.utils.data import DataLoader
 
@@ -133,30 +133,10 @@ def data_wait(source: str, data_dir: Path, args: Any, workdir: Path) -> dict[str
     dm, trainer = objects.datamodule, objects.trainer
     fetch: list[float] = []
     ends: list[float] = []
-    make_loader = dm.train_dataloader
-
-    def timed_loader() -> DataLoader:
-        loader = make_loader()
-
-        class Timed(type(loader)):  # the same loader class, next() timed
-            def __iter__(self) -> Any:
-                inner = super().__iter__()
-                while True:
-                    t = time.perf_counter()
-                    try:
-                        batch = next(inner)
-                    except StopIteration:
-                        return
-                    fetch.append(time.perf_counter() - t)
-                    yield batch
-
-        loader.__class__ = Timed
-        return loader
-
     from lightning.pytorch.callbacks import LambdaCallback
 
     trainer.callbacks.append(LambdaCallback(on_train_batch_end=lambda *a: ends.append(time.perf_counter())))
-    dm.train_dataloader = timed_loader
+    time_next_calls(dm, lambda t, seconds: fetch.append(seconds))
     trainer.fit(objects.model, datamodule=dm)
     # fetch[i] precedes step i; steady state: steps after the warm-up
     waited = sum(fetch[warmup + 1 : len(ends)])

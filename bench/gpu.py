@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import Result, compose, data_overrides, parse_args, run_train, train_command
+from common import TINY_VIT_NET, Result, compose, data_overrides, parse_args, run_train, train_command
 
 from vitrain.callbacks.throughput import peak_flops
 
@@ -28,12 +28,7 @@ SEED = [
     "trainer.precision=bf16-mixed",
 ]
 TINY = [
-    "model.net.model_name=vit_tiny_patch16_224",
-    "model.net.img_size=32",
-    "model.net.patch_size=8",
-    "+model.net.embed_dim=32",
-    "+model.net.depth=2",
-    "+model.net.num_heads=2",
+    *TINY_VIT_NET,
     "datamodule.batch_size=8",
     "datamodule.val_size=16",
 ]

@@ -35,6 +35,7 @@ for extra in (ROOT / "src", ROOT / "tests", ROOT / "bench"):
         sys.path.insert(0, str(extra))
 
 import torch  # noqa: E402
+from common import TINY_VIT_NET  # noqa: E402
 
 PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
 # what the runs import (module -> pip name); nvidia-ml-py is checked by the environment check
@@ -88,14 +89,7 @@ class Ctx:
         """The seed's model (random init), the generated data, short epochs, logs every 10 steps."""
         a = self.args
         model = (
-            [
-                "model.net.model_name=vit_tiny_patch16_224",
-                "model.net.img_size=32",
-                "model.net.patch_size=8",
-                "+model.net.embed_dim=32",
-                "+model.net.depth=2",
-                "+model.net.num_heads=2",
-            ]
+            TINY_VIT_NET
             if self.cpu
             else [
                 f"model.net.model_name={a.model}",

@@ -1,5 +1,7 @@
 """Composing configs and running the entry points the way users do, for tests."""
 
+import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -7,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import lightning as L
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
@@ -103,3 +106,38 @@ def assert_plain(value: Any, where: str = "checkpoint") -> None:
             assert_plain(item, f"{where}[{i}]")
     else:
         assert isinstance(value, PLAIN), f"{where}: {type(value).__name__}"
+
+
+class EvalSamples(L.Callback):
+    """Writes, per rank, a digest of every validation image it evaluated: a DDP test adds it by name
+    (`+callbacks.eval_samples._target_=helpers.EvalSamples`, tests/ on PYTHONPATH) to check that each
+    image was evaluated exactly once across ranks."""
+
+    def __init__(self, out: str) -> None:
+        self.out, self.seen = Path(out), []
+
+    def on_validation_batch_start(self, trainer: L.Trainer, pl_module, batch, *args) -> None:
+        if not trainer.sanity_checking:
+            self.seen += [hashlib.sha1(x.numpy().tobytes()).hexdigest() for x in batch[0]]
+
+    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module) -> None:
+        if not trainer.sanity_checking:
+            (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(self.seen))
+
+
+class Recorder(L.LightningModule):
+    """A one-parameter model that records the sample indices of every training batch:
+    what a resumed loader yields, compared with an uninterrupted run's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1))
+        self.seen: list[int] = []
+
+    def training_step(self, batch, batch_idx):
+        x, _ = batch
+        self.seen += [int(v) for v in x.flatten()]
+        return (self.w * x.float().mean()).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)

@@ -6,7 +6,6 @@ one-line errors."""
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import shutil
@@ -18,7 +17,7 @@ import pytest
 import torch
 from PIL import Image
 
-from helpers import ROOT, TINY_VIT, compose_cfg, run_cli
+from helpers import ROOT, TINY_VIT, Recorder, compose_cfg, run_cli
 from vitrain.data import image_folder
 from vitrain.data.image_folder import ImageFolderDataModule
 from vitrain.errors import DataError
@@ -219,23 +218,6 @@ class IndexSample:
         return torch.tensor([float(index)]), 0
 
 
-class Recorder(L.LightningModule):
-    """A one-parameter model that records the sample indices of every training batch."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.w = torch.nn.Parameter(torch.zeros(1))
-        self.seen: list[int] = []
-
-    def training_step(self, batch, batch_idx):
-        x, _ = batch
-        self.seen += [int(v) for v in x.flatten()]
-        return (self.w * x.float().mean()).sum()
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.0)
-
-
 class SaveAt(L.Callback):
     """Save a checkpoint after training batch `step`, where the SIGTERM callback saves (a kill after it
     loses nothing)."""
@@ -278,21 +260,6 @@ def test_mid_epoch_resume_continues_the_epoch(photos: Path, tmp_path: Path, monk
     assert whole.seen[:24] + rest.seen == whole.seen
 
 
-class EvalSamples(L.Callback):
-    """Writes, per rank, the labels and a digest of every validation image it evaluated."""
-
-    def __init__(self, out: str) -> None:
-        self.out, self.seen = Path(out), []
-
-    def on_validation_batch_start(self, trainer: L.Trainer, pl_module, batch, *args) -> None:
-        if not trainer.sanity_checking:
-            self.seen += [hashlib.sha1(x.numpy().tobytes()).hexdigest() for x in batch[0]]
-
-    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module) -> None:
-        if not trainer.sanity_checking:
-            (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(self.seen))
-
-
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.timeout(RUN_TIMEOUT)
@@ -300,7 +267,7 @@ def test_ddp_two_processes_exact_eval(photos: Path, tmp_path: Path):
     """2 DDP processes train from the folder; the 9 validation images are evaluated 5 + 4, none twice."""
     args = [*_overrides(photos, tmp_path), "trainer=ddp", "trainer.devices=2", "trainer.accelerator=cpu",
             "+trainer.limit_train_batches=2", f"hydra.run.dir={tmp_path / 'run'}",
-            "+callbacks.eval_samples._target_=test_image_folder.EvalSamples", f"+callbacks.eval_samples.out={tmp_path}"]  # fmt: skip
+            "+callbacks.eval_samples._target_=helpers.EvalSamples", f"+callbacks.eval_samples.out={tmp_path}"]  # fmt: skip
     done = run_cli("train.py", args, env={"PYTHONPATH": str(ROOT / "tests")}, timeout=RUN_TIMEOUT)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     assert "GLOBAL_RANK: 1, MEMBER: 2/2" in done.stdout + done.stderr

@@ -186,7 +186,7 @@ def test_ddp_two_processes_in_memory_exact_eval(photos: Path, tmp_path: Path):
     args = _memory_overrides(
         photos, tmp_path, "trainer=ddp", "trainer.devices=2", "trainer.accelerator=cpu",
         "+trainer.limit_train_batches=2", f"hydra.run.dir={tmp_path / 'run'}",
-        "+callbacks.eval_samples._target_=test_image_folder.EvalSamples", f"+callbacks.eval_samples.out={tmp_path}",
+        "+callbacks.eval_samples._target_=helpers.EvalSamples", f"+callbacks.eval_samples.out={tmp_path}",
     )  # fmt: skip
     done = run_cli("train.py", args, env={"PYTHONPATH": str(ROOT / "tests")}, timeout=RUN_TIMEOUT)
     out = done.stdout + done.stderr

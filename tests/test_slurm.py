@@ -41,31 +41,27 @@ def _job_env() -> dict[str, str]:
     return env
 
 
+# what a launcher sets: none may leak from the test runner into a job
+LAUNCHER_VARS = (
+    "LOCAL_RANK",
+    "NODE_RANK",
+    "WORLD_SIZE",
+    "RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "VITRAIN_RUN_ID",
+)
+
+
 def _clean(env: dict[str, str]) -> dict[str, str]:
-    for var in (
-        "LOCAL_RANK",
-        "NODE_RANK",
-        "WORLD_SIZE",
-        "RANK",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-        "VITRAIN_RUN_ID",
-    ):
+    for var in LAUNCHER_VARS:
         env.pop(var, None)
     return env
 
 
 @pytest.fixture(autouse=True)
 def _no_launcher_vars(monkeypatch: pytest.MonkeyPatch) -> None:
-    for var in (
-        "LOCAL_RANK",
-        "NODE_RANK",
-        "WORLD_SIZE",
-        "RANK",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-        "VITRAIN_RUN_ID",
-    ):
+    for var in LAUNCHER_VARS:
         monkeypatch.delenv(var, raising=False)
 
 

@@ -15,7 +15,7 @@ from PIL import Image
 from torchvision.io import encode_jpeg
 
 from data_factory import pattern_image
-from helpers import ROOT, TINY_VIT, compose_cfg, run_cli
+from helpers import ROOT, TINY_VIT, Recorder, compose_cfg, run_cli
 from vitrain.data import streaming
 from vitrain.data.shards import FORMAT_VERSION, METADATA_FILE, write_shards
 from vitrain.data.shards import main as shards_main
@@ -276,21 +276,6 @@ def test_shards_on_s3_train_one_process(photos: Path, s3_bucket: str, s3_env: st
     assert any((tmp_path / "cache" / "shards").rglob("chunk-*.bin")), "chunks were cached locally"
 
 
-class EvalSamples(L.Callback):
-    """Writes, per rank, a digest of every validation image it evaluated (the DDP test adds it by name)."""
-
-    def __init__(self, out: str) -> None:
-        self.out, self.seen = Path(out), []
-
-    def on_validation_batch_start(self, trainer: L.Trainer, pl_module, batch, *args) -> None:
-        if not trainer.sanity_checking:
-            self.seen += [hashlib.sha1(x.numpy().tobytes()).hexdigest() for x in batch[0]]
-
-    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module) -> None:
-        if not trainer.sanity_checking:
-            (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(self.seen))
-
-
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.timeout(RUN_TIMEOUT)
@@ -298,7 +283,7 @@ def test_ddp_two_processes_from_local_shards_exact_eval(local_shards: Path, tmp_
     """2 DDP processes train from the shards; the 9 validation images are evaluated 5 + 4, none twice."""
     args = [*_overrides(str(local_shards), tmp_path, batch_size=8), "trainer=ddp", "trainer.devices=2",
             "trainer.accelerator=cpu", "+trainer.limit_train_batches=3", f"hydra.run.dir={tmp_path / 'run'}",
-            "+callbacks.eval_samples._target_=test_streaming.EvalSamples", f"+callbacks.eval_samples.out={tmp_path}"]  # fmt: skip
+            "+callbacks.eval_samples._target_=helpers.EvalSamples", f"+callbacks.eval_samples.out={tmp_path}"]  # fmt: skip
     done = run_cli("train.py", args, env={"PYTHONPATH": str(ROOT / "tests")}, timeout=RUN_TIMEOUT)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     assert "GLOBAL_RANK: 1, MEMBER: 2/2" in done.stdout + done.stderr
@@ -309,23 +294,6 @@ def test_ddp_two_processes_from_local_shards_exact_eval(local_shards: Path, tmp_
 
 
 # --- resume ----------------------------------------------------------------------------------------------
-
-
-class Recorder(L.LightningModule):
-    """A one-parameter model that records the sample indices of every training batch."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.w = torch.nn.Parameter(torch.zeros(1))
-        self.seen: list[int] = []
-
-    def training_step(self, batch, batch_idx):
-        x, _ = batch
-        self.seen += [int(v) for v in x.flatten()]
-        return (self.w * x.float().mean()).sum()
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.0)
 
 
 def _fit(dm: StreamingDataModule, model: Recorder, root: Path, **kwargs) -> L.Trainer:
