@@ -3,18 +3,16 @@
 import hydra
 from omegaconf import DictConfig
 
+from vitrain.evaluation import evaluate
 from vitrain.utils.cli import check_overrides
 from vitrain.utils.run_id import register_resolvers
+from vitrain.utils.task import run_task
 
 register_resolvers()
 
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="eval.yaml")
 def main(cfg: DictConfig) -> None:
-    # torch, Lightning and timm load once the config has composed: a mistyped override fails in a second
-    from vitrain.evaluation import evaluate
-    from vitrain.utils.task import run_task
-
     run_task(evaluate, cfg)
 
 

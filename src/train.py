@@ -3,18 +3,16 @@
 import hydra
 from omegaconf import DictConfig
 
+from vitrain.training import best_value, train
 from vitrain.utils.cli import check_overrides
 from vitrain.utils.run_id import register_resolvers
+from vitrain.utils.task import run_task
 
 register_resolvers()
 
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="train.yaml")
 def main(cfg: DictConfig) -> float | None:
-    # torch, Lightning and timm load once the config has composed: a mistyped override fails in a second
-    from vitrain.training import best_value, train
-    from vitrain.utils.task import run_task
-
     metrics, objects = run_task(train, cfg)
     # what a Hydra sweeper (hparams_search=...) optimises: the best value the run reached
     return best_value(cfg.get("optimized_metric") or "val/acc1", metrics, objects.trainer)
