@@ -3,10 +3,8 @@
 import hydra
 from omegaconf import DictConfig
 
-from vitrain.training import best_value, train
 from vitrain.utils.cli import check_overrides
 from vitrain.utils.run_id import register_resolvers
-from vitrain.utils.task import run_task
 
 register_resolvers()
 
@@ -20,4 +18,10 @@ def main(cfg: DictConfig) -> float | None:
 
 if __name__ == "__main__":
     check_overrides("train")
+    # torch, Lightning and timm load after the config check (a mistyped override fails in a second, not after
+    # ~10 s of imports) and before Hydra sets up logging: imported later, Lightning would not install its own
+    # log handler and its records would reach Hydra's handlers as well
+    from vitrain.training import best_value, train
+    from vitrain.utils.task import run_task
+
     main()

@@ -66,6 +66,32 @@ def compose_cfg(config_name: str, overrides: Sequence[str], output_dir: Path) ->
     return cfg
 
 
+def fails_in_process(config_name: str, overrides: Sequence[str], output_dir: Path) -> tuple[int, str]:
+    """Run the entry point's task (`run_task(train|evaluate, cfg)`) in this process on a config that must
+    fail: its exit code and what it printed to stderr. Error paths checked this way cost no process start-up
+    (~10 s of imports each); tests/test_errors.py keeps CLI cases for the entry points themselves."""
+    import contextlib
+    import io
+
+    from lightning.pytorch.utilities import rank_zero_only
+
+    from vitrain.evaluation import evaluate
+    from vitrain.training import train
+    from vitrain.utils.task import run_task
+
+    task = {"train": train, "eval": evaluate}[config_name]
+    cfg = compose_cfg(config_name, overrides, output_dir)
+    rank, err = rank_zero_only.rank, io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            run_task(task, cfg)
+    except SystemExit as stop:
+        return int(stop.code or 0), err.getvalue()
+    finally:
+        rank_zero_only.rank = rank  # run_task sets it from the environment
+    raise AssertionError(f"{config_name} with {list(overrides)} did not stop: {err.getvalue()[-2000:]}")
+
+
 def run_cli(
     script: str,
     overrides: Sequence[str],

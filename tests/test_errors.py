@@ -5,9 +5,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import run_cli, tiny_overrides
+from helpers import fails_in_process, run_cli, tiny_overrides
 from vitrain.checkpoints import state_dict_mismatch
-from vitrain.errors import ModelError
+from vitrain.distributed.ranks import check_launch_env
+from vitrain.errors import ModelError, UserError
 from vitrain.models.timm_net import create_net
 
 
@@ -24,22 +25,27 @@ def _assert_clean_failure(done, *needles: str) -> None:
         assert needle in text, f"{needle!r} not in stderr:\n{text[-2000:]}"
 
 
+def _assert_one_line_exit_2(done: tuple[int, str], *needles: str) -> None:
+    code, stderr = done
+    assert code == 2, stderr[-2000:]
+    assert _last_line(stderr).startswith("error: "), stderr[-2000:]
+    for needle in needles:
+        assert needle in stderr, f"{needle!r} not in stderr:\n{stderr[-2000:]}"
+
+
 def test_missing_data_folder(tmp_path: Path, data_cache: Path):
-    done = run_cli(
-        "train.py", [*tiny_overrides(tmp_path / "nowhere", data_cache), f"hydra.run.dir={tmp_path}/run"]
-    )
-    _assert_clean_failure(done, "error: ", "nowhere", "datamodule.data_dir")
-    assert done.returncode == 2
-    assert _last_line(done.stderr).startswith("error: ")
+    done = fails_in_process("train", tiny_overrides(tmp_path / "nowhere", data_cache), tmp_path / "run")
+    _assert_one_line_exit_2(done, "nowhere", "datamodule.data_dir")
 
 
 def test_unknown_model_name(tmp_path: Path, tiny_cifar: Path, data_cache: Path):
     overrides = [*tiny_overrides(tiny_cifar, data_cache), "model.net.model_name=vit_tinny_patch16_224"]
-    done = run_cli("train.py", [*overrides, f"hydra.run.dir={tmp_path}/run"])
-    _assert_clean_failure(
-        done, "unknown timm model", "vit_tinny_patch16_224", "did you mean vit_tiny_patch16_224"
+    _assert_one_line_exit_2(
+        fails_in_process("train", overrides, tmp_path / "run"),
+        "unknown timm model",
+        "vit_tinny_patch16_224",
+        "did you mean vit_tiny_patch16_224",
     )
-    assert done.returncode == 2
 
 
 def test_unknown_config_group_option(tmp_path: Path):
@@ -66,21 +72,16 @@ def test_pretrained_download_offline_says_how_to_go_on(tmp_path: Path, tiny_cifa
 
 
 def test_eval_checkpoint_that_does_not_exist(tmp_path: Path):
-    done = run_cli("eval.py", [f"ckpt_path={tmp_path}/missing.ckpt", f"hydra.run.dir={tmp_path}/run"])
-    _assert_clean_failure(done, "missing.ckpt does not exist")
-    assert done.returncode == 2
+    done = fails_in_process("eval", [f"ckpt_path={tmp_path}/missing.ckpt"], tmp_path / "run")
+    _assert_one_line_exit_2(done, "missing.ckpt does not exist")
 
 
-@pytest.mark.distributed
 def test_batch_size_not_divisible_by_world_size(tmp_path: Path, tiny_cifar: Path, data_cache: Path):
-    overrides = [
-        *tiny_overrides(tiny_cifar, data_cache, batch_size=9),
-        "trainer=ddp",
-        "trainer.devices=2",
-        f"hydra.run.dir={tmp_path}/run",
-    ]
-    done = run_cli("train.py", overrides, timeout=180)
-    _assert_clean_failure(done, "datamodule.batch_size=9", "2")
+    """Refused in the launching process, before Lightning starts the second rank."""
+    overrides = [*tiny_overrides(tiny_cifar, data_cache, batch_size=9), "trainer=ddp", "trainer.devices=2"]
+    done = fails_in_process("train", overrides, tmp_path / "run")
+    _assert_one_line_exit_2(done, "datamodule.batch_size=9 does not divide across 2 processes")
+    assert not (tmp_path / "run" / "checkpoints").exists()
 
 
 def test_misspelled_override_key_suggests_the_right_one(tmp_path: Path):
@@ -93,14 +94,9 @@ def test_misspelled_override_key_suggests_the_right_one(tmp_path: Path):
 
 
 def test_wrong_type(tmp_path: Path, tiny_cifar: Path, data_cache: Path):
-    overrides = [
-        *tiny_overrides(tiny_cifar, data_cache),
-        "datamodule.batch_size=abc",
-        f"hydra.run.dir={tmp_path}/r",
-    ]
-    done = run_cli("train.py", overrides)
-    _assert_clean_failure(done, "datamodule.batch_size='abc' must be a whole number")
-    assert done.returncode == 2
+    overrides = [*tiny_overrides(tiny_cifar, data_cache), "datamodule.batch_size=abc"]
+    done = fails_in_process("train", overrides, tmp_path / "r")
+    _assert_one_line_exit_2(done, "datamodule.batch_size='abc' must be a whole number")
 
 
 def _launch(tmp_path: Path, env: dict[str, str], *extra: str):
@@ -118,18 +114,23 @@ def _launch(tmp_path: Path, env: dict[str, str], *extra: str):
     )
 
 
-def test_node_rank_past_the_last_node(tmp_path: Path):
-    done = _launch(tmp_path, {"NODE_RANK": "2", "MASTER_PORT": "29999", "WORLD_SIZE": "2"})
-    _assert_clean_failure(done, "NODE_RANK=2 with trainer.num_nodes=2: number the nodes 0..1")
-    assert done.returncode == 2
+TWO_NODES = {"num_nodes": 2, "devices": 1, "accelerator": "cpu"}
 
 
-def test_world_size_that_disagrees_with_the_trainer(tmp_path: Path):
-    done = _launch(tmp_path, {"NODE_RANK": "0", "MASTER_PORT": "29999", "WORLD_SIZE": "4"})
-    _assert_clean_failure(done, "WORLD_SIZE=4 but trainer.num_nodes x trainer.devices = 2 x 1 = 2")
+def test_node_rank_past_the_last_node():
+    env = {"MASTER_ADDR": "127.0.0.1", "NODE_RANK": "2", "MASTER_PORT": "29999", "WORLD_SIZE": "2"}
+    with pytest.raises(UserError, match=r"NODE_RANK=2 with trainer.num_nodes=2: number the nodes 0\.\.1"):
+        check_launch_env(TWO_NODES, env)
+
+
+def test_world_size_that_disagrees_with_the_trainer():
+    env = {"MASTER_ADDR": "127.0.0.1", "NODE_RANK": "0", "MASTER_PORT": "29999", "WORLD_SIZE": "4"}
+    with pytest.raises(UserError, match=r"WORLD_SIZE=4 but trainer.num_nodes x trainer.devices = 2 x 1 = 2"):
+        check_launch_env(TWO_NODES, env)
 
 
 def test_master_port_in_use(tmp_path: Path):
+    """Through the CLI: the launch check runs before any process group, in the entry point's process."""
     import socket
 
     with socket.socket() as holder:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import ROOT, run_cli, tiny_overrides
+from helpers import ROOT, fails_in_process, run_cli, tiny_overrides
 
 TESTS = str(ROOT / "tests")
 
@@ -88,14 +88,13 @@ def test_sigterm_mid_epoch_saves_last_and_resumes_exactly(
 def test_truncated_checkpoint_gives_a_clear_error(tmp_path: Path, tiny_cifar: Path, data_cache: Path):
     bad = tmp_path / "last.ckpt"
     bad.write_bytes(b"PK\x03\x04 truncated")
-    for script, args in (
-        ("eval.py", [f"ckpt_path={bad}"]),
-        ("train.py", [*tiny_overrides(tiny_cifar, data_cache), f"ckpt_path={bad}"]),
+    for task, args in (
+        ("eval", [f"ckpt_path={bad}"]),
+        ("train", [*tiny_overrides(tiny_cifar, data_cache), f"ckpt_path={bad}"]),
     ):
-        done = run_cli(script, [*args, f"hydra.run.dir={tmp_path / script}"])
-        assert done.returncode == 2, done.stderr[-3000:]
-        assert "Traceback" not in done.stderr
-        assert f"{bad}" in done.stderr and "truncated or corrupted" in done.stderr
+        code, stderr = fails_in_process(task, args, tmp_path / task)
+        assert code == 2, stderr[-3000:]
+        assert f"{bad}" in stderr and "truncated or corrupted" in stderr
 
 
 def _no_bigger_files_than(limit: int):
@@ -133,16 +132,15 @@ def test_disk_full_while_saving_keeps_the_previous_checkpoint(
 def test_resume_from_a_checkpoint_of_another_architecture(
     tmp_path: Path, tiny_cifar: Path, data_cache: Path, tiny_checkpoint: Path
 ):
-    overrides = [*tiny_overrides(tiny_cifar, data_cache), "logger=csv", f"hydra.run.dir={tmp_path}/a"]
+    overrides = [*tiny_overrides(tiny_cifar, data_cache), "logger=csv"]
     ckpt = tiny_checkpoint / "checkpoints" / "last.ckpt"  # trained with `overrides`, depth 2
-    other = [o.replace("depth=2", "depth=3") for o in overrides[:-1]] + [f"hydra.run.dir={tmp_path}/b"]
-    done = _run([*other, f"ckpt_path={ckpt}"])
-    assert done.returncode == 2, done.stderr[-3000:]
-    assert "Traceback" not in done.stderr
-    assert f"ckpt_path={ckpt} does not fit model vit_tiny_patch16_224" in done.stderr
+    other = [o.replace("depth=2", "depth=3") for o in overrides]
+    code, stderr = fails_in_process("train", [*other, f"ckpt_path={ckpt}"], tmp_path / "b")
+    assert code == 2, stderr[-3000:]
+    assert f"ckpt_path={ckpt} does not fit model vit_tiny_patch16_224" in stderr
 
-    done = _run([*overrides[:-1], f"ckpt_path={tmp_path}/nope.ckpt", f"hydra.run.dir={tmp_path}/c"])
-    assert done.returncode == 2 and f"ckpt_path={tmp_path}/nope.ckpt does not exist" in done.stderr
+    code, stderr = fails_in_process("train", [*overrides, f"ckpt_path={tmp_path}/nope.ckpt"], tmp_path / "c")
+    assert code == 2 and f"ckpt_path={tmp_path}/nope.ckpt does not exist" in stderr
 
 
 @pytest.mark.slow

@@ -14,6 +14,7 @@ from lightning.pytorch.loggers import Logger
 from omegaconf import DictConfig, open_dict
 
 from vitrain.checkpoints import CheckpointError, state_dict_mismatch
+from vitrain.data.base import ImageDataModule
 from vitrain.errors import DataError
 from vitrain.loggers import MetricRecord, finish_runs, log_run_config
 from vitrain.precision import resolve_precision
@@ -111,6 +112,8 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], RunObjects]:
         L.seed_everything(cfg.seed, workers=True)
     objects = build(cfg)
     trainer, model, datamodule = objects.trainer, objects.model, objects.datamodule
+    if isinstance(datamodule, ImageDataModule):  # before Lightning starts the other local ranks
+        datamodule.split_batches(trainer.world_size)
     log_run_config(objects.loggers, model.run_config)  # rank zero: W&B / MLflow start their run here
     use_tensor_cores_for_fp32(trainer)
     search_batch_size(cfg, objects)  # only with `+tune=batch_size`

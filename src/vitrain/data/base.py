@@ -189,13 +189,18 @@ class ImageDataModule(LightningDataModule):
             "skipped_examples": [{"path": p, "why": why} for p, why in self.skipped[:examples]],
         }
 
-    def setup(self, stage: str | None = None) -> None:
+    def split_batches(self, world_size: int) -> tuple[int, int]:
+        """(train, eval) batch per process; a size that does not divide by `world_size` is a DataError.
+        training.train asks before fitting, so a bad size stops before the other ranks start."""
         hp = self.hparams
-        world = self._world()[0]
-        self._batch = per_process_batch(hp.batch_size, world, "batch_size")
-        self._eval_batch = self._batch
-        if hp.eval_batch_size is not None:
-            self._eval_batch = per_process_batch(hp.eval_batch_size, world, "eval_batch_size")
+        batch = per_process_batch(hp.batch_size, world_size, "batch_size")
+        if hp.eval_batch_size is None:
+            return batch, batch
+        return batch, per_process_batch(hp.eval_batch_size, world_size, "eval_batch_size")
+
+    def setup(self, stage: str | None = None) -> None:
+        hp, world = self.hparams, self._world()[0]
+        self._batch, self._eval_batch = self.split_batches(world)
         if self.train_set is None:
             splits = self.load_splits()
             self.train_set, self.val_set, self.test_set = splits.train, splits.val, splits.test

@@ -13,10 +13,10 @@ import socket
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import torch
-from lightning.fabric.utilities.rank_zero import rank_zero_only
-
 from vitrain.errors import UserError
+
+# torch and Lightning are imported where needed: the run-dir resolver and the entry points' override
+# check use this module before them, so a config mistake ends in a second instead of after their imports
 
 
 class LaunchError(UserError):
@@ -38,6 +38,8 @@ def devices_per_node(devices: Any, accelerator: str | None = "auto") -> int:
     if "," in text:  # "0,1,3": a list of device indices
         return len([d for d in text.split(",") if d.strip()])
     # "auto" or -1: every GPU of the node, one process on CPU
+    import torch
+
     if accelerator != "cpu" and torch.cuda.is_available():
         return torch.cuda.device_count()
     return 1
@@ -125,6 +127,8 @@ def setup_rank(trainer_cfg: Mapping[str, Any] | None = None) -> int:
 
     Lightning overwrites the guard with the same value once the trainer has connected.
     """
+    from lightning.fabric.utilities.rank_zero import rank_zero_only
+
     trainer_cfg = trainer_cfg or {}
     num_devices = devices_per_node(trainer_cfg.get("devices", 1), trainer_cfg.get("accelerator", "auto"))
     rank_zero_only.rank = global_rank_from_env(num_devices)
@@ -135,6 +139,8 @@ def setup_rank(trainer_cfg: Mapping[str, Any] | None = None) -> int:
 def install_rank_prefix() -> None:
     """Every log record of a rank other than zero starts with `[rank: N]` (Lightning's own style), whatever
     handler writes it: Hydra's console and file handlers, Lightning's stream handler, later ones too."""
+    from lightning.fabric.utilities.rank_zero import rank_zero_only
+
     previous = logging.getLogRecordFactory()
     if getattr(previous, "adds_rank", False):
         return
