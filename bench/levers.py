@@ -2,7 +2,8 @@
 against the experiment as configured, interleaved in one run (a plain loop: no framework in the way).
 
 Variants: SDPA attention instead of timm's matmul-softmax attention (`model.fused_attn`), fp32 instead of
-bf16 autocast (`trainer.precision`), AdamW `foreach` instead of `fused` (`model.optimizer.fused`),
+bf16 autocast (`trainer.precision`), AdamW `foreach` instead of `fused` (`model.optimizer.fused`), NCHW
+instead of channels-last convolutions (`model.channels_last`),
 `torch.compile` (`model.compile`, whose compile time is reported against the time it saves). And one
 lever outside the network, measured on whole `src/train.py` runs since it is set when a process starts:
 glibc malloc's defaults instead of `extras.retain_freed_memory` (vitrain/utils/host_memory.py).
@@ -65,6 +66,7 @@ class Variant:
         bf16: bool,
         fused_adamw: bool,
         compile: bool,
+        channels_last: bool,
     ) -> None:
         import hydra
         from timm.optim import param_groups_weight_decay
@@ -73,6 +75,9 @@ class Variant:
 
         torch.manual_seed(0)
         self.net = hydra.utils.instantiate(cfg.model).net.train()
+        layout = torch.channels_last if channels_last else torch.contiguous_format
+        self.net.to(memory_format=layout)  # as ImageClassifier(channels_last=...) does, either way
+        x = x.contiguous(memory_format=layout)
         if fused_attn is not None:
             set_fused_attn(self.net, fused_attn)
         factory = hydra_partial(cfg.model.optimizer)
@@ -148,6 +153,7 @@ def main() -> None:
         "bf16": str(resolve_precision(cfg.trainer)).startswith("bf16"),
         "fused_adamw": bool(cfg.model.optimizer.get("fused")),
         "compile": bool(cfg.model.get("compile")),
+        "channels_last": bool(cfg.model.get("channels_last")),
     }
     batch, size = int(cfg.datamodule.batch_size), int(cfg.model.net.img_size)
     x, y = torch.randn(batch, 3, size, size), torch.randint(0, 10, (batch,))
@@ -157,6 +163,9 @@ def main() -> None:
         "bf16 -> fp32" if shipped["bf16"] else "fp32 -> bf16": {"bf16": not shipped["bf16"]},
         "fused -> foreach AdamW" if shipped["fused_adamw"] else "foreach -> fused AdamW": {
             "fused_adamw": not shipped["fused_adamw"]
+        },
+        "channels-last -> NCHW" if shipped["channels_last"] else "NCHW -> channels-last": {
+            "channels_last": not shipped["channels_last"]
         },
     }
     if args.compile and not shipped["compile"]:

@@ -6,6 +6,7 @@ import re
 import subprocess
 from pathlib import Path
 
+import lightning as L
 import pytest
 import timm
 import torch
@@ -46,6 +47,36 @@ def test_resnet18_with_default_model_config_on_cpu(tmp_path: Path, tiny_cifar: P
     # the input spec from timm's data config for the model: ImageNet mean/std only when pretrained
     assert objects.model.input_spec["img_size"] == 224  # timm's size, the datamodule's 32 wins
     assert objects.datamodule.img_size == 32
+
+
+def test_channels_last_resnet_trains_and_matches_nchw(tmp_path: Path, tiny_cifar: Path, data_cache: Path):
+    """`model.channels_last=true`: the convolutions' weights and inputs in NHWC through training, the same
+    function as the NCHW network; refused under FSDP2 before any sharding."""
+    overrides = [o for o in tiny_overrides(tiny_cifar, data_cache) if not o.startswith(("model", "+model"))]
+    resnet = [
+        *overrides,
+        "model.net.model_name=resnet18",
+        "datamodule.img_size=32",
+        "+trainer.limit_train_batches=2",
+    ]
+    metrics, objects = train(compose_cfg("train", [*resnet, "model.channels_last=true"], tmp_path))
+    assert objects.trainer.global_step == 2 and "test/acc1" in metrics
+    conv = objects.model.net.conv1.weight
+    assert conv.dim() == 4 and conv.is_contiguous(memory_format=torch.channels_last)
+
+    net = {"model_name": "resnet18", "num_classes": 10}
+    nchw = ImageClassifier(net, {"_target_": "torch.optim.SGD"}).eval()
+    nhwc = ImageClassifier(net, {"_target_": "torch.optim.SGD"}, channels_last=True).eval()
+    nhwc.load_state_dict(nchw.state_dict())
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(nhwc(x), nchw(x), rtol=1e-4, atol=1e-4)
+
+    nhwc.trainer = L.Trainer(accelerator="cpu", devices=2, strategy=FSDP2Strategy(), logger=False)
+    with pytest.raises(
+        ModelError, match=re.escape("model.channels_last=true is not supported with trainer=fsdp")
+    ):
+        nhwc.configure_model()
 
 
 def test_keyword_of_another_family_is_one_line_error(tmp_path: Path, tiny_cifar: Path, data_cache: Path):

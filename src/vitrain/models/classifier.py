@@ -66,6 +66,7 @@ class ImageClassifier(L.LightningModule):
         mixup: Mapping[str, Any] | None = None,
         layer_decay: float | None = None,
         grad_checkpointing: bool = False,
+        channels_last: bool = False,
     ) -> None:
         super().__init__()
         net, optimizer, scheduler, mixup = plain(net), plain(optimizer), plain(scheduler), plain(mixup)
@@ -80,6 +81,9 @@ class ImageClassifier(L.LightningModule):
             set_fused_attn(self.net, fused_attn)
         if grad_checkpointing:
             set_grad_checkpointing(self.net, net["model_name"])
+        if channels_last:
+            # NHWC weights and inputs: oneDNN's and cuDNN's faster convolution layouts (docs/recipes.md)
+            self.net.to(memory_format=torch.channels_last)
         if layer_decay is not None and not 0 < layer_decay <= 1:
             raise ModelError(f"model.layer_decay={layer_decay} must be in (0, 1] (or null for none)")
         self.input_spec = input_spec(
@@ -110,9 +114,16 @@ class ImageClassifier(L.LightningModule):
         # (vitrain/distributed/parallelize.py); state-dict keys stay those of the plain model
         trainer = attached_trainer(self)
         strategy = trainer.strategy if trainer is not None else None
+        if self.hparams.channels_last and getattr(strategy, "fsdp_options", None) is not None:
+            raise ModelError(
+                "model.channels_last=true is not supported with trainer=fsdp (FSDP2 shards each parameter "
+                "along its first dimension, as a contiguous tensor): leave it false"
+            )
         parallelize(self.net, strategy, compile=self.hparams.compile)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.hparams.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
         return self.net(x)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
