@@ -68,8 +68,10 @@ def compose_cfg(config_name: str, overrides: Sequence[str], output_dir: Path) ->
 
 def fails_in_process(config_name: str, overrides: Sequence[str], output_dir: Path) -> tuple[int, str]:
     """Run the entry point's task (`run_task(train|evaluate, cfg)`) in this process on a config that must
-    fail: its exit code and what it printed to stderr. Error paths checked this way cost no process start-up
-    (~10 s of imports each); tests/test_errors.py keeps CLI cases for the entry points themselves."""
+    fail: its exit code and what it printed to stderr. Only a UserError becomes that one line and exit 2; any
+    other exception (what a CLI run would show as a traceback) propagates and fails the test. Error paths
+    checked this way cost no process start-up (~10 s of imports each); tests/test_errors.py keeps CLI cases
+    for the entry points themselves."""
     import contextlib
     import io
 
