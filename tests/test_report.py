@@ -15,6 +15,7 @@ from lightning.pytorch.utilities.memory import is_oom_error
 from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
 
 from helpers import PYTHON, ROOT, compose_cfg, tiny_overrides
+from vitrain.reporting.report import mask_override
 from vitrain.training import train
 from vitrain.tuning import GB, MemoryCapExceeded, PerDeviceBatch, extrapolate, peak_bytes
 
@@ -116,6 +117,9 @@ def test_secrets_never_reach_the_report(run_dir: Path):
         text = (run_dir / name).read_text()
         assert SECRET not in text, name
     assert "+extras.api_token=***" in json.loads((run_dir / "report.json").read_text())["overrides"]
+    # a flag under a secret-sounding name is shown as typed; a value is masked even when it looks numeric
+    assert mask_override("model.net.class_token=false") == "model.net.class_token=false"
+    assert mask_override("+extras.hub_token=123456") == "+extras.hub_token=***"
 
 
 def test_report_is_rebuilt_from_the_run_dir(run_dir: Path, tmp_path: Path):

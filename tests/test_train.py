@@ -10,6 +10,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from helpers import TINY_VIT, compose_cfg, run_cli, tiny_overrides
+from vitrain.evaluation import evaluate
 from vitrain.training import train
 
 
@@ -124,5 +125,13 @@ def test_real_cifar10_learns(tmp_path: Path, real_cifar10_cache):
         "logger=none",
         "extras.print_config=false",
     ]
-    metrics, _ = train(compose_cfg("train", overrides, tmp_path))
+    metrics, objects = train(compose_cfg("train", overrides, tmp_path))
     assert metrics["test/acc1"] > 0.25, metrics
+
+    # eval.py rebuilds the model from the checkpoint's saved config (class_token: false, the ConvStem node)
+    # and reproduces the test accuracy; flip TTA scores another, still trained, prediction
+    ckpt = [f"ckpt_path={objects.best_model_path}", "extras.print_config=false"]
+    evaluated = evaluate(compose_cfg("eval", ckpt, tmp_path / "eval"))[0]
+    assert evaluated["test/acc1"] == pytest.approx(metrics["test/acc1"])
+    tta = evaluate(compose_cfg("eval", [*ckpt, "model.tta_flip=true"], tmp_path / "tta"))[0]
+    assert tta["test/acc1"] != evaluated["test/acc1"] and tta["test/acc1"] > 0.25, tta

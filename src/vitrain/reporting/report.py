@@ -32,9 +32,14 @@ from vitrain.utils.secrets import REDACTED, is_secret_key, redact, scrub
 
 
 def mask_override(override: str) -> str:
-    """`key=value` with the value hidden when the key names a secret, and secret values scrubbed."""
+    """`key=value` with the value hidden when the key names a secret, and secret values scrubbed. A flag
+    (`model.net.class_token=false`) is no credential: shown as typed, as the config tree shows it."""
     key, sep, value = override.partition("=")
-    if sep and is_secret_key(key.lstrip("+~").split(".")[-1]) and value not in ("", "null"):
+    if (
+        sep
+        and is_secret_key(key.lstrip("+~").split(".")[-1])
+        and value.lower() not in ("", "null", "true", "false")
+    ):
         return f"{key}={REDACTED}"
     return scrub(override)
 
