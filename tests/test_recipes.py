@@ -10,6 +10,7 @@ import lightning as L
 import pytest
 import timm
 import torch
+import torch.nn.functional as F
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from helpers import PYTHON, ROOT, TINY_VIT, compose_cfg, fails_in_process, tiny_overrides
@@ -352,6 +353,26 @@ def test_mixup_gives_soft_targets_and_soft_loss():
     loss = model.soft_loss(model(mixed), soft)
     assert torch.isfinite(loss)
     assert tiny_classifier().mixup is None  # alphas 0: plain cross-entropy
+
+
+def test_flip_tta_scores_the_mean_of_image_and_mirror_logits():
+    """`model.tta_flip=true`: evaluation scores the mean of each image's and its mirror's logits; training
+    steps are untouched."""
+    torch.manual_seed(0)
+    plain, tta = tiny_classifier().eval(), tiny_classifier(tta_flip=True).eval()
+    tta.load_state_dict(plain.state_dict())
+    x, y = torch.randn(16, 3, 32, 32), torch.arange(16) % 10
+    with torch.no_grad():
+        mean_logits = (plain(x) + plain(x.flip(-1))) / 2
+        for model in (plain, tta):
+            model.test_metrics.reset()
+            model.test_loss.reset()
+            model._eval_step((x, y), model.test_metrics, model.test_loss)
+    expected = F.cross_entropy(mean_logits, y)
+    torch.testing.assert_close(tta.test_loss.compute(), expected)
+    assert not torch.allclose(plain.test_loss.compute(), expected)  # the mirror changes the prediction
+    top1 = (mean_logits.argmax(1) == y).float().mean()
+    torch.testing.assert_close(tta.test_metrics.compute()["test/acc1"], top1)
 
 
 def test_layer_decay_param_groups():

@@ -67,6 +67,7 @@ class ImageClassifier(L.LightningModule):
         layer_decay: float | None = None,
         grad_checkpointing: bool = False,
         channels_last: bool = False,
+        tta_flip: bool = False,
     ) -> None:
         super().__init__()
         net, optimizer, scheduler, mixup = plain(net), plain(optimizer), plain(scheduler), plain(mixup)
@@ -158,6 +159,9 @@ class ImageClassifier(L.LightningModule):
     ):
         x, y = batch
         logits = self(x)
+        if self.hparams.tta_flip:
+            # test-time augmentation: the mean of the logits of each image and its mirror image
+            logits = (logits + self(x.flip(-1))) / 2
         # per-sample losses: their mean over the epoch weighs every image alike, and no Python weight is
         # turned into a GPU tensor each batch (a host-to-device copy: a sync)
         loss.update(F.cross_entropy(logits, y, reduction="none"))
