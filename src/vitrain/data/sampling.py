@@ -36,9 +36,12 @@ def sample_seed(seed: int, epoch: int, index: int) -> int:
 
 
 def seed_sample(seed: int) -> None:
-    """Seed every RNG a per-sample transform may draw from (timm uses `random`, torchvision uses torch)."""
+    """Seed every RNG a per-sample transform may draw from (timm uses `random`, torchvision uses torch's CPU
+    generator). Called once per image in the loader workers, so `torch.default_generator` directly:
+    `torch.manual_seed` also queues a lazy seed for every accelerator and records the call's stack trace to
+    do it, ~0.2 ms an image here, 5-10 % of a 224 px decode-and-transform."""
     random.seed(seed)
-    torch.manual_seed(seed)
+    torch.default_generator.manual_seed(seed)
     np.random.seed(seed % 2**32)
 
 
