@@ -17,6 +17,7 @@ import tempfile
 from pathlib import Path
 
 from common import (
+    PYTHON,
     ROOT,
     SMALL_VIT,
     SMOKE_NET,
@@ -26,6 +27,7 @@ from common import (
     probe_overrides,
     run_train,
     train_command,
+    train_env,
 )
 
 SMOKE = [
@@ -58,6 +60,12 @@ def main() -> None:
             "followed the time budget"
             + (f" and ended at {lr_end:.3g} x its peak" if lr_end is not None else "")
         )
+    no_tta = _without_tta(run_dir)
+    if no_tta is not None:
+        notes.append(
+            f"flip TTA (model.tta_flip): the same checkpoint scores {100 * no_tta:.2f} % without it "
+            f"(eval.py model.tta_flip=false)"
+        )
     line = (
         f"test accuracy {100 * (acc or 0):.2f} % after {minutes:.1f} min of training, "
         f"{rec['epochs']} epochs, {rec.get('precision')} (goals >= 70 %: {'met' if met_70 else 'NOT met'}; "
@@ -68,6 +76,7 @@ def main() -> None:
         figures={
             "test_acc1_percent": round(100 * (acc or 0), 2),
             "test_acc5_percent": round(100 * test.get("test/acc5", 0), 2),
+            **({"test_acc1_no_tta_percent": round(100 * no_tta, 2)} if no_tta is not None else {}),
             "val_acc1_percent": round(100 * fit.get("val/acc1", 0), 2),
             "train_minutes": round(minutes, 2),
             "epochs": rec["epochs"],
@@ -90,6 +99,27 @@ def main() -> None:
         kind = "native-bf16" if record["machine"].get("cpu_native_bf16") else "no-bf16"
         (path.parent / "cpu_kinds").mkdir(exist_ok=True)
         (path.parent / "cpu_kinds" / f"accuracy-{kind}.json").write_text(path.read_text())
+
+
+def _without_tta(run_dir: Path) -> float | None:
+    """Test accuracy of the run's best checkpoint without flip TTA (`src/eval.py ... model.tta_flip=false`),
+    when the experiment evaluates with it: what the option adds, on the same weights."""
+    import yaml
+
+    if not yaml.safe_load((run_dir / ".hydra" / "config.yaml").read_text())["model"].get("tta_flip"):
+        return None
+    best = [p for p in (run_dir / "checkpoints").glob("*.ckpt") if p.name != "last.ckpt"]
+    if len(best) != 1:
+        return None
+    out = run_dir / "eval-no-tta"
+    done = subprocess.run(
+        [PYTHON, str(ROOT / "src" / "eval.py"), f"ckpt_path={best[0]}", "model.tta_flip=false",
+         f"hydra.run.dir={out}", "extras.print_config=false"],
+        cwd=ROOT, env=train_env(), capture_output=True, text=True,
+    )  # fmt: skip
+    if done.returncode:
+        raise RuntimeError(f"eval.py without TTA failed:\n{done.stderr[-2000:]}")
+    return json.loads((out / "metrics.json").read_text())["test/acc1"]
 
 
 def _commit() -> str | None:

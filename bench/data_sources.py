@@ -10,15 +10,18 @@ RandomResizedCrop 224, flip, normalise) in W DataLoader workers:
 - `image_folder`: `datamodule=image_folder`'s training loader;
 - `torchvision`: `torchvision.datasets.ImageFolder` with that transform in a plain `DataLoader`;
 - `streaming`: `datamodule=streaming`'s loader (litdata `StreamingDataLoader`) from the local shards.
-Interleaved A/B rounds, medians. The data wait is the time in the loader's `next()` during a short
-`datamodule=image_folder` fit of `vit_small_patch16_224` (from scratch) at 224 px, as a share of the
-steady-state step time. The CIFAR-10 in-memory path is bench/data_pipeline.py.
+Interleaved A/B rounds, medians; each segment on a new loader (4 untimed batches first), whose
+workers are stopped before the next segment, so no loader's prefetching runs inside another's clock.
+The data wait is the time in the loader's `next()` during a short `datamodule=image_folder` fit of
+`vit_small_patch16_224` (from scratch) at 224 px, as a share of the steady-state step time. The CIFAR-10 in-memory path is bench/data_pipeline.py.
 """
 
 from __future__ import annotations
 
+import gc
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -53,16 +56,21 @@ def build_folder(args: Any, root: Path) -> Path:
     return root
 
 
-def images_per_s(loader: DataLoader, warmup: int, count: int) -> float:
+def images_per_s(make_loader: Callable[[], DataLoader], warmup: int, count: int) -> float:
+    """One segment on a loader of its own, whose workers are stopped before the next segment starts: the
+    loaders keep their workers between epochs (persistent_workers), and a loader left running would decode
+    the batches it had prefetched inside the next loader's clock, on the same cores."""
+    loader = make_loader()
     it = iter(loader)
-    for _ in range(warmup):
+    for _ in range(warmup):  # worker start-up and the first prefetched batches, outside the clock
         next(it)
     n, t0 = 0, time.perf_counter()
     for _ in range(count):
         x, _ = next(it)
         n += x.shape[0]
     elapsed = time.perf_counter() - t0
-    del it  # stop this iterator's workers outside the clock
+    del it, loader  # the last references: the workers are shut down (joined) here
+    gc.collect()
     return n / elapsed
 
 
@@ -153,9 +161,9 @@ def data_wait(source: str, data_dir: Path, args: Any, workdir: Path) -> dict[str
 def main() -> None:
     args = parse_args(
         __doc__,
-        rounds=(int, 3, "A/B rounds"),
+        rounds=(int, 5, "A/B rounds"),
         batch_size=(int, 64, "images per batch"),
-        batches=(int, 12, "timed batches per segment"),
+        batches=(int, 18, "timed batches per segment (warm-up + timed <= one epoch)"),
         workers=(int, 2, "DataLoader workers, every side"),
         per_class=(int, 160, "training images per class (10 classes)"),
         val_per_class=(int, 10, "validation images per class"),
@@ -175,13 +183,14 @@ def main() -> None:
     # datamodule=image_folder comes with issue 13's part A; until it is there, streaming stands in for it
     have_folder = (ROOT / "configs" / "datamodule" / "image_folder.yaml").is_file()
     ours = "image_folder" if have_folder else "streaming"
-    loaders = {"torchvision": torchvision_loader(folder, args)}
+    loaders: dict[str, Callable[[], DataLoader]] = {"torchvision": lambda: torchvision_loader(folder, args)}
     if have_folder:
-        loaders["image_folder"] = datamodule("image_folder", folder, args, workdir).train_dataloader()
-    loaders["streaming"] = datamodule("streaming", workdir / "shards", args, workdir).train_dataloader()
-    warmup = 1 if args.smoke else 2
+        loaders["image_folder"] = datamodule("image_folder", folder, args, workdir).train_dataloader
+    loaders["streaming"] = datamodule("streaming", workdir / "shards", args, workdir).train_dataloader
+    warmup = 1 if args.smoke else 4
     runs = interleave(
-        {k: (lambda ld=ld: images_per_s(ld, warmup, args.batches)) for k, ld in loaders.items()}, args.rounds
+        {k: (lambda make=make: images_per_s(make, warmup, args.batches)) for k, make in loaders.items()},
+        args.rounds,
     )
     wait = data_wait(ours, folder if have_folder else workdir / "shards", args, workdir)
     rates = {k: round(median(v)) for k, v in runs.items()}

@@ -39,6 +39,8 @@ ROWS: dict[str, tuple[str, list[str]]] = {
         ["~model.net.embed_layer", "model.net.patch_size=4"],
     ),
     "-label_smoothing": ("no label smoothing", ["model.label_smoothing=0.0"]),
+    "-adam_beta2": ("AdamW betas (0.9, 0.999) instead of (0.9, 0.99)", ["model.optimizer.betas=[0.9,0.999]"]),
+    "+crop_shifts": ("random crops with +-2 px shifts (besides flips)", ["datamodule.crop_padding=2"]),
     "+ema": ("EMA of the weights (decay 0.999)", ["callbacks=[default,ema]"]),
     "+mixup_cutmix": (
         "mixup 0.8 / cutmix 1.0",

@@ -41,7 +41,10 @@ def load(results: Path) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
     run = None
     if (results / "run.json").is_file():
         run = json.loads((results / "run.json").read_text())
-    found = {p.stem: json.loads(p.read_text()) for p in results.glob("*.json") if p.stem != "run"}
+    # recipes.json is the ablation of bench/recipes.py, rendered into docs/recipes.md by that script
+    found = {
+        p.stem: json.loads(p.read_text()) for p in results.glob("*.json") if p.stem not in ("run", "recipes")
+    }
     ordered = [found.pop(name) for name in ORDER if name in found]
     return run, ordered + [found[k] for k in sorted(found)]
 

@@ -56,6 +56,8 @@ def test_benchmark_smoke_writes_json(name: str, tmp_path: Path, tiny_cifar: Path
         assert key in result, key
     assert {"cpu", "cores", "torch", "lightning", "timm"} <= set(result["machine"])
     json.dumps(result)  # plain JSON all the way down
+    if name == "accuracy":  # cifar_cpu evaluates with flip TTA; the same weights are also scored without
+        assert 0 <= result["figures"]["test_acc1_no_tta_percent"] <= 100
     if name == "ddp_scaling":  # the step anatomy of both DDP ranks came from their own probes
         assert len(result["details"]["anatomy"]["two"]) == 2
         for variant in ("one", "two", "independent"):
