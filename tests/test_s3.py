@@ -139,7 +139,7 @@ def test_redact_and_scrub(monkeypatch: pytest.MonkeyPatch):
                 "aws_secret_access_key": "${oc.env:AWS_SECRET_ACCESS_KEY}",
                 "tokenizer": "bpe",
             },
-            "net": {"class_token": False, "reg_token": 4, "hub_token": "hf_abcdef"},
+            "net": {"class_token": False, "pin_token": 123456, "hub_token": "hf_abcdef", "api_key": ["k1"]},
             "note": "key AKIAEXAMPLE000000001 leaked",
             "endpoint": "http://minio:minio-password@host:9000",
             "list": ["sEcReT-value-123456", 3],
@@ -153,8 +153,14 @@ def test_redact_and_scrub(monkeypatch: pytest.MonkeyPatch):
     ]
     assert find_secrets(text) == [] and "minio-password" not in text
     assert clean.s3.aws_secret_access_key == REDACTED and clean.s3.tokenizer == "bpe" and clean.list[1] == 3
-    # a secret-sounding key masks text only: timm's class_token flag must survive (eval.py rebuilds the model)
-    assert clean.net == {"class_token": False, "reg_token": 4, "hub_token": REDACTED}
+    # a flag under a secret-sounding key is kept (timm's class_token: eval.py rebuilds the model from it);
+    # numbers, text and containers there are masked whole
+    assert clean.net == {
+        "class_token": False,
+        "pin_token": REDACTED,
+        "hub_token": REDACTED,
+        "api_key": REDACTED,
+    }
     assert scrub("AKIAEXAMPLE000000001/x") == f"{REDACTED}/x"
 
     record = logging.LogRecord(

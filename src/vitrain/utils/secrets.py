@@ -75,10 +75,14 @@ def redact(obj: Any, resolve: bool = False) -> Any:
     if isinstance(obj, DictConfig | ListConfig):
         return OmegaConf.create(redact(OmegaConf.to_container(obj, resolve=resolve)))
     if isinstance(obj, Mapping):
-        # only strings are masked by the key's name: a credential is text, and a flag such as timm's
-        # `class_token: false` must reach the checkpoint's run config intact (eval.py rebuilds the model from it)
+        # a flag is no credential: timm's `class_token: false` must reach the checkpoint's run config intact
+        # (eval.py rebuilds the model from it); any other value under a secret-sounding key is masked whole
         return {
-            key: (REDACTED if is_secret_key(key) and isinstance(value, str) and value else redact(value))
+            key: (
+                REDACTED
+                if is_secret_key(key) and value not in (None, "") and not isinstance(value, bool)
+                else redact(value)
+            )
             for key, value in obj.items()
         }
     if isinstance(obj, list | tuple):
