@@ -24,13 +24,61 @@ ONE_PROCESS_FIXTURES = {
 }
 
 
+# module-scoped runs (2-process launches, reference trainings) that several tests of one module check: xdist
+# would make each once per test process that runs one of those tests; grouped by module, they are made once
+MODULE_RUNS = {
+    "single_run",
+    "ddp_run",
+    "fsdp_run",
+    "two_ranks",
+    "uninterrupted",
+    "ema_run",
+    "fsdp_ema_run",
+    "run_dir",
+    "photos",
+    "local_shards",
+    "folders",
+    "drawn",
+}
+
+
+def xdist_group(item: pytest.Item) -> str | None:
+    """The one xdist group of a test (xdist joins several groups into a new one): a one-per-session thing
+    first, else its module's shared runs, requested as arguments or by name (`request.getfixturevalue`)."""
+    names = set(getattr(item, "fixturenames", ()))
+    group = next((g for f, g in ONE_PROCESS_FIXTURES.items() if f in names), None)
+    if group is None:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        requested = names | {v for v in params.values() if isinstance(v, str)}
+        if requested & MODULE_RUNS:
+            group = item.module.__name__
+    return group
+
+
+# tryfirst: xdist's own hook turns the markers into groups (a suffix on the node id) and would otherwise run
+# before this one in a test process, grouping nothing
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        group = next(
-            (g for f, g in ONE_PROCESS_FIXTURES.items() if f in getattr(item, "fixturenames", ())), None
-        )
+        group = xdist_group(item)
         if group:
             item.add_marker(pytest.mark.xdist_group(group))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def xdist_groups_in_effect(request: pytest.FixtureRequest) -> None:
+    """Every test errors if xdist's grouping is not in effect: it fails silently (pytest-xdist#1386), and the
+    suite would then start a server, a cluster or a module's runs once per test process."""
+    if not request.config.getoption("loadgroup", False):
+        return
+    items = request.session.items
+    ungrouped = [i.nodeid for i in items if i.get_closest_marker("xdist_group") and "@" not in i.nodeid]
+    if ungrouped:
+        pytest.fail(
+            f"--dist loadgroup is not grouping ({ungrouped[0]} has no @group suffix): a pytest or "
+            "pytest-xdist version that breaks it (requirements.txt pins a working pair)",
+            pytrace=False,
+        )
 
 
 @pytest.fixture(scope="session")
