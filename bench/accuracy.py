@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import tempfile
 from pathlib import Path
 
 from common import (
@@ -26,6 +25,7 @@ from common import (
     parse_args,
     probe_overrides,
     run_train,
+    scratch_dir,
     train_command,
     train_env,
 )
@@ -42,7 +42,7 @@ SMOKE = [
 def main() -> None:
     args = parse_args(__doc__)
     result = Result("accuracy", args)
-    run_dir = Path(tempfile.mkdtemp(prefix="bench-accuracy-")) / "run"
+    run_dir = scratch_dir("accuracy") / "run"
     argv = [SMALL_VIT, *data_overrides(args), f"hydra.run.dir={run_dir}", *(SMOKE if args.smoke else [])]
     run_train([*argv, *probe_overrides(run_dir / "probe.json")], log=run_dir / "output.log", timeout=3600)
     rec = json.loads((run_dir / "probe.json").read_text())

@@ -8,13 +8,16 @@ elsewhere). `bench/render.py` turns the JSON files into docs/benchmarks.md; `ben
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import platform
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
@@ -110,6 +113,14 @@ def machine() -> dict[str, Any]:
         "lightning": lightning.__version__,
         "timm": timm.__version__,
     }
+
+
+def scratch_dir(prefix: str) -> Path:
+    """A scratch folder for a benchmark's runs (checkpoints, logs), removed when the script exits: the
+    results live in `<out>/<name>.json`, and a failed run's error carries its output's tail."""
+    path = Path(tempfile.mkdtemp(prefix=f"bench-{prefix}-"))
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
 
 
 def load_average() -> float:

@@ -16,7 +16,6 @@ The data wait is measured inside a short `experiment=cifar_cpu` fit: time in the
 from __future__ import annotations
 
 import itertools
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ from common import (
     median,
     parse_args,
     ratio,
+    scratch_dir,
     short_run,
     synced_clock,
     time_next_calls,
@@ -205,7 +205,7 @@ def main() -> None:
     if args.smoke:
         args.rounds, args.batch_size, args.batches, args.sizes = 1, 8, 2, [32, 64]
     result = Result("data_pipeline", args)
-    workdir = Path(tempfile.mkdtemp(prefix="bench-data-"))
+    workdir = scratch_dir("data")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     rates = pipeline_rates(args, workdir, device)
     wait = data_wait(args, workdir)

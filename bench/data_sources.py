@@ -19,13 +19,23 @@ The data wait is the time in the loader's `next()` during a short `datamodule=im
 from __future__ import annotations
 
 import gc
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from common import ROOT, Result, compose, interleave, median, parse_args, ratio, short_run, time_next_calls
+from common import (
+    ROOT,
+    Result,
+    compose,
+    interleave,
+    median,
+    parse_args,
+    ratio,
+    scratch_dir,
+    short_run,
+    time_next_calls,
+)
 from PIL import Image
 from torch.utils.data import DataLoader
 
@@ -172,7 +182,7 @@ def main() -> None:
     if args.smoke:
         args.rounds, args.batch_size, args.batches, args.per_class, args.val_per_class = 1, 8, 2, 4, 1
     result = Result("data_sources", args)
-    workdir = Path(tempfile.mkdtemp(prefix="bench-sources-"))
+    workdir = scratch_dir("sources")
     folder = build_folder(args, workdir / "folder")
     from vitrain.data.shards import write_shards
 

@@ -17,7 +17,6 @@ higher CPU time than the independent pair's means the same kernels ran slower in
 from __future__ import annotations
 
 import json
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -33,6 +32,7 @@ from common import (
     probe_overrides,
     ratio,
     run_train,
+    scratch_dir,
     short_run,
     train_command,
 )
@@ -108,7 +108,7 @@ def main() -> None:
     if args.smoke:
         args.rounds, args.batch_size, args.steps, args.warmup = 1, 8, 2, 1
     result = Result("ddp_scaling", args)
-    workdir = Path(tempfile.mkdtemp(prefix="bench-ddp-"))
+    workdir = scratch_dir("ddp")
     commands: list[str] = []
     anatomy: dict[str, list[dict[str, float]]] = {"one": [], "two": [], "independent": []}
     runs = interleave(

@@ -14,11 +14,19 @@ The goal is judged on `state`; `peak` is shown next to it. On CUDA the figure is
 from __future__ import annotations
 
 import json
-import tempfile
 from pathlib import Path
 from typing import Any
 
-from common import Result, data_overrides, parse_args, probe_overrides, run_train, short_run, train_command
+from common import (
+    Result,
+    data_overrides,
+    parse_args,
+    probe_overrides,
+    run_train,
+    scratch_dir,
+    short_run,
+    train_command,
+)
 from probe import GB
 
 MODEL = [
@@ -87,7 +95,7 @@ def main() -> None:
     if args.smoke:
         args.batch_size, args.steps = 2, 2
     result = Result("fsdp_memory", args)
-    workdir = Path(tempfile.mkdtemp(prefix="bench-fsdp-"))
+    workdir = scratch_dir("fsdp")
     notes = []
     if not (Path(__file__).resolve().parents[1] / "configs" / "trainer" / "fsdp.yaml").is_file():
         result.save(

@@ -12,12 +12,20 @@ Without CUDA the same code runs with a tiny model on the CPU, and every figure i
 from __future__ import annotations
 
 import json
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
-from common import TINY_VIT_NET, Result, compose, data_overrides, parse_args, run_train, train_command
+from common import (
+    TINY_VIT_NET,
+    Result,
+    compose,
+    data_overrides,
+    parse_args,
+    run_train,
+    scratch_dir,
+    train_command,
+)
 
 from vitrain.callbacks.throughput import peak_flops
 
@@ -105,7 +113,7 @@ def main() -> None:
     if args.smoke or not cuda:
         args.steps, args.warmup = 3, 1
     result = Result("gpu", args)
-    workdir = Path(tempfile.mkdtemp(prefix="bench-gpu-"))
+    workdir = scratch_dir("gpu")
     overrides = [*SEED, *data_overrides(args), "trainer=gpu" if cuda else "trainer=cpu"]
     if args.smoke or not cuda:
         overrides += TINY

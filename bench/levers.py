@@ -14,8 +14,10 @@ from __future__ import annotations
 import os
 import tempfile
 
+from common import scratch_dir
+
 # a fresh compiler cache: the compile time reported is a first run's, not a cache hit of an earlier one
-os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="bench-inductor-"))
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(scratch_dir("inductor")))
 
 import contextlib
 import copy
@@ -145,7 +147,7 @@ def main() -> None:
     retain_freed_memory()
     cfg = compose(
         [SMALL_VIT, "extras.print_config=false", *(SMOKE if args.smoke else [])],
-        Path(tempfile.mkdtemp(prefix="bench-levers-")),
+        scratch_dir("levers"),
     )
     shipped = {
         "fused_attn": cfg.model.get("fused_attn"),
@@ -175,7 +177,7 @@ def main() -> None:
         variants[name] = Variant(cfg, x, y, **{**copy.deepcopy(shipped), **change})
     runs = interleave({k: (lambda v=v: v.steps_per_s(args.steps)) for k, v in variants.items()}, args.rounds)
     # whole runs, as configured vs glibc's defaults: the "as configured" figures above stay the in-process ones
-    workdir = Path(tempfile.mkdtemp(prefix="bench-levers-malloc-"))
+    workdir = scratch_dir("levers-malloc")
     train_steps = 2 if args.smoke else args.train_steps
     malloc = interleave(
         {

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +26,7 @@ from common import (
     data_overrides,
     median,
     parse_args,
+    scratch_dir,
     short_run,
     synced_clock,
 )
@@ -171,7 +171,7 @@ def main() -> None:
     from vitrain.utils.host_memory import retain_freed_memory
 
     retain_freed_memory()
-    workdir = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
+    workdir = scratch_dir("overhead")
     cfg = template_cfg(args, workdir / "run", args.warmup + args.blocks * args.block + 1)
     device = torch.device("cuda" if torch.cuda.is_available() and args.accelerator != "cpu" else "cpu")
     plain = PlainLoop(cfg, device)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +27,7 @@ from common import (
     machine,
     probe_overrides,
     run_train,
+    scratch_dir,
     train_command,
 )
 
@@ -61,7 +61,7 @@ START, END = "<!-- recipes-table:start -->", "<!-- recipes-table:end -->"
 
 def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
     what, overrides = ROWS[name]
-    run_dir = Path(tempfile.mkdtemp(prefix=f"bench-recipes-{name}-")) / "run"
+    run_dir = scratch_dir(f"recipes-{name}") / "run"
     argv = [
         SMALL_VIT,
         *overrides,

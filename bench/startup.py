@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ from common import (
     probe_overrides,
     ratio,
     run_train,
+    scratch_dir,
     train_command,
     train_env,
 )
@@ -69,7 +69,7 @@ def main() -> None:
     if args.smoke:
         args.rounds = 1
     result = Result("startup", args)
-    workdir = Path(tempfile.mkdtemp(prefix="bench-startup-"))
+    workdir = scratch_dir("startup")
     cold_cache = workdir / "cache"  # empty: the first run unpacks and decodes the archive
     commands: list[str] = []
     if not args.smoke:  # page cache: the first import of the session reads the libraries from disk
