@@ -1,6 +1,7 @@
 """One 2-process job that trains several timm families in a row: `torchrun --nproc-per-node=2 families_job.py
 STRATEGY DATA CACHE OUT [EXTRA_OVERRIDE ...]`. One launch (and one process group) for all families keeps the
-test cheap; every rank writes `<OUT>/<family>.rank<R>.json` with what the test checks."""
+test cheap; every rank writes `<OUT>/<family>.rank<R>.json` with what the test checks. An override written
+`<family>:<override>` applies to that family only."""
 
 import json
 import sys
@@ -30,6 +31,8 @@ def _full(p: torch.Tensor) -> torch.Tensor:
 def main(strategy: str, data: str, cache: str, out: str, *extra: str) -> None:
     out_dir = Path(out)
     for family, model in FAMILIES.items():
+        mine = [o.partition(":")[2] if o.startswith(f"{family}:") else o for o in extra]
+        mine = [o for o in mine if o.partition(":")[0] not in FAMILIES]
         overrides = [
             *model,
             f"trainer={strategy}",
@@ -44,7 +47,7 @@ def main(strategy: str, data: str, cache: str, out: str, *extra: str) -> None:
             "logger=none",
             "extras.print_config=false",
             "test=false",
-            *extra,
+            *mine,
         ]
         cfg = compose_cfg("train", overrides, out_dir / family)
         _, objects = train(cfg)
