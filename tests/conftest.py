@@ -8,9 +8,9 @@ import torch
 
 from data_factory import make_class_folders
 
-# pytest-xdist runs two test processes at once (pyproject addopts): one compute thread each, here and in
-# the processes a test starts (they inherit OMP_NUM_THREADS), so two tests share the 2 cores instead of
-# fighting over 4 threads
+# pytest-xdist runs several test processes at once (pyproject addopts): one compute thread each, here and in
+# the processes a test starts (they inherit OMP_NUM_THREADS), so the tests share the cores instead of
+# fighting over a pool of threads per process
 if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
