@@ -28,11 +28,21 @@ def _full(p: torch.Tensor) -> torch.Tensor:
     return p.full_tensor() if hasattr(p, "full_tensor") else p  # FSDP2: a collective, same order on all ranks
 
 
+def for_family(family: str, extra: tuple[str, ...]) -> list[str]:
+    """The overrides for all families, and this family's own with their `<family>:` prefix taken off."""
+    picked = []
+    for override in extra:
+        target, _, own = override.partition(":")
+        if target not in FAMILIES:
+            picked.append(override)
+        elif target == family:
+            picked.append(own)
+    return picked
+
+
 def main(strategy: str, data: str, cache: str, out: str, *extra: str) -> None:
     out_dir = Path(out)
     for family, model in FAMILIES.items():
-        mine = [o.partition(":")[2] if o.startswith(f"{family}:") else o for o in extra]
-        mine = [o for o in mine if o.partition(":")[0] not in FAMILIES]
         overrides = [
             *model,
             f"trainer={strategy}",
@@ -47,7 +57,7 @@ def main(strategy: str, data: str, cache: str, out: str, *extra: str) -> None:
             "logger=none",
             "extras.print_config=false",
             "test=false",
-            *mine,
+            *for_family(family, extra),
         ]
         cfg = compose_cfg("train", overrides, out_dir / family)
         _, objects = train(cfg)

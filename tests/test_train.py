@@ -128,8 +128,11 @@ def test_real_cifar10_learns(tmp_path: Path, real_cifar10_cache):
     metrics, objects = train(compose_cfg("train", overrides, tmp_path))
     assert metrics["test/acc1"] > 0.25, metrics
 
-    # eval.py rebuilds the model from the checkpoint's saved config (class_token: false, the ConvStem node);
-    # without the experiment's flip TTA the same weights score another, still trained, prediction
-    ckpt = [f"ckpt_path={objects.best_model_path}", "extras.print_config=false", "model.tta_flip=false"]
-    plain = evaluate(compose_cfg("eval", ckpt, tmp_path / "eval"))[0]
+    # eval.py rebuilds the model from the checkpoint's saved config (class_token: false, the ConvStem node,
+    # flip TTA) and reproduces the test accuracy; without the TTA the same weights score another, still
+    # trained, prediction
+    ckpt = [f"ckpt_path={objects.best_model_path}", "extras.print_config=false"]
+    evaluated = evaluate(compose_cfg("eval", ckpt, tmp_path / "eval"))[0]
+    assert evaluated["test/acc1"] == pytest.approx(metrics["test/acc1"])
+    plain = evaluate(compose_cfg("eval", [*ckpt, "model.tta_flip=false"], tmp_path / "plain"))[0]
     assert plain["test/loss"] != pytest.approx(metrics["test/loss"]) and plain["test/acc1"] > 0.25, plain
