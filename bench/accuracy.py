@@ -123,8 +123,16 @@ def _without_tta(run_dir: Path) -> float | None:
 
 
 def _commit() -> str | None:
+    """HEAD, with "-dirty" when the code or configs differ from it (benchmark results and docs aside): then
+    the result's `config` holds the settings the run actually used."""
     done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
-    return done.stdout.strip() or None
+    changed = subprocess.run(
+        ["git", "status", "--porcelain", "--", ".", ":(exclude)bench/results", ":(exclude)docs"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    return (done.stdout.strip() + ("-dirty" if changed.stdout.strip() else "")) or None
 
 
 def _batch(run_dir: Path) -> int:

@@ -241,10 +241,13 @@ def time_next_calls(datamodule: Any, record: Callable[[float, float], None]) -> 
 
 def short_run(train_batches: int, val_batches: int = 0, bare: bool = False) -> list[str]:
     """Overrides for a measured run: `train_batches` steps of one epoch, `val_batches` of validation (no
-    sanity check when 0), no time limit, no test; `bare`: without callbacks and logger (the step alone)."""
+    sanity check when 0), no time limit, no test; `bare`: without callbacks and logger (the step alone).
+    Every step at the data's full size: experiment=cifar_cpu's progressive resizing would mix cheaper 16 and
+    24 px steps into a speed figure (and the plain loops compared against have none)."""
     return [
         "trainer.max_epochs=1",
         "trainer.max_time=null",
+        "model.progressive_resize.start_size=null",
         f"trainer.limit_train_batches={train_batches}",
         f"trainer.limit_val_batches={val_batches}",
         *(["trainer.num_sanity_val_steps=0"] if val_batches == 0 else []),

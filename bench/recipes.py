@@ -6,13 +6,15 @@
     python bench/recipes.py --only recipe,-ema  # a subset; rows measured earlier are kept
     python bench/recipes.py --render-only 1     # only rewrite the table in docs/recipes.md
 
-Results: bench/results/recipes.json (one entry per row, each with its date and machine);
-docs/recipes.md's table is generated from it, and says which rows are measured.
+Results: bench/results/recipes.json (one entry per row, each with its date, machine and the recipe it ran:
+a hash of configs/experiment/cifar_cpu.yaml); docs/recipes.md's table is generated from it, and says which
+rows are measured, and which on an earlier version of the recipe (those are not compared with it).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -34,6 +36,11 @@ from common import (
 # name -> (what changes, overrides on top of experiment=cifar_cpu)
 ROWS: dict[str, tuple[str, list[str]]] = {
     "recipe": ("experiment=cifar_cpu as it is", []),
+    "-progressive_resize": (
+        "every step at 32 px (no 16 -> 24 -> 32 px ramp)",
+        ["model.progressive_resize.start_size=null"],
+    ),
+    "batch_128": ("batch 128 instead of 64 (half the steps)", ["datamodule.batch_size=128"]),
     "-conv_stem": (
         "plain ViT: 4 px patches (64 tokens) instead of the convolutional stem",
         ["~model.net.embed_layer", "model.net.patch_size=4"],
@@ -56,6 +63,7 @@ ROWS: dict[str, tuple[str, list[str]]] = {
 SMOKE = [*SMOKE_NET, "datamodule.batch_size=16", "datamodule.val_size=32", "datamodule.train_subset=64",
          "trainer.max_epochs=1"]  # fmt: skip
 DOC = ROOT / "docs" / "recipes.md"
+EXPERIMENT = ROOT / "configs" / "experiment" / "cifar_cpu.yaml"
 START, END = "<!-- recipes-table:start -->", "<!-- recipes-table:end -->"
 
 
@@ -80,6 +88,8 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
         "test_acc1_percent": round(100 * test.get("test/acc1", 0), 2),
         "train_minutes": round(rec["fit_seconds"] / 60, 2),
         "epochs": rec["epochs"],
+        "steps": rec["global_step"],
+        "recipe": recipe_hash(),
         "stopped_by_max_time": rec["stopped_early"],
         "command": train_command(argv),
         "date": _now(),
@@ -90,24 +100,40 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def render(results: dict[str, Any], doc: Path = DOC) -> None:
-    """The ablation table of docs/recipes.md, between its markers, from the results file."""
+def recipe_hash(path: Path = EXPERIMENT) -> str:
+    """Which version of the experiment a row ran: the first 12 hex digits of the SHA-256 of its config
+    file's settings (parsed: editing a comment does not make the measured rows stale)."""
+    import yaml
+
+    settings = json.dumps(yaml.safe_load(path.read_text()), sort_keys=True)
+    return hashlib.sha256(settings.encode()).hexdigest()[:12]
+
+
+def render(results: dict[str, Any], doc: Path = DOC, current: str | None = None) -> None:
+    """The ablation table of docs/recipes.md, between its markers, from the results file. Rows measured on
+    another version of the recipe than `current` are listed as such, without a difference to the recipe."""
+    current = current or recipe_hash()
     rows = results.get("rows", {})
-    base = rows.get("recipe", {}).get("test_acc1_percent")
+    base_row = rows.get("recipe", {})
+    base = base_row.get("test_acc1_percent") if base_row.get("recipe") == current else None
     lines = [
-        "| row | change | test acc1 % | vs recipe | minutes | epochs | measured |",
-        "|---|---|---:|---:|---:|---:|---|",
+        "| row | change | test acc1 % | vs recipe | minutes | epochs | steps | measured |",
+        "|---|---|---:|---:|---:|---:|---:|---|",
     ]
     for name, (what, _) in ROWS.items():
         r = rows.get(name)
         if r is None or r.get("smoke"):
-            lines.append(f"| `{name}` | {what} | not measured | | | | no |")
+            lines.append(f"| `{name}` | {what} | not measured | | | | | no |")
             continue
-        delta = "" if base is None or name == "recipe" else f"{r['test_acc1_percent'] - base:+.2f}"
+        same = r.get("recipe") == current
+        delta = (
+            "" if base is None or name == "recipe" or not same else f"{r['test_acc1_percent'] - base:+.2f}"
+        )
         early = " (stopped by max_time)" if r["stopped_by_max_time"] else ""
+        when = r["date"] if same else f"{r['date']}, on an earlier recipe"
         lines.append(
             f"| `{name}` | {what} | {r['test_acc1_percent']:.2f} | {delta} | {r['train_minutes']:.1f}{early} "
-            f"| {r['epochs']} | {r['date']} |"
+            f"| {r['epochs']} | {r.get('steps', '')} | {when} |"
         )
     text = doc.read_text()
     head, rest = text.split(START, 1)

@@ -167,6 +167,9 @@ def cpu_kinds(folder: Path) -> list[str]:
         network = f"{net.get('model_name')} {net.get('embed_dim')}x{net.get('depth')}" + (
             f", {stem} stem" if stem else f", {net.get('patch_size')} px patches"
         )
+        resize = (r.get("details", {}).get("config") or {}).get("model", {}).get("progressive_resize") or {}
+        if resize.get("start_size"):
+            network += f", trained {resize['start_size']} -> full px"
         f, details = r["figures"], r.get("details", {})
         precision = details.get("precision") or (details.get("config") or {}).get("trainer", {}).get(
             "precision"

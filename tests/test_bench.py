@@ -117,3 +117,29 @@ def test_render_writes_a_table(tmp_path: Path):
     assert "| overhead figure | a goal | met |" in doc
     assert "**not met**" in doc and "not measured" in doc and "> a note" in doc
     assert doc.index("1. Framework overhead") < doc.index("6. Accuracy")
+
+
+def test_recipes_table_compares_only_rows_of_the_current_recipe(tmp_path: Path):
+    import recipes
+
+    doc = tmp_path / "recipes.md"
+    doc.write_text(f"intro\n{recipes.START}\nold table\n{recipes.END}\noutro\n")
+    row = {"stopped_by_max_time": True, "train_minutes": 10.1, "epochs": 8, "steps": 5893, "smoke": False}
+    results = {
+        "rows": {
+            "recipe": {**row, "test_acc1_percent": 81.5, "recipe": "new", "date": "d1"},
+            "batch_128": {**row, "test_acc1_percent": 80.0, "recipe": "new", "date": "d2"},
+            "-conv_stem": {**row, "test_acc1_percent": 70.0, "recipe": "old", "date": "d3"},
+            "+ema": {**row, "test_acc1_percent": 1.0, "smoke": True},
+        }
+    }
+    recipes.render(results, doc, current="new")
+    text = doc.read_text()
+    assert text.startswith("intro\n") and text.endswith("\noutro\n") and "old table" not in text
+    lines = {line.split("|")[1].strip(" `"): line for line in text.splitlines() if line.startswith("| `")}
+    assert "| 80.00 | -1.50 | 10.1 (stopped by max_time) | 8 | 5893 | d2 |" in lines["batch_128"]
+    assert "| 70.00 |  |" in lines["-conv_stem"] and "d3, on an earlier recipe" in lines["-conv_stem"]
+    assert "not measured" in lines["+ema"] and "not measured" in lines["-label_smoothing"]
+    assert (
+        recipes.recipe_hash() == recipes.recipe_hash(recipes.EXPERIMENT) and len(recipes.recipe_hash()) == 12
+    )

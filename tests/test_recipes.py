@@ -22,6 +22,7 @@ from vitrain.distributed.fsdp import FSDP2Strategy, shard_units
 from vitrain.errors import DataError, ModelError, UserError
 from vitrain.evaluation import evaluate
 from vitrain.models.classifier import ImageClassifier, make_mixup
+from vitrain.models.resolution import ProgressiveResize, make_resize
 from vitrain.models.timm_net import create_net
 from vitrain.training import train
 
@@ -410,6 +411,48 @@ def test_recipe_options_train_together(tmp_path: Path, tiny_cifar: Path, data_ca
     assert objects.trainer.global_step == 2
     assert objects.model.net.grad_checkpointing is True
     assert all(torch.isfinite(p).all() for p in objects.model.parameters())
+
+
+# --- progressive resizing ----------------------------------------------------------------------------
+
+
+def test_progressive_resize_ramps_to_the_full_size():
+    resize = ProgressiveResize(start_size=16, start=0.2, end=0.6, multiple=8)
+    sizes = [resize.size(p / 10, 32) for p in range(11)]
+    assert sizes == [16, 16, 16, 16, 24, 24, 32, 32, 32, 32, 32]
+    x = torch.rand(2, 3, 32, 48)
+    assert resize(x, 0.0).shape == (2, 3, 16, 24)  # the short side to the size, the aspect ratio kept
+    assert resize(x, 1.0) is x
+    assert ProgressiveResize(start_size=64, multiple=8).size(0.0, 32) == 32  # never upsampled
+    assert make_resize({"start_size": None, "end": 0.5}) is None
+    for bad, message in [
+        ({"start_size": 12, "multiple": 8}, "start_size=12 must be a positive multiple"),
+        ({"start_size": 16, "start": 0.5, "end": 0.5}, "need 0 <= start < end <= 1"),
+        ({"start_size": 16, "ends": 0.5}, "unexpected keyword argument 'ends'"),
+    ]:
+        with pytest.raises(ModelError, match=re.escape(message)):
+            make_resize(bad)
+
+
+def test_progressive_resize_trains_small_then_full(tmp_path: Path, tiny_cifar: Path, data_cache: Path):
+    """Training batches grow from 16 to 32 px with the run's progress (a ViT resamples its position
+    embeddings); validation and test see the full size. A ViT without dynamic_img_size is refused."""
+    resize = ["model.progressive_resize.start_size=16", "model.progressive_resize.end=0.75",
+              "model.progressive_resize.multiple=8"]  # fmt: skip
+    overrides = [
+        *tiny_overrides(tiny_cifar, data_cache),
+        *resize,
+        "+trainer.limit_train_batches=8",
+        "logger=csv",
+    ]
+    code, stderr = fails_in_process("train", overrides, tmp_path / "refused")
+    assert code == 2 and "needs model.net.dynamic_img_size=true" in stderr.strip().splitlines()[-1], stderr
+    metrics, objects = train(
+        compose_cfg("train", [*overrides, "+model.net.dynamic_img_size=true"], tmp_path / "run")
+    )
+    assert logged(tmp_path / "run", "train/img_size") == [16, 16, 16, 24, 24, 24, 32, 32]
+    assert objects.model.net.patch_embed.grid_size == (4, 4)  # built for 32 px, as evaluated
+    assert 0 <= metrics["val/acc1"] <= 1 and "test/acc1" in metrics
 
 
 # --- per-image random augmentation -------------------------------------------------------------------

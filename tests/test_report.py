@@ -15,9 +15,10 @@ from lightning.pytorch.utilities.memory import is_oom_error
 from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
 
 from helpers import PYTHON, ROOT, compose_cfg, tiny_overrides
+from vitrain.models.classifier import ImageClassifier
 from vitrain.reporting.report import mask_override
 from vitrain.training import train
-from vitrain.tuning import GB, MemoryCapExceeded, PerDeviceBatch, extrapolate, peak_bytes
+from vitrain.tuning import GB, MemoryCapExceeded, PerDeviceBatch, extrapolate, peak_bytes, search_copy
 
 SECRET = "vitrain-report-secret-0123456789"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -171,6 +172,19 @@ def test_batch_size_search_is_recorded_and_applied(tmp_path: Path, tiny_cifar: P
     assert "test/acc1" in metrics
     assert "8 global, 8 per device" in (tmp_path / "report.md").read_text()
     assert not list(tmp_path.glob(".scale_batch_size_*.ckpt"))
+
+
+def test_batch_size_search_trains_at_full_size():
+    """Progressive resizing would start the trials at 16 px: the search's copy trains at full size."""
+    net = {"model_name": "vit_tiny_patch16_224", "num_classes": 10, "img_size": 32, "patch_size": 8,
+           "embed_dim": 32, "depth": 1, "num_heads": 2, "dynamic_img_size": True}  # fmt: skip
+    model = ImageClassifier(
+        net=net,
+        optimizer={"_target_": "torch.optim.AdamW", "lr": 1e-3},
+        progressive_resize={"start_size": 16, "multiple": 8},
+    )
+    probe = search_copy(model)
+    assert probe.resize is None and model.resize is not None and probe.net is not model.net
 
 
 def test_memory_cap_stops_growth_before_a_trial_would_exceed_it():

@@ -202,6 +202,15 @@ def _read_result(run_dir: Path) -> dict[str, Any]:
         ) from err
 
 
+def search_copy(model: L.LightningModule) -> L.LightningModule:
+    """The model the search trains: a copy, at the data's full size. With progressive resizing the trials
+    (progress 0) would run at its start size, a fraction of the memory of the full-size steps to come."""
+    probe = copy.deepcopy(model)
+    if getattr(probe, "resize", None) is not None:
+        probe.resize = None
+    return probe
+
+
 def find_max_batch_size(
     model: L.LightningModule,
     datamodule: L.LightningDataModule,
@@ -242,7 +251,7 @@ def find_max_batch_size(
     t0 = time.perf_counter()
     try:
         found = Tuner(tuner_trainer).scale_batch_size(
-            copy.deepcopy(model),
+            search_copy(model),
             datamodule=scaled,
             method="fit",
             mode=options.get("mode", "power"),

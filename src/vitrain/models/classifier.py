@@ -18,6 +18,7 @@ from vitrain.checkpoints import CheckpointError
 from vitrain.compat import attached_trainer, should_update_logs
 from vitrain.distributed.parallelize import parallelize
 from vitrain.errors import ModelError
+from vitrain.models.resolution import make_resize
 from vitrain.models.timm_net import create_net, input_spec
 from vitrain.utils.config import plain
 
@@ -68,9 +69,11 @@ class ImageClassifier(L.LightningModule):
         grad_checkpointing: bool = False,
         channels_last: bool = False,
         tta_flip: bool = False,
+        progressive_resize: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__()
         net, optimizer, scheduler, mixup = plain(net), plain(optimizer), plain(scheduler), plain(mixup)
+        progressive_resize = plain(progressive_resize)
         for name, node in (("optimizer", optimizer), ("scheduler", scheduler)):
             if not (isinstance(node, dict) and "_target_" in node) and (
                 node is not None or name == "optimizer"
@@ -87,6 +90,12 @@ class ImageClassifier(L.LightningModule):
             self.net.to(memory_format=torch.channels_last)
         if layer_decay is not None and not 0 < layer_decay <= 1:
             raise ModelError(f"model.layer_decay={layer_decay} must be in (0, 1] (or null for none)")
+        self.resize = make_resize(progressive_resize)
+        if self.resize is not None and getattr(self.net, "dynamic_img_size", None) is False:
+            raise ModelError(
+                f"model.progressive_resize needs model.net.dynamic_img_size=true with {net['model_name']}: a "
+                "ViT's position embeddings are made for one token grid"
+            )
         self.input_spec = input_spec(
             self.net, bool(net.get("pretrained") or weights_file), net.get("img_size")
         )
@@ -129,6 +138,8 @@ class ImageClassifier(L.LightningModule):
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
+        if self.resize is not None:
+            x = self.resize(x, self.training_progress())
         if self.mixup is not None:
             # mixed images, soft targets (label smoothing folded in); accuracy against the original labels
             x, soft = self.mixup(x, y)
@@ -147,7 +158,18 @@ class ImageClassifier(L.LightningModule):
             self.log("train/loss_step", loss.detach().to("cpu"), prog_bar=True)
             # one `lr` curve (LearningRateMonitor logs one per param group: lr/decay, lr/no_decay)
             self.log("lr", torch.tensor(float(self.trainer.optimizers[0].param_groups[0]["lr"])))
+            if self.resize is not None:
+                self.log("train/img_size", torch.tensor(float(x.shape[-1])))
         return loss
+
+    def training_progress(self) -> float:
+        """The run's progress in [0, 1]: the LR schedule's own (which follows `trainer.max_time` when set,
+        vitrain/models/schedules.py), else optimizer steps done / planned."""
+        scheduler = self.lr_schedulers()
+        progress = getattr(scheduler, "progress", None)
+        if progress is not None:
+            return float(progress)
+        return min(self.global_step / max(self.trainer.estimated_stepping_batches, 1), 1.0)
 
     def on_train_epoch_end(self) -> None:
         # logged once per epoch: Lightning computes the metric objects, syncs them across ranks, resets them
