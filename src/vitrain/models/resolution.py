@@ -32,7 +32,7 @@ class ProgressiveResize:
     multiple: int = 8
 
     def __post_init__(self) -> None:
-        if self.start_size < self.multiple or self.start_size % self.multiple:
+        if self.multiple < 1 or self.start_size < self.multiple or self.start_size % self.multiple:
             raise ModelError(
                 f"model.progressive_resize.start_size={self.start_size} must be a positive multiple of "
                 f"model.progressive_resize.multiple={self.multiple}"
