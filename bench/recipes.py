@@ -3,7 +3,7 @@
 10-minute budget on the real CIFAR-10; the test accuracy of each, as the run reports it.
 
     python bench/recipes.py                     # every row: ~11 min each, see ROWS
-    python bench/recipes.py --only recipe,-ema  # a subset; rows measured earlier are kept
+    python bench/recipes.py --only=-ema,recipe  # a subset (`=`: a row may start with "-"); others are kept
     python bench/recipes.py --render-only 1     # only rewrite the table in docs/recipes.md
 
 Results: bench/results/recipes.json (one entry per row, each with its date, machine and the recipe it ran:
