@@ -5,7 +5,7 @@ RUN ?=
 .PHONY: install test test-fast lint format train train-smoke eval report clean bench bench-smoke bench-recipes gpu-check shards
 
 install:  ## create .venv and install everything (the README's first command)
-	python3 -m venv .venv && .venv/bin/pip install -r requirements.txt
+	python3 -m venv .venv && .venv/bin/pip install --no-compile -r requirements.txt
 
 test:  ## the whole suite, as CI runs it
 	$(PY) -m pytest
@@ -42,8 +42,8 @@ bench:  ## the benchmark suite (~20 min on 2 CPU cores): bench/results/*.json ->
 bench-smoke:  ## every benchmark in seconds-sized mode, results in /tmp (checks the scripts, measures nothing)
 	$(PY) bench/run.py --smoke --out /tmp/vitrain-bench-smoke $(BENCH_ARGS)
 
-bench-recipes:  ## recipe ablation on experiment=cifar_cpu (~11 min a row; ROWS=recipe,-conv_stem for a subset) -> docs/recipes.md
-	$(PY) bench/recipes.py $(if $(ROWS),--only $(ROWS))
+bench-recipes:  ## recipe ablation on experiment=cifar_cpu (~11 min a row; ROWS=-conv_stem,recipe for a subset) -> docs/recipes.md
+	$(PY) bench/recipes.py $(if $(ROWS),--only=$(ROWS))
 
 gpu-check:  ## every GPU path on this machine's GPUs in a few minutes, PASS/FAIL table + logs/gpu-check/<time>/gpu_check.json (docs/gpu.md)
 	$(PY) bench/gpu_check.py $(GPU_CHECK_ARGS)
