@@ -17,6 +17,7 @@ from helpers import PYTHON, ROOT, TINY_VIT, compose_cfg, fails_in_process, tiny_
 from test_distributed import RUN_TIMEOUT, free_port, launch_env
 from vitrain import checkpoints
 from vitrain.callbacks.ema import EMA
+from vitrain.callbacks.throughput import ImageThroughputMonitor
 from vitrain.data.augment import OPS, RandomAugment
 from vitrain.distributed.fsdp import FSDP2Strategy, shard_units
 from vitrain.errors import DataError, ModelError, UserError
@@ -452,6 +453,13 @@ def test_progressive_resize_trains_small_then_full(tmp_path: Path, tiny_cifar: P
     )
     assert logged(tmp_path / "run", "train/img_size") == [16, 16, 16, 24, 24, 24, 32, 32]
     assert objects.model.net.patch_embed.grid_size == (4, 4)  # built for 32 px, as evaluated
+    # images/s and MFU count each step's FLOPs at the size it trained at, not the full size
+    (monitor,) = [c for c in objects.trainer.callbacks if isinstance(c, ImageThroughputMonitor)]
+    flops = monitor.resized_train_flops
+    assert set(flops) == {(16, 16), (24, 24), (32, 32)}
+    assert flops[(16, 16)] < flops[(24, 24)] < flops[(32, 32)] == monitor.train_flops
+    stats = json.loads((tmp_path / "run" / "run_stats.json").read_text())["flops"]
+    assert stats["resized_train_flops_per_image"]["16x16"] == flops[(16, 16)]
     assert 0 <= metrics["val/acc1"] <= 1 and "test/acc1" in metrics
 
 

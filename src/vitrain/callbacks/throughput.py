@@ -18,6 +18,7 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.fabric.utilities.throughput import get_available_flops, measure_flops
+from lightning.pytorch.utilities import rank_zero_only
 
 from vitrain.compat import UnsyncedThroughputMonitor, plugin_compute_dtype
 
@@ -94,19 +95,23 @@ def batch_size(batch: Any) -> int:
     return int(batch.shape[0])
 
 
-def flops_per_image(pl_module: L.LightningModule, training: bool) -> float | None:
-    """FLOPs of one image through the network (forward, and backward when `training`), measured on a
-    copy built on the meta device: nothing is allocated and the real model is not touched."""
+def flops_per_image(
+    pl_module: L.LightningModule, training: bool, shape: tuple[int, int] | None = None
+) -> float | None:
+    """FLOPs of one image (of `shape`, default the model's input size) through the network (forward, and
+    backward when `training`), measured on a copy built on the meta device: nothing is allocated and the
+    real model is not touched."""
     net_cfg = getattr(pl_module, "hparams", {}).get("net")
     spec = getattr(pl_module, "input_spec", None)
     if net_cfg is None or spec is None:
         return None
     from vitrain.models.timm_net import create_net  # builds the net's Hydra nodes (an embed_layer) too
 
+    height, width = shape or (spec["img_size"], spec["img_size"])
     try:
         with torch.device("meta"):
             net = create_net({**dict(net_cfg), "pretrained": False})
-            x = torch.empty(1, 3, spec["img_size"], spec["img_size"])
+            x = torch.empty(1, 3, height, width)
         loss_fn = (lambda y: y.sum()) if training else None
         return float(measure_flops(net, lambda: net(x), loss_fn))
     except Exception as err:  # an exotic model: throughput is still logged, MFU is not
@@ -128,6 +133,8 @@ class ImageThroughputMonitor(UnsyncedThroughputMonitor):
         self.compute_dtype: torch.dtype | None = None
         self.train_flops: float | None = None
         self.eval_flops: float | None = None
+        # training FLOPs per image at the smaller sizes progressive resizing trains at, by (height, width)
+        self.resized_train_flops: dict[tuple[int, int], float | None] = {}
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         with warnings.catch_warnings():  # "FLOPs not found for ...": our table decides below
@@ -157,6 +164,19 @@ class ImageThroughputMonitor(UnsyncedThroughputMonitor):
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, *_: Any
     ) -> None:
         self._set_flops(pl_module, self.train_flops, batch)
+
+    @rank_zero_only  # as Lightning's: only rank 0 measures throughput
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, *args: Any
+    ) -> None:
+        # a step that progressive resizing (vitrain/models/resolution.py) ran at a smaller size: its FLOPs,
+        # not the full size's, before Lightning's monitor reads them (images/s and MFU of this step)
+        shape = getattr(pl_module, "train_input_shape", None)
+        if shape is not None and self.train_flops is not None:
+            if shape not in self.resized_train_flops:
+                self.resized_train_flops[shape] = flops_per_image(pl_module, training=True, shape=shape)
+            self._set_flops(pl_module, self.resized_train_flops[shape], batch)
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, *args)
 
     def on_validation_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, *_: Any, **__: Any

@@ -91,6 +91,7 @@ class ImageClassifier(L.LightningModule):
         if layer_decay is not None and not 0 < layer_decay <= 1:
             raise ModelError(f"model.layer_decay={layer_decay} must be in (0, 1] (or null for none)")
         self.resize = make_resize(progressive_resize)
+        self.train_input_shape: tuple[int, int] | None = None  # of the last training step, when resized
         if self.resize is not None and getattr(self.net, "dynamic_img_size", None) is False:
             raise ModelError(
                 f"model.progressive_resize needs model.net.dynamic_img_size=true with {net['model_name']}: a "
@@ -140,6 +141,7 @@ class ImageClassifier(L.LightningModule):
         x, y = batch
         if self.resize is not None:
             x = self.resize(x, self.training_progress())
+            self.train_input_shape = tuple(x.shape[-2:])  # the size ImageThroughputMonitor counts FLOPs at
         if self.mixup is not None:
             # mixed images, soft targets (label smoothing folded in); accuracy against the original labels
             x, soft = self.mixup(x, y)

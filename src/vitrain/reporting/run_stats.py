@@ -225,6 +225,11 @@ class RunStats(Callback):
         self.stats["flops"] = {
             "train_flops_per_image": monitor.train_flops,
             "eval_flops_per_image": monitor.eval_flops,
+            # progressive resizing: the smaller sizes trained at (`train/img_size`), per image
+            "resized_train_flops_per_image": {
+                f"{h}x{w}": flops for (h, w), flops in sorted(monitor.resized_train_flops.items())
+            }
+            or None,
             "peak_flops_per_device": monitor.available_flops,
             "device": monitor.device_name,
         }
