@@ -16,6 +16,7 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, open_dict
 
+import warm
 from vitrain.utils.run_id import register_resolvers
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -100,14 +101,19 @@ def run_cli(
     env: dict[str, str] | None = None,
     timeout: float = 300,
     cwd: Path = ROOT,
+    fresh: bool = False,
     **popen: object,
 ) -> subprocess.CompletedProcess:
-    """`python src/<script> overrides...` in a fresh process, as a user types it."""
+    """`python src/<script> overrides...` in a process of its own, as a user types it: forked from a server
+    that has imported torch, Lightning and timm (tests/warm.py says what that leaves out), or, with
+    `fresh=True`, a new interpreter."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
     # no rank/launcher variables leak in from the test runner
     for var in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT"):
         if env is None or var not in env:
             full_env.pop(var, None)
+    if not fresh and set(popen) <= {"start_new_session"}:  # a warm run always has a session of its own
+        return warm.run_script([ROOT / "src" / script, *overrides], full_env, cwd, timeout)
     return subprocess.run(
         [PYTHON, str(ROOT / "src" / script), *overrides],
         cwd=cwd,

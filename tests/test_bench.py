@@ -5,11 +5,13 @@ nothing (`met` stays null)."""
 from __future__ import annotations
 
 import json
-import subprocess
+import os
 import sys
 from pathlib import Path
 
 import pytest
+
+from warm import run_script
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
@@ -21,23 +23,11 @@ MULTI_PROCESS = {"ddp_scaling", "fsdp_memory"}
 
 
 def _smoke(name: str, out: Path, data: Path, cache: Path) -> dict:
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(BENCH / f"{name}.py"),
-            "--smoke",
-            "--out",
-            str(out),
-            "--data-dir",
-            str(data),
-            "--cache-dir",
-            str(cache),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    """`python bench/<name>.py --smoke ...`; the script runs warm (tests/warm.py), the training runs it
+    starts are fresh interpreters, as in a real benchmark."""
+    args = ["--smoke", "--out", str(out), "--data-dir", str(data), "--cache-dir", str(cache)]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
+    done = run_script([BENCH / f"{name}.py", *args], env, cwd=ROOT, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1].startswith(f"{name}: "), done.stdout[-500:]
     return json.loads((out / f"{name}.json").read_text())

@@ -22,12 +22,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from helpers import PYTHON, ROOT, TINY_VIT, assert_plain, compose_cfg, run_cli, tiny_overrides
+from helpers import ROOT, TINY_VIT, assert_plain, compose_cfg, run_cli, tiny_overrides
 from vitrain import checkpoints
 from vitrain.distributed.ddp import DDPStrategy
 from vitrain.distributed.ranks import devices_per_node, global_rank_from_env
 from vitrain.training import train
 from vitrain.utils.run_id import run_id
+from warm import ScriptRun, run_script
 
 RUN_TIMEOUT = 240  # seconds for one multi-process run on 2 slow cores (normally 20-40 s)
 STEPS = 3
@@ -67,16 +68,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(run_dir: Path, args: list[str], torchrun: bool = False) -> Run:
+def torchrun(target: list, timeout: float = RUN_TIMEOUT) -> subprocess.CompletedProcess:
+    """`torchrun --nnodes=1 --nproc-per-node=2 <target...>`: the launcher warm (tests/warm.py), its two
+    workers new interpreters."""
+    launcher = [
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1",
+        "--nproc-per-node=2",
+        f"--master-port={free_port()}",
+    ]
+    return run_script([*launcher, *target], launch_env(), ROOT, timeout)
+
+
+def launch(run_dir: Path, args: list[str], use_torchrun: bool = False) -> Run:
     """`python src/train.py ...` (Lightning starts the other local rank) or the same under torchrun."""
     args = [*args, f"hydra.run.dir={run_dir}"]
-    if torchrun:
-        launcher = [PYTHON, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2",
-                    f"--master-port={free_port()}"]  # fmt: skip
-        cmd = [*launcher, str(ROOT / "src" / "train.py"), *args]
-        done = subprocess.run(
-            cmd, cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=RUN_TIMEOUT
-        )
+    if use_torchrun:
+        done = torchrun([ROOT / "src" / "train.py", *args])
     else:
         done = run_cli("train.py", args, timeout=RUN_TIMEOUT)
     output = done.stdout + done.stderr
@@ -106,7 +115,7 @@ def ddp_run(tmp_path_factory: pytest.TempPathFactory, tiny_cifar: Path, data_cac
 def fsdp_run(tmp_path_factory: pytest.TempPathFactory, tiny_cifar: Path, data_cache: Path) -> Run:
     """Launched by torchrun (the resume test below uses Lightning's own launcher for FSDP)."""
     args = [*overrides(tiny_cifar, data_cache), "trainer=fsdp", "trainer.devices=2"]
-    return launch(tmp_path_factory.mktemp("fsdp") / "run", args, torchrun=True)
+    return launch(tmp_path_factory.mktemp("fsdp") / "run", args, use_torchrun=True)
 
 
 def val_metrics(run_dir: Path) -> dict[str, float]:
@@ -301,18 +310,21 @@ def test_two_nodes_by_env_vars_share_one_run(tmp_path: Path, tiny_cifar: Path, d
     nodes = []
     for node in (0, 1):
         # the nodes' clocks differ by a second: the run must not split
-        cmd = [PYTHON, str(ROOT / "src" / "train.py"), *SEED_COMMAND,
-               f"trainer.default_root_dir=2026-01-01_00-00-0{node}", *tiny]  # fmt: skip
-        nodes.append(subprocess.Popen(cmd, cwd=tmp_path, env={**base, "NODE_RANK": str(node)},
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))  # fmt: skip
+        target = [
+            ROOT / "src" / "train.py",
+            *SEED_COMMAND,
+            f"trainer.default_root_dir=2026-01-01_00-00-0{node}",
+            *tiny,
+        ]
+        nodes.append(ScriptRun(target, {**base, "NODE_RANK": str(node)}, tmp_path, merge_stderr=True))
     try:
-        outputs = [p.communicate(timeout=RUN_TIMEOUT)[0] for p in nodes]
+        done = [p.wait(timeout=RUN_TIMEOUT) for p in nodes]
     finally:
         for p in nodes:
             p.kill()
-    for node, (p, out) in enumerate(zip(nodes, outputs, strict=True)):
-        assert p.returncode == 0, f"node {node}:\n{out[-4000:]}"
-    node0, node1 = outputs
+    for node, p in enumerate(done):
+        assert p.returncode == 0, f"node {node}:\n{p.stdout[-4000:]}"
+    node0, node1 = (p.stdout for p in done)
     assert_world_size_2(node0 + node1)
 
     runs = tmp_path / "logs" / "train" / "runs"

@@ -49,7 +49,8 @@ def test_unknown_model_name(tmp_path: Path, tiny_cifar: Path, data_cache: Path):
 
 
 def test_unknown_config_group_option(tmp_path: Path):
-    done = run_cli("train.py", ["experiment=cifarr", f"hydra.run.dir={tmp_path}/run"])
+    # a fresh interpreter: the check runs before torch is imported, and nothing else may print
+    done = run_cli("train.py", ["experiment=cifarr", f"hydra.run.dir={tmp_path}/run"], fresh=True)
     _assert_clean_failure(
         done, "unknown experiment=cifarr: choose one of cifar, cifar_cpu, finetune_folder, imagenet, smoke"
     )
@@ -85,7 +86,7 @@ def test_batch_size_not_divisible_by_world_size(tmp_path: Path, tiny_cifar: Path
 
 
 def test_misspelled_override_key_suggests_the_right_one(tmp_path: Path):
-    done = run_cli("train.py", ["datamodule.batchsize=64", f"hydra.run.dir={tmp_path}/run"])
+    done = run_cli("train.py", ["datamodule.batchsize=64", f"hydra.run.dir={tmp_path}/run"], fresh=True)
     _assert_clean_failure(
         done, "unknown config key datamodule.batchsize", "did you mean datamodule.batch_size?"
     )

@@ -1,16 +1,14 @@
 """Faults in multi-process runs: SIGTERM saves once for all ranks; a dead or hung peer ends the run."""
 
-import contextlib
 import os
-import signal
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import PYTHON, ROOT, run_cli, tiny_overrides
+from helpers import ROOT, run_cli, tiny_overrides
+from warm import ScriptRun
 
 TESTS = str(ROOT / "tests")
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
@@ -60,27 +58,24 @@ def test_lost_peer_ends_the_run_within_the_timeout(
         "+callbacks.fault.step=3",
         f"+callbacks.fault.signal_name={fault}",
     ]
-    env = {**os.environ, "PYTHONPATH": TESTS, "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "PYTHONPATH": TESTS, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     started = time.monotonic()
-    # output to a file, not a pipe: the stopped rank 1 keeps inherited pipes open after rank 0 has exited
-    with (tmp_path / "stderr.txt").open("w") as err_file:
-        proc = subprocess.Popen(
-            [PYTHON, str(ROOT / "src" / "train.py"), *overrides],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=err_file,
-            start_new_session=True,
-        )
-        try:
-            proc.wait(timeout=240)
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)  # the stopped rank 1 is still in the group
+    # output to files, not pipes: the stopped rank 1 keeps inherited pipes open after rank 0 has exited
+    proc = ScriptRun([ROOT / "src" / "train.py", *overrides], env, ROOT)
+    try:
+        done = proc.wait(timeout=240)
+    finally:
+        proc.kill()  # the stopped rank 1 is still in the run's process group
     waited = time.monotonic() - started
-    stderr = (tmp_path / "stderr.txt").read_text()
-    assert proc.returncode == 3, stderr[-3000:]
-    assert "lost contact with another process of this run" in stderr
-    assert "Traceback" not in stderr.split("lost contact")[-1]
+    stderr = done.stderr
+    if fault == "KILL" and done.returncode == -9:
+        # a race that users meet too: Lightning's launcher watches the ranks it started (every 5 s) and, when
+        # one has died, kills the others and itself, saying so; it wins when rank 0 has not yet hit a
+        # collective with the dead rank (seen under a loaded machine's delays)
+        assert "terminated with code -9. Forcefully terminating all other processes" in stderr, stderr[-3000:]
+    else:
+        assert done.returncode == 3, stderr[-3000:]
+        assert "lost contact with another process of this run" in stderr
+        assert "Traceback" not in stderr.split("lost contact")[-1]
     # start-up and 3 steps take ~15 s here; the hang must end at the collective timeout, not at 30 minutes
     assert waited < 120, waited

@@ -3,7 +3,6 @@
 import csv
 import json
 import re
-import subprocess
 from pathlib import Path
 
 import lightning as L
@@ -13,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from helpers import PYTHON, ROOT, TINY_VIT, compose_cfg, fails_in_process, tiny_overrides
-from test_distributed import RUN_TIMEOUT, free_port, launch_env
+from helpers import ROOT, TINY_VIT, compose_cfg, fails_in_process, tiny_overrides
+from test_distributed import RUN_TIMEOUT, torchrun
 from vitrain import checkpoints
 from vitrain.callbacks.ema import EMA
 from vitrain.callbacks.throughput import ImageThroughputMonitor
@@ -123,26 +122,7 @@ def test_fsdp_units_for_every_family(name: str, unit: str):
 
 
 def families_job(strategy: str, data: Path, cache: Path, out: Path, *extra: str) -> dict[str, list[dict]]:
-    launcher = [
-        PYTHON,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes=1",
-        "--nproc-per-node=2",
-        f"--master-port={free_port()}",
-    ]
-    cmd = [
-        *launcher,
-        str(ROOT / "tests" / "families_job.py"),
-        strategy,
-        str(data),
-        str(cache),
-        str(out),
-        *extra,
-    ]
-    done = subprocess.run(
-        cmd, cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=2 * RUN_TIMEOUT
-    )
+    done = torchrun([ROOT / "tests" / "families_job.py", strategy, data, cache, out, *extra], 2 * RUN_TIMEOUT)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     results: dict[str, list[dict]] = {}
     for path in sorted(out.glob("*.rank*.json")):
@@ -244,17 +224,8 @@ def fsdp_ema_run(tmp_path_factory: pytest.TempPathFactory, tiny_cifar: Path, dat
 
 
 def fsdp_ema_job(run_dir: Path, overrides: list[str]) -> str:
-    launcher = [PYTHON, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2",
-                f"--master-port={free_port()}"]  # fmt: skip
     args = [*overrides, "trainer=fsdp", "trainer.devices=2", "logger=csv", f"hydra.run.dir={run_dir}"]
-    done = subprocess.run(
-        [*launcher, str(ROOT / "src" / "train.py"), *args],
-        cwd=ROOT,
-        env=launch_env(),
-        capture_output=True,
-        text=True,
-        timeout=RUN_TIMEOUT,
-    )
+    done = torchrun([ROOT / "src" / "train.py", *args])
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     return done.stdout + done.stderr
 

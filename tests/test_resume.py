@@ -3,14 +3,13 @@
 import os
 import shutil
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from helpers import ROOT, fails_in_process, run_cli, tiny_overrides
+from warm import run_script
 
 TESTS = str(ROOT / "tests")
 
@@ -161,7 +160,6 @@ def test_torchrun_restart_resumes_in_the_same_run_dir(tmp_path: Path, tiny_cifar
     for var in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
     torchrun = [
-        sys.executable,
         "-m",
         "torch.distributed.run",
         "--standalone",
@@ -169,14 +167,7 @@ def test_torchrun_restart_resumes_in_the_same_run_dir(tmp_path: Path, tiny_cifar
         "--max-restarts=1",
         "--monitor-interval=0.5",
     ]
-    done = subprocess.run(
-        [*torchrun, str(ROOT / "src" / "train.py"), *overrides],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    done = run_script([*torchrun, ROOT / "src" / "train.py", *overrides], env, ROOT, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert marker.exists(), "the first attempt was killed"
     run_dirs = list((tmp_path / "logs" / "train" / "runs").iterdir())

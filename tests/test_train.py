@@ -78,7 +78,8 @@ def test_train_and_eval_cli(tmp_path: Path, tiny_cifar: Path, data_cache: Path):
     """`src/train.py` then `src/eval.py` on its best checkpoint: eval reproduces the validation metrics."""
     overrides = [o for o in tiny_overrides(tiny_cifar, data_cache) if not o.startswith("extras.")]
     run_dir = tmp_path / "run"
-    done = run_cli("train.py", [*overrides, "trainer.max_epochs=2", f"hydra.run.dir={run_dir}"])
+    # a new interpreter, as a user's first run (the suite's other CLI runs are warm: tests/warm.py)
+    done = run_cli("train.py", [*overrides, "trainer.max_epochs=2", f"hydra.run.dir={run_dir}"], fresh=True)
     assert done.returncode == 0, done.stderr[-3000:]
     assert (run_dir / "config_tree.log").is_file() and "model_name" in (
         run_dir / "config_tree.log"
