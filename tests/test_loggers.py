@@ -124,7 +124,10 @@ def test_wandb_offline_run_holds_the_scalars_and_the_redacted_config(
         "+extras.note=token-${oc.env:HF_TOKEN}",  # masked by its value
     ]
     metrics, _ = train(compose_cfg("train", overrides, tmp_path))
+    import wandb
 
+    # the transaction log is read once W&B's service has ended and closed it, as at the end of a CLI run
+    wandb.teardown()
     records = wandb_records(tmp_path)
     history = wandb_history(records)
     assert history.keys() >= SCALARS, sorted(history)
