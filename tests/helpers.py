@@ -104,24 +104,20 @@ def run_cli(
     fresh: bool = False,
     **popen: object,
 ) -> subprocess.CompletedProcess:
-    """`python src/<script> overrides...` in a process of its own, as a user types it: forked from a server
-    that has imported torch, Lightning and timm (tests/warm.py says what that leaves out), or, with
-    `fresh=True`, a new interpreter."""
+    """`python src/<script> overrides...` in a process and session of its own, as a user types it: forked
+    from a server that has imported torch, Lightning and timm (tests/warm.py says what that leaves out), or,
+    with `fresh=True`, a new interpreter; with Popen arguments (`preexec_fn`), a new interpreter started by
+    `subprocess.run`."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
     # no rank/launcher variables leak in from the test runner
     for var in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT"):
         if env is None or var not in env:
             full_env.pop(var, None)
-    if not fresh and set(popen) <= {"start_new_session"}:  # a warm run always has a session of its own
-        return warm.run_script([ROOT / "src" / script, *overrides], full_env, cwd, timeout)
+    if not popen:
+        return warm.run_script([ROOT / "src" / script, *overrides], full_env, cwd, timeout, fresh=fresh)
+    command = [PYTHON, str(ROOT / "src" / script), *overrides]
     return subprocess.run(
-        [PYTHON, str(ROOT / "src" / script), *overrides],
-        cwd=cwd,
-        env=full_env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        **popen,
+        command, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout, **popen
     )
 
 

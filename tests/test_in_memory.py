@@ -203,14 +203,12 @@ def test_sigterm_mid_epoch_then_resume_is_bitwise(photos: Path, tmp_path: Path):
     by SIGTERM in the middle of the second epoch and resumed with ckpt_path=last, it ends with the weights of
     the run left alone, bit for bit."""
 
-    def run(run_dir: Path, *extra: str, **kwargs):
+    def run(run_dir: Path, *extra: str):
         args = _memory_overrides(
             photos, run_dir, "datamodule.in_memory=true", "datamodule.auto_augment=trivial",
             "datamodule.re_prob=0.25", "trainer.max_epochs=2", "test=false", f"hydra.run.dir={run_dir}", *extra,
         )  # fmt: skip
-        return run_cli(
-            "train.py", args, env={"PYTHONPATH": str(ROOT / "tests")}, timeout=RUN_TIMEOUT, **kwargs
-        )
+        return run_cli("train.py", args, env={"PYTHONPATH": str(ROOT / "tests")}, timeout=RUN_TIMEOUT)
 
     def weights(run_dir: Path) -> dict[str, torch.Tensor]:
         ckpt = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)
@@ -223,7 +221,6 @@ def test_sigterm_mid_epoch_then_resume_is_bitwise(photos: Path, tmp_path: Path):
         tmp_path / "stopped",
         "+callbacks.fault._target_=fault_injection.SigtermAt",
         "+callbacks.fault.step=11",
-        start_new_session=True,
     )
     assert stopped.returncode == 143, stopped.stderr[-3000:]
     saved = torch.load(tmp_path / "stopped" / "checkpoints" / "last.ckpt", weights_only=True)

@@ -72,7 +72,6 @@ def test_sigterm_mid_epoch_saves_last_and_resumes_exactly(
     overrides = _overrides(tiny_cifar, data_cache, tmp_path)
     stopped = _run(
         [*overrides, "+callbacks.fault._target_=fault_injection.SigtermAt", "+callbacks.fault.step=40"],
-        start_new_session=True,
     )
     assert stopped.returncode == 143, stopped.stderr[-3000:]
     saved = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)
