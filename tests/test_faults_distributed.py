@@ -32,7 +32,6 @@ def test_sigterm_two_process_ddp_saves_last_then_resumes(tmp_path: Path, tiny_ci
         "train.py",
         [*overrides, "+callbacks.fault._target_=fault_injection.SigtermAt", "+callbacks.fault.step=5"],
         env={"PYTHONPATH": TESTS},
-        start_new_session=True,
     )
     assert stopped.returncode == 143, stopped.stderr[-3000:]
     saved = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)

@@ -1,6 +1,8 @@
 """The suite's warm runs (tests/warm.py) are what a new interpreter would be for the script they run: the same
 sys.argv, sys.path, working directory, environment, output and exit code; a run that sets an import-time
-variable differently, or asks for it, is a new interpreter; a timeout kills the run and what it started."""
+variable differently, or asks for it, is a new interpreter; a timeout kills the run and what it started. The
+`python <script>` children a warm run starts are warm and see what a new interpreter's would, and their
+caller's `Popen` sees their pipes, exit codes and deaths by signal."""
 
 from __future__ import annotations
 
@@ -16,10 +18,12 @@ import pytest
 import warm
 
 PROBE = """
-import json, os, sys
+import json, multiprocessing, os, sys
 print(json.dumps({
     "argv": sys.argv, "path": sys.path, "cwd": os.getcwd(), "name": __name__, "probe": os.environ.get("PROBE"),
     "warm": "torch" in sys.modules, "own_session": os.getsid(0) == os.getpid(),
+    "start_method": multiprocessing.get_start_method(), "process": multiprocessing.current_process().name,
+    "parent": multiprocessing.parent_process() is not None,
 }))
 print("to stderr", file=sys.stderr)
 if sys.argv[1] == "raise":
@@ -101,3 +105,40 @@ def test_a_timeout_kills_the_run_and_what_it_started(tmp_path: Path):
         time.sleep(0.1)
     else:
         pytest.fail(f"`sleep` ({grandchild}) outlived the timed-out run")
+
+
+PARENT = """
+import json, os, signal, subprocess, sys
+child = os.path.join(os.path.dirname(os.path.abspath(__file__)), "probe.py")
+env = {**os.environ, "PROBE": "child"}
+done = subprocess.run([sys.executable, child, "3", "c=d"], capture_output=True, text=True, env=env, cwd=sys.argv[1])
+threads = "7" if os.environ.get("OMP_NUM_THREADS") != "7" else "5"
+other = subprocess.run([sys.executable, child, "0"], capture_output=True, text=True, env={**env, "OMP_NUM_THREADS": threads})
+sleeper = subprocess.Popen([sys.executable, "-u", child, "sleep"], stdout=subprocess.PIPE, text=True, start_new_session=True)
+seen_sleeping = json.loads(sleeper.stdout.readline())
+os.kill(int(sleeper.stdout.readline()), signal.SIGKILL)  # its `sleep 60`
+running = sleeper.poll()
+sleeper.send_signal(signal.SIGKILL)
+print(json.dumps({
+    "code": done.returncode, "seen": json.loads(done.stdout), "stderr": done.stderr,
+    "other_warm": json.loads(other.stdout)["warm"], "running": running, "killed": sleeper.wait(timeout=30),
+    "sleeping_own_session": seen_sleeping["own_session"],
+}))
+"""
+
+
+def test_the_python_children_of_a_warm_run_are_warm_and_see_what_new_ones_would(tmp_path: Path):
+    (tmp_path / "probe.py").write_text(PROBE)
+    (tmp_path / "parent.py").write_text(PARENT)
+    (tmp_path / "work").mkdir()
+    env = _env()
+    ran = warm.run_script([tmp_path / "parent.py", tmp_path / "work"], env, tmp_path, timeout=120)
+    fresh = _fresh([str(tmp_path / "parent.py"), str(tmp_path / "work")], env, tmp_path)
+    assert ran.returncode == fresh.returncode == 0, ran.stderr + fresh.stderr
+    seen, expected = json.loads(ran.stdout), json.loads(fresh.stdout)
+    assert seen["seen"].pop("warm") and not expected["seen"].pop("warm"), "a warm child, then a new one"
+    assert seen["code"] == 3 and seen["stderr"] == "to stderr\n" and seen["seen"]["probe"] == "child"
+    assert seen["seen"]["cwd"] == str(tmp_path / "work") and not seen["seen"]["own_session"]
+    assert seen["running"] is None and seen["killed"] == -9 and seen["sleeping_own_session"]
+    assert not seen["other_warm"], "an import-time variable set otherwise: a new interpreter"
+    assert seen == expected

@@ -4,10 +4,20 @@ A fresh `python src/train.py` spends ~11 CPU-s here importing them before it doe
 makes dozens of such runs on two cores. A warm run is still a process of its own (its own pid, session,
 environment, working directory, sys.argv, sys.path and output files), forked from a forkserver whose only
 work was those imports, and it runs `src/<script>` (or `-m module`) as `__main__`, as the interpreter would.
-What it cannot show is a fault of the start-up itself (import order, environment read at import time), so a
-run whose environment differs from the server's in a variable the libraries read on import starts fresh, and
-the tests about the start-up ask for `fresh=True`. The processes a run starts itself (Lightning's other DDP
-ranks, torchrun's workers, a benchmark's training runs) are new interpreters either way.
+
+The processes a warm run starts as `python <script> ...` or `python [-u] -m <module> ...` (Lightning's other
+DDP ranks, torchrun's workers, a benchmark's training runs) are warm too: before its script runs, each warm
+process forks a "zygote", an idle copy of itself in the same session and process group, and its
+`subprocess.Popen` asks that copy to fork such children. A child so made has its own pid, its command line,
+environment, working directory and standard streams (pipes included), runs in the caller's process group
+(or a new session if asked), takes signals at its own pid, and its exit status reaches the caller's `Popen`
+(`poll`, `wait`, `communicate`, `returncode`) through the zygote, which is its parent. Any other command,
+or one with `preexec_fn`, `pass_fds`, a user or group change, goes to the real `Popen`.
+
+What none of this can show is a fault of the start-up itself (import order, environment read at import
+time), so a run or child whose environment differs from the server's in a variable the libraries read on
+import is a new interpreter, with everything it starts, and the tests about the start-up ask for
+`fresh=True`.
 
 Only the standard library here: the forkserver imports this module to run `_child`.
 """
@@ -21,7 +31,10 @@ import multiprocessing
 import os
 import re
 import runpy
+import select
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -31,14 +44,24 @@ from pathlib import Path
 
 PRELOAD = ["torch", "lightning", "timm", "torchmetrics", "hydra", "omegaconf"]
 # what the preloaded libraries read when they are imported: a run that sets one of these differently from the
-# server needs a new interpreter (PYTHONPATH is applied in the child, as Python does at start-up)
+# server needs a new interpreter (PYTHONPATH is applied in the child, as Python does at start-up);
+# TORCHELASTIC_* and TORCH_NCCL_* are what torchrun sets for its workers, read when used, not on import
 IMPORT_TIME = re.compile(
     r"^(OMP_|MKL_|KMP_|GOMP_|HF_|HUGGINGFACE_|TORCH|PYTORCH_|CUDA_|NCCL_|LD_|MALLOC_|PYTHON)"
 )
+RUN_TIME = re.compile(r"^(PYTHONPATH$|TORCHELASTIC_|TORCH_NCCL_)")
 SERVER_ENV = {"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
+# signals a zygote ignores: what is sent to a run's process group is for the run and its children
+_SHIELDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 
 _server_env: dict[str, str] | None = None
 _base_path: list[str] = []
+_zygote: socket.socket | None = None  # this process's line to its zygote
+_RealPopen = subprocess.Popen
+# the class of a main process's `multiprocessing.current_process()` (the module deletes its name); this
+# module is imported before a forked child becomes a multiprocessing child
+_MAIN_PROCESS = type(multiprocessing.process._current_process)
+assert _MAIN_PROCESS.__name__ == "_MainProcess", _MAIN_PROCESS
 
 
 def _start_server() -> dict[str, str]:
@@ -67,30 +90,45 @@ def _start_server() -> dict[str, str]:
 def warm_ok(env: dict[str, str]) -> bool:
     """True when `env` reads like the server's in everything the preloaded libraries read on import."""
     server = _start_server()
-    names = {n for n in (*env, *server) if IMPORT_TIME.match(n) and n != "PYTHONPATH"}
+    names = {n for n in (*env, *server) if IMPORT_TIME.match(n) and not RUN_TIME.match(n)}
     return all(env.get(n) == server.get(n) for n in names)
 
 
-def _child(target: list[str], cwd: str, env: dict[str, str], out: str, err: str | None, base_path: list[str]):
-    """In the forked process: become `python <script> args...` (or `python -m module args...`) and exit."""
+def _child(target: list[str], cwd: str, env: dict[str, str], out: str, err: str | None, server: tuple):
+    """In the process forked by the forkserver: a session of its own, output to files, then `_become`."""
+    global _server_env, _base_path
+    _server_env, _base_path = server
     os.setsid()  # a session of its own: a timeout kills the run with everything it started
-    os.environ.clear()
-    os.environ.update(env)
-    os.chdir(cwd)
     out_fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     err_fd = os.open(err, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) if err else out_fd
     os.dup2(out_fd, 1)
     os.dup2(err_fd, 2)
     for fd in {out_fd, err_fd}:
         os.close(fd)
+    _become(target, cwd, env)
+
+
+def _become(target: list[str], cwd: str, env: dict[str, str]) -> None:
+    """Become `python <script> args...` (or `python -m module args...`) on fds 0-2 as they are, and exit."""
+    _start_zygote()  # first: the zygote is this process as the forkserver left it
+    subprocess.Popen = _WarmPopen
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
     # unbuffered text streams (PYTHONUNBUFFERED=1, as the tests' runs have)
     sys.stdout = open(1, "w", encoding="utf-8", errors="backslashreplace", closefd=False, buffering=1)  # noqa: SIM115
     sys.stderr = open(2, "w", encoding="utf-8", errors="backslashreplace", closefd=False, buffering=1)  # noqa: SIM115
     module = target[1] if target[0] == "-m" else None
     args = target[2:] if module else target[1:]
     extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    sys.path[:] = [cwd if module else os.path.dirname(target[0]), *extra, *base_path]
+    sys.path[:] = [cwd if module else os.path.dirname(os.path.abspath(target[0])), *extra, *_base_path]
     sys.argv = [target[0] if not module else "-m", *args]
+    # multiprocessing as in a new main process: its default start method (fork, not the forkserver this
+    # process came from: DataLoader workers would start a forkserver of their own and import everything
+    # again), no parent, the main process's name
+    multiprocessing.process._current_process = _MAIN_PROCESS()
+    multiprocessing.process._parent_process = None
+    multiprocessing.set_start_method(None, force=True)
     if "numpy" in sys.modules:  # a new interpreter seeds numpy's global generator from the OS
         sys.modules["numpy"].random.seed()
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -117,6 +155,216 @@ def _child(target: list[str], cwd: str, env: dict[str, str], out: str, err: str 
         os._exit(code)
 
 
+# --- the zygote: forks this process's warm children, and is their parent -----------------------------------
+
+
+def _start_zygote() -> None:
+    global _zygote
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    if os.fork() == 0:
+        ours.close()
+        try:
+            _serve(theirs)
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            os._exit(0)
+    theirs.close()
+    _zygote = ours
+
+
+def _serve(control: socket.socket) -> None:
+    """Fork a child per request; send each caller its child's pid, then its wait status. Ends when the
+    process it serves is gone (with every copy of its end of `control`) and no child is left."""
+    for sig in _SHIELDED:
+        signal.signal(sig, signal.SIG_IGN)
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    os.set_blocking(wake_r, False)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    signal.set_wakeup_fd(wake_w)
+    callers: dict[int, socket.socket] = {}
+    serving = True
+    while serving or callers:
+        ready, _, _ = select.select([control, wake_r] if serving else [wake_r], [], [], 5.0)
+        if wake_r in ready:
+            with contextlib.suppress(BlockingIOError):
+                os.read(wake_r, 4096)
+        if control in ready:
+            try:
+                msg, fds, _, _ = socket.recv_fds(control, 1 << 20, 4)
+            except OSError:
+                msg, fds = b"", []
+            if not msg:
+                serving = False
+                control.close()
+            else:
+                caller = socket.socket(fileno=fds[0])
+                pid = os.fork()
+                if pid == 0:
+                    signal.set_wakeup_fd(-1)
+                    os.close(wake_r)
+                    os.close(wake_w)
+                    for line in (control, caller, *callers.values()):
+                        line.close()
+                    _warm_child(json.loads(msg), fds[1:])
+                for fd in fds[1:]:
+                    os.close(fd)
+                with contextlib.suppress(OSError):
+                    caller.sendall(struct.pack("q", pid))
+                callers[pid] = caller
+        while True:  # reap every child that ended; its caller gets the status waitpid gave
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            caller = callers.pop(pid, None)
+            if caller is not None:
+                with contextlib.suppress(OSError):
+                    caller.sendall(struct.pack("q", status))
+                caller.close()
+
+
+def _warm_child(request: dict, stdio: list[int]) -> None:
+    """In the zygote's new child: the caller's standard streams, signals as a new process has them, a new
+    session if asked; then the script."""
+    try:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for sig in _SHIELDED:
+            signal.signal(sig, signal.SIG_DFL)
+        for fd, target in zip(stdio, (0, 1, 2), strict=True):
+            os.dup2(fd, target)
+        for fd in set(stdio) - {0, 1, 2}:
+            os.close(fd)
+        if request["new_session"]:
+            os.setsid()
+        _become(request["target"], request["cwd"], request["env"])
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        os._exit(1)
+
+
+def _warm_target(args, executable, env, shell, preexec_fn, pass_fds, ids) -> list[str] | None:
+    """The script (or "-m", module) and its arguments when `args` is `python [-u] <that>` with nothing a
+    forked child could not do as asked, else None."""
+    if (
+        _zygote is None
+        or shell
+        or preexec_fn is not None
+        or pass_fds
+        or any(i not in (None, -1) for i in ids)
+    ):
+        return None
+    if isinstance(args, (str, bytes, os.PathLike)) or not args:
+        return None
+    argv = [os.fspath(a) for a in args]
+    if any(not isinstance(a, str) for a in argv):
+        return None
+    program = os.fspath(executable) if executable is not None else argv[0]
+    if not isinstance(program, str) or os.path.abspath(program) != os.path.abspath(sys.executable):
+        return None
+    if os.path.abspath(argv[0]) != os.path.abspath(sys.executable):
+        return None
+    rest = argv[1:]
+    while rest and rest[0] == "-u":  # unbuffered: warm children are (their streams are line-buffered)
+        rest = rest[1:]
+    if not rest or (rest[0].startswith("-") and (rest[0] != "-m" or len(rest) < 2)):
+        return None
+    if env is not None and any(not isinstance(k, str) or not isinstance(v, str) for k, v in env.items()):
+        return None
+    return rest if warm_ok(dict(os.environ if env is None else env)) else None
+
+
+class _WarmPopen(_RealPopen):
+    """`subprocess.Popen` in a warm process: `python <script>` children come from the zygote (module
+    docstring), everything else as usual. Overrides the POSIX `Popen`'s fork/exec and waitpid steps only."""
+
+    _warm_line: socket.socket | None = None
+
+    def _execute_child(self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo,
+                       creationflags, shell, p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite,
+                       restore_signals, gid, gids, uid, umask, start_new_session, *more):  # fmt: skip
+        ids = (gid, uid, None if umask == -1 else umask, None if gids is None else 0, *more)
+        target = _warm_target(args, executable, env, shell, preexec_fn, pass_fds, ids)
+        if target is not None:
+            mine, theirs = socket.socketpair()
+            request = {
+                "target": target,
+                "cwd": os.fspath(cwd) if cwd is not None else os.getcwd(),
+                "env": dict(os.environ if env is None else env),
+                "new_session": bool(start_new_session),
+            }
+            stdio = [p2cread, c2pwrite, errwrite]
+            stdio = [fd if fd != -1 else own for fd, own in zip(stdio, (0, 1, 2), strict=True)]
+            try:
+                socket.send_fds(_zygote, [json.dumps(request).encode()], [theirs.fileno(), *stdio])
+                pid = struct.unpack("q", _read(mine, 8))[0]
+            except OSError:
+                target = None  # the zygote is gone: a new interpreter then
+                mine.close()
+            finally:
+                theirs.close()
+        if target is None:
+            return super()._execute_child(
+                args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo, creationflags,
+                shell, p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite, restore_signals, gid, gids,
+                uid, umask, start_new_session, *more,
+            )  # fmt: skip
+        self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)
+        self.pid = pid
+        self._child_created = True
+        self._warm_line = mine
+
+    def _status(self, block: bool) -> int | None:
+        """The child's wait status from the zygote; None while it runs. A line closed without a status (the
+        zygote killed with the run's process group) reads as SIGKILL."""
+        self._warm_line.setblocking(block)
+        try:
+            data = _read(self._warm_line, 8)
+        except BlockingIOError:
+            return None
+        return struct.unpack("q", data)[0] if len(data) == 8 else signal.SIGKILL
+
+    def _internal_poll(self, _deadstate=None, *args, **kwargs):
+        if self._warm_line is None:
+            return super()._internal_poll(_deadstate, *args, **kwargs)
+        if self.returncode is None and self._waitpid_lock.acquire(False):
+            try:
+                if self.returncode is None:
+                    status = self._status(block=False)
+                    if status is not None:
+                        self._handle_exitstatus(status)
+            finally:
+                self._waitpid_lock.release()
+        return self.returncode
+
+    def _try_wait(self, wait_flags):
+        if self._warm_line is None:
+            return super()._try_wait(wait_flags)
+        status = self._status(block=not wait_flags & os.WNOHANG)
+        return (0, 0) if status is None else (self.pid, status)
+
+
+def _read(line: socket.socket, size: int) -> bytes:
+    """Up to `size` bytes: fewer only at the end of the stream; BlockingIOError if none are there yet."""
+    data = b""
+    while len(data) < size:
+        try:
+            part = line.recv(size - len(data))
+        except BlockingIOError:
+            if data:
+                line.setblocking(True)
+                continue
+            raise
+        if not part:
+            break
+        data += part
+    return data
+
+
 class ScriptRun:
     """A started run, warm (forked from the server) or with `fresh=True`, or when `env` sets what the
     libraries read on import differently, a new interpreter; always in a session of its own, its output in
@@ -139,8 +387,9 @@ class ScriptRun:
         self._err = None if merge_stderr else os.path.join(self._tmp.name, "stderr")
         if self.warm:
             ctx = multiprocessing.get_context("forkserver")
+            server = (_server_env, _base_path)
             self._process = ctx.Process(
-                target=_child, args=(target, str(cwd), dict(env), self._out, self._err, _base_path)
+                target=_child, args=(target, str(cwd), dict(env), self._out, self._err, server)
             )
             self._process.start()
             self.pid = self._process.pid
