@@ -81,13 +81,14 @@ def torchrun(target: list, timeout: float = RUN_TIMEOUT) -> subprocess.Completed
     return run_script([*launcher, *target], launch_env(), ROOT, timeout)
 
 
-def launch(run_dir: Path, args: list[str], use_torchrun: bool = False) -> Run:
-    """`python src/train.py ...` (Lightning starts the other local rank) or the same under torchrun."""
+def launch(run_dir: Path, args: list[str], use_torchrun: bool = False, fresh: bool = False) -> Run:
+    """`python src/train.py ...` (Lightning starts the other local rank) or the same under torchrun;
+    `fresh`: new interpreters all through, not warm ones (tests/warm.py)."""
     args = [*args, f"hydra.run.dir={run_dir}"]
     if use_torchrun:
         done = torchrun([ROOT / "src" / "train.py", *args])
     else:
-        done = run_cli("train.py", args, timeout=RUN_TIMEOUT)
+        done = run_cli("train.py", args, timeout=RUN_TIMEOUT, fresh=fresh)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-4000:]
     return Run(run_dir, output)
@@ -107,8 +108,10 @@ def single_run(tmp_path_factory: pytest.TempPathFactory, tiny_cifar: Path, data_
 
 @pytest.fixture(scope="module")
 def ddp_run(tmp_path_factory: pytest.TempPathFactory, tiny_cifar: Path, data_cache: Path) -> Run:
+    """New interpreters, as a user's run: Lightning starts rank 1 with `sys.executable` and the command line
+    (the suite's other DDP runs are warm)."""
     args = [*overrides(tiny_cifar, data_cache), "trainer=ddp", "trainer.devices=2"]
-    return launch(tmp_path_factory.mktemp("ddp") / "run", args)
+    return launch(tmp_path_factory.mktemp("ddp") / "run", args, fresh=True)
 
 
 @pytest.fixture(scope="module")
