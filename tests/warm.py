@@ -58,10 +58,9 @@ _server_env: dict[str, str] | None = None
 _base_path: list[str] = []
 _zygote: socket.socket | None = None  # this process's line to its zygote
 _RealPopen = subprocess.Popen
-# the class of a main process's `multiprocessing.current_process()` (the module deletes its name); this
-# module is imported before a forked child becomes a multiprocessing child
+# the class of a main process's `multiprocessing.current_process()` (the module deletes its name): this
+# module is imported in the test process, and in a forked child before it becomes a multiprocessing child
 _MAIN_PROCESS = type(multiprocessing.process._current_process)
-assert _MAIN_PROCESS.__name__ == "_MainProcess", _MAIN_PROCESS
 
 
 def _start_server() -> dict[str, str]:
@@ -126,8 +125,9 @@ def _become(target: list[str], cwd: str, env: dict[str, str]) -> None:
     # multiprocessing as in a new main process: its default start method (fork, not the forkserver this
     # process came from: DataLoader workers would start a forkserver of their own and import everything
     # again), no parent, the main process's name
-    multiprocessing.process._current_process = _MAIN_PROCESS()
-    multiprocessing.process._parent_process = None
+    if _MAIN_PROCESS.__name__ == "_MainProcess":  # not where a multiprocessing child imported this module
+        multiprocessing.process._current_process = _MAIN_PROCESS()
+        multiprocessing.process._parent_process = None
     multiprocessing.set_start_method(None, force=True)
     if "numpy" in sys.modules:  # a new interpreter seeds numpy's global generator from the OS
         sys.modules["numpy"].random.seed()
