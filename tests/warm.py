@@ -247,35 +247,24 @@ def _warm_child(request: dict, stdio: list[int]) -> None:
         os._exit(1)
 
 
-def _warm_target(args, executable, env, shell, preexec_fn, pass_fds, ids) -> list[str] | None:
-    """The script (or "-m", module) and its arguments when `args` is `python [-u] <that>` with nothing a
-    forked child could not do as asked, else None."""
-    if (
-        _zygote is None
-        or shell
-        or preexec_fn is not None
-        or pass_fds
-        or any(i not in (None, -1) for i in ids)
-    ):
-        return None
-    if isinstance(args, (str, bytes, os.PathLike)) or not args:
+def _warm_target(args, executable, env: dict) -> list[str] | None:
+    """The script (or "-m", module) and its arguments when `args` is `python [-u] <that>` and `env` reads
+    like the server's on import, else None."""
+    if executable is not None or isinstance(args, (str, bytes, os.PathLike)) or not args:
         return None
     argv = [os.fspath(a) for a in args]
-    if any(not isinstance(a, str) for a in argv):
-        return None
-    program = os.fspath(executable) if executable is not None else argv[0]
-    if not isinstance(program, str) or os.path.abspath(program) != os.path.abspath(sys.executable):
-        return None
-    if os.path.abspath(argv[0]) != os.path.abspath(sys.executable):
+    if any(not isinstance(a, str) for a in argv) or os.path.abspath(argv[0]) != os.path.abspath(
+        sys.executable
+    ):
         return None
     rest = argv[1:]
     while rest and rest[0] == "-u":  # unbuffered: warm children are (their streams are line-buffered)
         rest = rest[1:]
     if not rest or (rest[0].startswith("-") and (rest[0] != "-m" or len(rest) < 2)):
         return None
-    if env is not None and any(not isinstance(k, str) or not isinstance(v, str) for k, v in env.items()):
+    if any(not isinstance(k, str) or not isinstance(v, str) for k, v in env.items()):
         return None
-    return rest if warm_ok(dict(os.environ if env is None else env)) else None
+    return rest if warm_ok(env) else None
 
 
 class _WarmPopen(_RealPopen):
@@ -287,14 +276,18 @@ class _WarmPopen(_RealPopen):
     def _execute_child(self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo,
                        creationflags, shell, p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite,
                        restore_signals, gid, gids, uid, umask, start_new_session, *more):  # fmt: skip
-        ids = (gid, uid, None if umask == -1 else umask, None if gids is None else 0, *more)
-        target = _warm_target(args, executable, env, shell, preexec_fn, pass_fds, ids)
+        # what a forked child cannot do as asked goes to the real Popen: a shell, code run before exec, extra
+        # fds, another user, group, umask or process group
+        forkable = not shell and preexec_fn is None and not pass_fds and umask == -1
+        forkable = forkable and (gid, gids, uid) == (None, None, None) and all(m == -1 for m in more)
+        full_env = dict(os.environ if env is None else env)
+        target = _warm_target(args, executable, full_env) if forkable and _zygote is not None else None
         if target is not None:
             mine, theirs = socket.socketpair()
             request = {
                 "target": target,
                 "cwd": os.fspath(cwd) if cwd is not None else os.getcwd(),
-                "env": dict(os.environ if env is None else env),
+                "env": full_env,
                 "new_session": bool(start_new_session),
             }
             stdio = [p2cread, c2pwrite, errwrite]
