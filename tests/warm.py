@@ -45,11 +45,14 @@ from pathlib import Path
 PRELOAD = ["torch", "lightning", "timm", "torchmetrics", "hydra", "omegaconf"]
 # what the preloaded libraries read when they are imported: a run that sets one of these differently from the
 # server needs a new interpreter (PYTHONPATH is applied in the child, as Python does at start-up);
-# TORCHELASTIC_* and TORCH_NCCL_* are what torchrun sets for its workers, read when used, not on import
+# TORCHELASTIC_* and TORCH_NCCL_* are what torchrun sets for its workers, read when used, not on import;
+# KMP_DUPLICATE_LIB_OK and KMP_INIT_AT_FORK are what scikit-learn and joblib set in their own process on
+# import (Optuna imports scikit-learn): only Intel's/LLVM's OpenMP reads them, and the OpenMP runtime that
+# torch and scikit-learn ship here is GNU libgomp, which reads no KMP_* variable
 IMPORT_TIME = re.compile(
     r"^(OMP_|MKL_|KMP_|GOMP_|HF_|HUGGINGFACE_|TORCH|PYTORCH_|CUDA_|NCCL_|LD_|MALLOC_|PYTHON)"
 )
-RUN_TIME = re.compile(r"^(PYTHONPATH$|TORCHELASTIC_|TORCH_NCCL_)")
+RUN_TIME = re.compile(r"^(PYTHONPATH$|TORCHELASTIC_|TORCH_NCCL_|KMP_DUPLICATE_LIB_OK$|KMP_INIT_AT_FORK$)")
 SERVER_ENV = {"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
 # signals a zygote ignores: what is sent to a run's process group is for the run and its children
 _SHIELDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
