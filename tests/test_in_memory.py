@@ -179,16 +179,23 @@ def test_mid_epoch_resume_is_bitwise(photos: Path, tmp_path: Path, monkeypatch: 
 @pytest.mark.timeout(RUN_TIMEOUT)
 def test_ddp_two_processes_in_memory_exact_eval(photos: Path, tmp_path: Path):
     """2 DDP processes on the in-memory path: each holds the tensors (the budget counts 2 copies), the 9
-    validation images are evaluated 5 + 4, none twice."""
+    validation images are evaluated 5 + 4, none twice. Global rank zero first runs the batch-size search
+    on one process (`+tune=batch_size`): the datamodule it set up there for one process is not the one the
+    ranks then train with (it had skipped the ranks' broadcast and barrier: a collective mismatch)."""
     args = _memory_overrides(
         photos, tmp_path, "trainer=ddp", "trainer.devices=2", "trainer.accelerator=cpu",
         "+trainer.limit_train_batches=2", f"hydra.run.dir={tmp_path / 'run'}",
         "+callbacks.eval_samples._target_=helpers.EvalSamples", f"+callbacks.eval_samples.out={tmp_path}",
+        "+tune=batch_size", "tune.batch_size.max_trials=2", "tune.batch_size.steps_per_trial=1",
+        "tune.batch_size.apply=true",
     )  # fmt: skip
     done = run_cli("train.py", args, env={"PYTHONPATH": str(ROOT / "tests")}, timeout=RUN_TIMEOUT)
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-4000:]
     assert "x 2 processes on this node" in out and "image folder: in memory" in out
+    assert out.count("image folder: in memory") == 2  # planned for the search's one process, then for two
+    search = json.loads((tmp_path / "run" / "batch_size_search.json").read_text())
+    assert [t["batch_size"] for t in search["trials"]] == [2, 4] and search["world_size"] == 2
     ckpt = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=True)
     assert ckpt["class_names"] == list(CLASSES) and ckpt["global_step"] == 2
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]

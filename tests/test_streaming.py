@@ -395,3 +395,23 @@ def test_gpu_decode_wiring_trains(local_shards: Path, tmp_path: Path, monkeypatc
     dm.set_input_spec(32, (0.5,) * 3, (0.5,) * 3)
     _fit(dm, Shapes(), tmp_path, max_steps=2)
     assert seen == [(8, 3, 32, 32)] * 2
+
+
+def test_batch_size_search_decodes_like_the_run(
+    local_shards: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """`+tune=batch_size` with decode_device=cuda (the decoder on the CPU here): the search's trials get the
+    datamodule's decoded batches as the run does, not the encoded bytes its workers hand over."""
+    monkeypatch.setattr(StreamingDataModule, "decode_on", lambda self: torch.device("cpu"))
+    overrides = [
+        *_overrides(str(local_shards), tmp_path),
+        "datamodule.decode_device=cuda",
+        "+tune=batch_size",
+        "tune.batch_size.max_trials=2",
+        "tune.batch_size.steps_per_trial=1",
+        "tune.batch_size.apply=true",
+        "+trainer.limit_train_batches=2",
+    ]
+    metrics, objects = train(compose_cfg("train", overrides, tmp_path))
+    assert [t["batch_size"] for t in objects.batch_size_search["trials"]] == [2, 4]
+    assert objects.trainer.global_step == 2 and "test/acc1" in metrics

@@ -34,6 +34,7 @@ import lightning as L
 import psutil
 import torch
 from lightning.pytorch.tuner import Tuner
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from omegaconf import DictConfig, open_dict
 
 if TYPE_CHECKING:
@@ -88,6 +89,12 @@ class PerDeviceBatch(L.LightningDataModule):
         self.trials: list[tuple[int, int]] = []  # (batch size, peak bytes) of every trial that ran
         self.stopped_by: str | None = None
         self._started = False
+        # the datamodule's other batch hooks, where it has its own, so its batches reach the trials as they
+        # reach the run's steps (a GPU decoder turns encoded bytes into images before the transfer); where it
+        # has none, Lightning calls the model's, as in the run
+        for hook in ("on_before_batch_transfer", "transfer_batch_to_device"):
+            if is_overridden(hook, datamodule, L.LightningDataModule):
+                setattr(self, hook, getattr(datamodule, hook))
 
     @property
     def batch_size(self) -> int:
@@ -245,6 +252,9 @@ def find_max_batch_size(
             f"({peak_bytes(device) / GB:.2f} GB) before any batch: raise it"
         )
     original = int(datamodule.hparams.batch_size)
+    # What the trials' `setup` adds to the datamodule (its splits, an image folder's in-memory plan) was made
+    # for this one process; the run's ranks must set it up themselves (world size, their collectives)
+    found_state = dict(vars(datamodule))
     # Lightning builds the first trial's loader before it sets `init_val`: start from it already
     datamodule.hparams.batch_size = int(options.get("init_val", 2))
     scaled = PerDeviceBatch(datamodule, device, cap)
@@ -261,15 +271,17 @@ def find_max_batch_size(
             margin=float(options.get("margin", 0.05)),
             max_val=int(options.get("max_val", 8192)),
         )
+        train_set = getattr(datamodule, "train_set", None)
+        train_size = len(train_set) if train_set is not None else None
     finally:
         scaled._close_trial()
-        datamodule.trainer = None
+        vars(datamodule).clear()
+        vars(datamodule).update(found_state)
         datamodule.hparams.batch_size = original
         del tuner_trainer
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    train_size = len(datamodule.train_set) if getattr(datamodule, "train_set", None) is not None else None
     per_device, max_val = int(found or 0), int(options.get("max_val", 8192))
     tried = {b for b, _ in scaled.trials}
     if scaled.stopped_by:
