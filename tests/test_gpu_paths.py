@@ -268,6 +268,48 @@ def test_tuner_searches_on_the_runs_first_device():
     assert first_device(4) == 1 and first_device("auto") == 1
 
 
+def test_progressive_resize_and_deterministic_cuda_are_refused():
+    """A ViT trained below its size resamples its position embeddings (bicubic, antialiased) inside the graph:
+    CUDA has no deterministic backward for that, so `trainer.deterministic=true` would stop the first
+    backward on a GPU; the model says so before any step, and lets `warn` and CPU runs through."""
+    from types import SimpleNamespace
+
+    from vitrain.errors import ModelError
+    from vitrain.models.classifier import ImageClassifier
+
+    net = {**NET, "dynamic_img_size": True}
+    model = ImageClassifier(net, {"_target_": "torch.optim.AdamW"}, progressive_resize={"start_size": 16})
+    model.train()
+    loss = model(model.resize(torch.randn(2, 3, 32, 32), 0.0)).sum()
+    nodes, seen = [loss.grad_fn], set()
+    while nodes:
+        node = nodes.pop()
+        if node is not None and node not in seen:
+            seen.add(node)
+            nodes.extend(next_fn for next_fn, _ in node.next_functions)
+    assert "UpsampleBicubic2DAaBackward0" in {type(n).__name__ for n in seen}  # what CUDA cannot make exact
+
+    gpu, cpu = (SimpleNamespace(root_device=torch.device(d), fsdp_options=None) for d in ("cuda", "cpu"))
+    was = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    try:
+        torch.use_deterministic_algorithms(True)
+        with pytest.raises(ModelError, match=r"set trainer\.deterministic=warn"):
+            model.check_strategy(gpu)
+        model.check_strategy(cpu)
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        model.check_strategy(gpu)
+        torch.use_deterministic_algorithms(False)
+        model.check_strategy(gpu)
+    finally:
+        torch.use_deterministic_algorithms(was[0], warn_only=was[1])
+    model.resize = None
+    torch.use_deterministic_algorithms(True)
+    try:
+        model.check_strategy(gpu)  # full size only: nothing resampled
+    finally:
+        torch.use_deterministic_algorithms(was[0], warn_only=was[1])
+
+
 def test_gpu_check_script_without_a_gpu(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture):
     """`make gpu-check` on a machine without CUDA says so and exits 2; its checks are listed and documented.
     (`python bench/gpu_check.py --cpu-dry-run` runs all its commands on CPU processes: minutes, not in CI.)"""

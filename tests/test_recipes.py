@@ -17,14 +17,14 @@ from test_distributed import RUN_TIMEOUT, torchrun
 from vitrain import checkpoints
 from vitrain.callbacks.ema import EMA
 from vitrain.callbacks.throughput import ImageThroughputMonitor
-from vitrain.data.augment import OPS, RandomAugment
+from vitrain.data.augment import OPS, BatchTransform, RandomAugment
 from vitrain.distributed.fsdp import FSDP2Strategy, shard_units
 from vitrain.errors import DataError, ModelError, UserError
 from vitrain.evaluation import evaluate
 from vitrain.models.classifier import ImageClassifier, make_mixup
 from vitrain.models.resolution import ProgressiveResize, make_resize
 from vitrain.models.timm_net import create_net
-from vitrain.training import train
+from vitrain.training import build, train
 
 # --- any family -------------------------------------------------------------------------------------
 
@@ -79,6 +79,10 @@ def test_channels_last_resnet_trains_and_matches_nchw(tmp_path: Path, tiny_cifar
         ModelError, match=re.escape("model.channels_last=true is not supported with trainer=fsdp")
     ):
         nhwc.configure_model()
+    # a run is refused while it builds its objects, before Lightning starts the other ranks
+    fsdp = ["trainer=fsdp", "trainer.devices=2", "trainer.accelerator=cpu", "model.channels_last=true"]
+    with pytest.raises(ModelError, match=re.escape("model.channels_last=true is not supported")):
+        build(compose_cfg("train", [*resnet, *fsdp], tmp_path))
 
 
 def test_keyword_of_another_family_is_one_line_error(tmp_path: Path, tiny_cifar: Path, data_cache: Path):
@@ -440,7 +444,7 @@ def test_progressive_resize_trains_small_then_full(tmp_path: Path, tiny_cifar: P
 def test_each_image_gets_its_own_op_and_magnitude():
     torch.manual_seed(0)
     augment = RandomAugment.from_name("rand-m9-n2-mstd0.5")
-    ops, mag = augment.sample(64, torch.device("cpu"))
+    ops, mag = augment.sample(64)
     assert len(ops.unique()) > 5 and len(mag.unique()) > 32
     # the same image twice, two different ops: two different results, each the op's own output
     image = torch.randint(0, 256, (1, 3, 32, 32), dtype=torch.uint8)
@@ -461,6 +465,16 @@ def test_random_augment_keeps_uint8_shape(spec: str):
     x = torch.randint(0, 256, (16, 3, 32, 32), dtype=torch.uint8)
     out = RandomAugment.from_name(spec)(x)
     assert out.dtype == torch.uint8 and out.shape == x.shape and not torch.equal(out, x)
+
+
+@pytest.mark.parametrize("spec", ["rand-m9-n2-mstd0.5", "trivial", None])
+def test_batch_transform_reads_nothing_back_from_the_device(spec: str | None):
+    """On a GPU, reading a device value on the host (`.tolist()`, `.item()`, a count per op) waits for every
+    queued kernel at every batch. The "meta" device holds no values: a transform that runs there reads none."""
+    x = torch.empty(16, 3, 32, 32, dtype=torch.uint8, device="meta")
+    transform = BatchTransform(32, (0.5,) * 3, (0.5,) * 3, auto_augment=spec, re_prob=0.25)
+    out = transform(x, train=True)
+    assert out.device.type == "meta" and out.shape == (16, 3, 32, 32) and out.dtype == torch.float32
 
 
 def test_bad_augment_names_are_data_errors():

@@ -58,6 +58,8 @@ def build(cfg: DictConfig) -> RunObjects:
     trainer: L.Trainer = hydra.utils.instantiate(
         cfg.trainer, callbacks=callbacks, logger=[*loggers, record], precision=resolve_precision(cfg.trainer)
     )
+    if hasattr(model, "check_strategy"):  # options the strategy cannot honour stop before the ranks start
+        model.check_strategy(trainer.strategy)
     return RunObjects(cfg, datamodule, model, callbacks, loggers, trainer)
 
 

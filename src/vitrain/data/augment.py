@@ -57,6 +57,14 @@ def to_model_input(x: Tensor, img_size: int, mean: Sequence[float], std: Sequenc
     return out
 
 
+def to_device(t: Tensor, device: torch.device) -> Tensor:
+    """A CPU tensor on `device` without waiting: through pinned memory to a GPU (a plain copy from pageable
+    memory waits for the GPU's queue to drain)."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 @functools.lru_cache(maxsize=16)
 def _affine(mean: tuple[float, ...], std: tuple[float, ...], device: torch.device) -> tuple[Tensor, Tensor]:
     """(x / 255 - mean) / std as x * scale + shift; made once per device (a copy to a GPU every batch
@@ -107,9 +115,15 @@ def _rotate(x: Tensor, degrees: Tensor) -> Tensor:
     return _warp(x, _matrix(len(x), x.device, m00=cos, m01=-sin, m10=sin, m11=cos))
 
 
+@functools.lru_cache(maxsize=8)
+def _smooth_kernel(device: torch.device) -> Tensor:
+    """PIL's SMOOTH kernel, made once per device (`torch.tensor(..., device=cuda)` copies and waits)."""
+    return torch.tensor([[1.0, 1.0, 1.0], [1.0, 5.0, 1.0], [1.0, 1.0, 1.0]]).div_(13).to(device)
+
+
 def _sharpness_degenerate(x: Tensor) -> Tensor:
     """PIL's SMOOTH filter inside, the image's own border pixels at the edge (as PIL and torchvision)."""
-    kernel = torch.tensor([[1.0, 1.0, 1.0], [1.0, 5.0, 1.0], [1.0, 1.0, 1.0]], device=x.device) / 13
+    kernel = _smooth_kernel(x.device)
     c = x.shape[1]
     smooth = F.conv2d(x.float(), kernel.expand(c, 1, 3, 3), groups=c)
     out = x.float().clone()
@@ -208,26 +222,29 @@ class RandomAugment:
             magnitude_std=options["mstd"],
         )
 
-    def sample(self, batch: int, device: torch.device) -> tuple[Tensor, Tensor]:
-        """(op index, magnitude in [0, 1]) for each image."""
-        ops = torch.randint(len(self._table), (batch,), device=device)
+    def sample(self, batch: int) -> tuple[Tensor, Tensor]:
+        """(op index, magnitude in [0, 1]) for each image, drawn on the CPU (torch's global CPU generator):
+        `apply` counts the images per op on the host, which for ops drawn on a GPU would be a copy back and
+        a wait for the GPU at every batch."""
+        ops = torch.randint(len(self._table), (batch,))
         if self.magnitude is None:
-            mag = torch.rand(batch, device=device)
+            mag = torch.rand(batch)
         else:
-            mag = self.magnitude + self.magnitude_std * torch.randn(batch, device=device)
+            mag = self.magnitude + self.magnitude_std * torch.randn(batch)
             mag = (mag / 10).clamp_(0, 1)  # timm's magnitude scale: 10 = the full range
         return ops, mag
 
     def __call__(self, x: Tensor) -> Tensor:
         for _ in range(self.num_ops):
-            ops, mag = self.sample(len(x), x.device)
-            x = self.apply(x, ops, mag)
+            x = self.apply(x, *self.sample(len(x)))
         return x
 
     def apply(self, x: Tensor, ops: Tensor, mag: Tensor) -> Tensor:
-        """Each image through its own op: grouped by op, one batched call per group."""
+        """Each image through its own op (`ops` and `mag` on the CPU): grouped by op, one batched call per
+        group."""
         order = ops.argsort()
-        counts = torch.bincount(ops, minlength=len(self._table)).tolist()  # the one host sync
+        counts = torch.bincount(ops, minlength=len(self._table)).tolist()
+        order, mag = to_device(order, x.device), to_device(mag, x.device)
         out = torch.empty_like(x)
         start = 0
         for op, count in zip(self._table, counts, strict=True):

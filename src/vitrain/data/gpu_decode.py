@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torchvision.io import ImageReadMode, decode_image, decode_jpeg
 
-from vitrain.data.augment import to_model_input
+from vitrain.data.augment import to_device, to_model_input
 
 JPEG_MAGIC = (0xFF, 0xD8)
 
@@ -79,7 +79,7 @@ class GpuDecoder:
                     out[i] = img
             for i, blob in enumerate(blobs):
                 if out[i] is None:
-                    out[i] = decode_image(blob, mode=ImageReadMode.RGB).to(self.device)
+                    out[i] = to_device(decode_image(blob, mode=ImageReadMode.RGB), self.device)
         return out  # type: ignore[return-value]
 
     def __call__(self, blobs: list[Tensor], train: bool = True) -> Tensor:
@@ -99,7 +99,7 @@ class GpuDecoder:
             )
         x = torch.cat(crops).clamp_(0, 255)
         if train and self.hflip > 0:
-            flip = (torch.rand(len(images), generator=self.generator) < self.hflip).to(self.device)
+            flip = to_device(torch.rand(len(images), generator=self.generator) < self.hflip, self.device)
             x = torch.where(flip[:, None, None, None], x.flip(-1), x)
         return to_model_input(x, s, self.mean, self.std)
 

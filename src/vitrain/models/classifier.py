@@ -7,6 +7,7 @@ import hydra
 import lightning as L
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.strategies import Strategy
 from timm.data import Mixup
 from timm.loss import SoftTargetCrossEntropy
 from timm.optim import param_groups_layer_decay, param_groups_weight_decay
@@ -120,16 +121,37 @@ class ImageClassifier(L.LightningModule):
         # accuracy per class, tracked only when eval.py asks for it (vitrain/evaluation.py)
         self.per_class_acc: MulticlassAccuracy | None = None
 
-    def configure_model(self) -> None:
-        # activation checkpointing, compile, sharding, in that order, as the strategy asks
-        # (vitrain/distributed/parallelize.py); state-dict keys stay those of the plain model
-        trainer = attached_trainer(self)
-        strategy = trainer.strategy if trainer is not None else None
+    def check_strategy(self, strategy: Strategy) -> None:
+        """Model options that the run's strategy or device cannot honour, refused in one line. Called by
+        training.build before the other ranks start, and again by configure_model (every entry point)."""
         if self.hparams.channels_last and getattr(strategy, "fsdp_options", None) is not None:
             raise ModelError(
                 "model.channels_last=true is not supported with trainer=fsdp (FSDP2 shards each parameter "
                 "along its first dimension, as a contiguous tensor): leave it false"
             )
+        resamples = (
+            getattr(self.net, "dynamic_img_size", False) and getattr(self.net, "pos_embed", None) is not None
+        )
+        if (
+            self.resize is not None
+            and resamples
+            and strategy.root_device.type == "cuda"
+            and torch.are_deterministic_algorithms_enabled()
+            and not torch.is_deterministic_algorithms_warn_only_enabled()
+        ):
+            raise ModelError(
+                "model.progressive_resize with trainer.deterministic=true on a GPU: a ViT resamples its position "
+                "embeddings to each smaller token grid (bicubic interpolation), whose backward has no "
+                "deterministic CUDA kernel: set trainer.deterministic=warn, or leave progressive_resize off"
+            )
+
+    def configure_model(self) -> None:
+        # activation checkpointing, compile, sharding, in that order, as the strategy asks
+        # (vitrain/distributed/parallelize.py); state-dict keys stay those of the plain model
+        trainer = attached_trainer(self)
+        strategy = trainer.strategy if trainer is not None else None
+        if strategy is not None:
+            self.check_strategy(strategy)
         parallelize(self.net, strategy, compile=self.hparams.compile)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
