@@ -4,6 +4,7 @@ import csv
 import json
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import lightning as L
 import pytest
@@ -11,12 +12,14 @@ import timm
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from helpers import ROOT, TINY_VIT, compose_cfg, fails_in_process, tiny_overrides
 from test_distributed import RUN_TIMEOUT, torchrun
 from vitrain import checkpoints
 from vitrain.callbacks.ema import EMA
 from vitrain.callbacks.throughput import ImageThroughputMonitor
+from vitrain.compat import averaged_model
 from vitrain.data.augment import OPS, BatchTransform, RandomAugment
 from vitrain.distributed.fsdp import FSDP2Strategy, shard_units
 from vitrain.errors import DataError, ModelError, UserError
@@ -217,6 +220,51 @@ def test_ema_resume_is_exact(ema_run, tmp_path: Path, tiny_cifar: Path, data_cac
         assert straight[key].keys() == again[key].keys()
         for name, value in straight[key].items():
             assert torch.equal(value, again[key][name]), (key, name)
+
+
+class _ConvBN(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4))
+
+
+def _ema_callback(module: L.LightningModule, use_buffers: bool) -> EMA:
+    callback = EMA(decay=0.9, use_buffers=use_buffers)
+    trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=module.device))
+    callback.setup(trainer, module, "fit")  # Lightning's AveragedModel, on the module's device
+    return callback
+
+
+@pytest.mark.parametrize("use_buffers", [True, False])
+def test_ema_update_is_averaged_models_without_reading_its_count(use_buffers: bool):
+    """One or two DDP/one-device EMA steps give AveragedModel.update_parameters' floating values bitwise, and
+    read nothing back from the device: AveragedModel itself reads its count (a tensor on the model's
+    device) twice per step, which on a GPU waits for every queued kernel; the meta device holds no values."""
+    module = _ConvBN()
+    reference = AveragedModel(module, multi_avg_fn=get_ema_multi_avg_fn(0.9), use_buffers=use_buffers)
+    callback = _ema_callback(module, use_buffers)
+    for _ in range(3):
+        with torch.no_grad():
+            for t in [*module.parameters(), module.net[1].running_mean]:
+                t.add_(torch.randn_like(t))
+        reference.update_parameters(module)
+        callback._update(module)
+    ours = averaged_model(callback).state_dict()
+    assert ours["n_averaged"].item() == reference.n_averaged.item() == 3
+    for name, value in reference.state_dict().items():
+        if value.is_floating_point():
+            assert torch.equal(ours[name], value), name
+
+    with torch.device("meta"):
+        on_meta = _ConvBN()
+    callback = _ema_callback(on_meta, use_buffers)
+    assert averaged_model(callback).n_averaged.device.type == "meta"
+    callback._update(on_meta)
+    callback._update(on_meta)
+    # what the test detects: AveragedModel's own reads of its count on the device (as Lightning builds it)
+    reference = AveragedModel(on_meta, device=on_meta.device, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+    with pytest.raises(RuntimeError, match="cannot be called on meta tensors"):
+        reference.update_parameters(on_meta)
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,7 @@ from lightning.pytorch.callbacks.throughput_monitor import _plugin_to_compute_dt
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import RunningStage
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.optim.swa_utils import AveragedModel
 
 __all__ = [
     "HYDRA_LAUNCHER_MODULES",
@@ -128,6 +129,11 @@ def averaging_device(callback: WeightAveraging) -> torch.device | int | None:
 def set_averaging_device(callback: WeightAveraging, device: torch.device | int | None) -> None:
     """Move where the AveragedModel will be built (before `setup`)."""
     callback._device = device
+
+
+def averaged_model(callback: WeightAveraging) -> AveragedModel | None:
+    """The AveragedModel the callback made in `setup` (None before a fit)."""
+    return callback._average_model
 
 
 def averaging_uses_buffers(callback: WeightAveraging) -> bool:

@@ -14,6 +14,10 @@ no communication. The checkpoint layout is the same as Lightning's: `state_dict`
 `current_model_state` (the raw ones) are both sharded entries of the distributed-checkpoint folder
 (`FSDP2Strategy.save_checkpoint`), so the consolidated checkpoint that eval.py reads has the EMA weights
 under `state_dict`, and a resumed fit gets both back (`FSDP2Strategy.load_checkpoint`).
+
+The update itself is ours on every strategy (`ema_step`, one fused lerp): `AveragedModel.update_parameters`
+reads its update count, a tensor on the model's device, twice per step, and on a GPU each read waits for
+every queued kernel. Integer buffers (BatchNorm's batch count) are copied, not averaged.
 """
 
 import warnings
@@ -28,6 +32,7 @@ from torch.distributed.checkpoint.state_dict import set_model_state_dict
 from torch.distributed.tensor import DTensor
 
 from vitrain.compat import (
+    averaged_model,
     averaging_device,
     averaging_uses_buffers,
     foreach_lerp_,
@@ -46,6 +51,19 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
+@torch.no_grad()
+def ema_step(average: list[torch.Tensor], current: list[torch.Tensor], decay: float, first: bool) -> None:
+    """`average = decay * average + (1 - decay) * current` for floating tensors (one fused kernel), a copy
+    for integer ones (BatchNorm's batch count); the first update copies all, as AveragedModel does."""
+    floats = [a.is_floating_point() and not first for a in average]
+    lerped = [(a, c) for a, c, f in zip(average, current, floats, strict=True) if f]
+    if lerped:
+        foreach_lerp_([a for a, _ in lerped], [c for _, c in lerped], 1.0 - decay)
+    for a, c, f in zip(average, current, floats, strict=True):
+        if not f:
+            a.copy_(c)
+
+
 class ShardedEMA:
     """The EMA of one rank's shards: a copy of each local parameter shard (and buffer), lerped in place.
 
@@ -60,27 +78,9 @@ class ShardedEMA:
             self.average = [_local(t).detach().clone() for t in self.params + self.buffers]
         self.n_averaged = 0
 
-    def _pairs(self) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
-        """(averaged, current) for floating tensors, then for integer ones (BatchNorm's batch count)."""
-        current = [_local(t) for t in self.params + self.buffers]
-        floats = [a.is_floating_point() for a in self.average]
-        return (
-            [a for a, f in zip(self.average, floats, strict=True) if f],
-            [c for c, f in zip(current, floats, strict=True) if f],
-            [a for a, f in zip(self.average, floats, strict=True) if not f],
-            [c for c, f in zip(current, floats, strict=True) if not f],
-        )
-
     @torch.no_grad()
     def update(self, decay: float) -> None:
-        """`average = decay * average + (1 - decay) * current`; the first update copies, as AveragedModel."""
-        avg_f, cur_f, avg_i, cur_i = self._pairs()
-        if self.n_averaged == 0:
-            avg_i, cur_i = avg_f + avg_i, cur_f + cur_i
-        elif avg_f:
-            foreach_lerp_(avg_f, cur_f, 1.0 - decay)  # one fused kernel for all shards
-        for average, current in zip(avg_i, cur_i, strict=True):
-            average.copy_(current)
+        ema_step(self.average, [_local(t) for t in self.params + self.buffers], decay, self.n_averaged == 0)
         self.n_averaged += 1
 
     def swap(self) -> None:
@@ -119,6 +119,7 @@ class EMA(EMAWeightAveraging):
         self.decay = decay
         self._fsdp = False
         self._sharded: ShardedEMA | None = None
+        self._count = 0  # updates of the AveragedModel so far, kept on the host (see `_update_average`)
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if isinstance(trainer.strategy, ModelParallelStrategy):
@@ -142,6 +143,8 @@ class EMA(EMAWeightAveraging):
                 "ignore", message=".*WeightAveraging callback with a model that overrides"
             )
             super().setup(trainer, pl_module, stage)
+        if stage == "fit":
+            self._count = 0  # a new AveragedModel
 
     # --- FSDP: the hooks of Lightning's WeightAveraging, on the shards ----------------------------------
 
@@ -153,24 +156,44 @@ class EMA(EMAWeightAveraging):
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if self._sharded is None:
-            return super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         # the same rule as Lightning's: once per optimizer step (gradient accumulation), if should_update
         if trainer.global_step > latest_averaging_update(self)[0] and self.should_update(
             step_idx=trainer.global_step - 1
         ):
-            self._sharded.update(self.decay)
+            self._update(pl_module)
             set_latest_averaging_update(self, step=trainer.global_step)
-        return None
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self._sharded is None:
-            return super().on_train_epoch_end(trainer, pl_module)
         epoch = trainer.current_epoch
         if epoch > latest_averaging_update(self)[1] and self.should_update(epoch_idx=epoch):
-            self._sharded.update(self.decay)
+            self._update(pl_module)
             set_latest_averaging_update(self, epoch=epoch)
-        return None
+
+    def _update(self, pl_module: L.LightningModule) -> None:
+        if self._sharded is not None:
+            self._sharded.update(self.decay)
+        else:
+            self._update_average(pl_module)
+
+    @torch.no_grad()
+    def _update_average(self, pl_module: L.LightningModule) -> None:
+        """`AveragedModel.update_parameters` for an EMA, without its reads of `n_averaged`: that count is a
+        tensor on the model's device, and `bool(n_averaged == 0)`, `if n_averaged > 0` and its copy for the
+        average function each wait for the GPU, at every step. The count is kept here on the host; the
+        AveragedModel's own (what checkpoints save) is advanced on the device, never read."""
+        average = averaged_model(self)
+        assert average is not None
+        buffers = averaging_uses_buffers(self)
+        tracked = list(average.module.parameters()) + (list(average.module.buffers()) if buffers else [])
+        current = list(pl_module.parameters()) + (list(pl_module.buffers()) if buffers else [])
+        # (`.to`: the average may live elsewhere, `callbacks.ema.device=cpu`; a no-op on the same device)
+        current = [c.detach().to(t.device) for t, c in zip(tracked, current, strict=True)]
+        ema_step([t.detach() for t in tracked], current, self.decay, self._count == 0)
+        if not buffers:  # as AveragedModel: the buffers follow the model's
+            for kept, buffer in zip(average.module.buffers(), pl_module.buffers(), strict=True):
+                kept.detach().copy_(buffer.detach())
+        average.n_averaged.add_(1)
+        self._count += 1
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._sharded is None:
@@ -221,6 +244,9 @@ class EMA(EMAWeightAveraging):
             return
         if self._sharded is None:
             super().on_load_checkpoint(trainer, pl_module, checkpoint)
+            state = checkpoint.get("averaging_state") if "current_model_state" in checkpoint else None
+            # the restored count, read from the checkpoint as loaded (on the CPU), not from the device
+            self._count = int(state["n_averaged"]) if state else 0
             return
         # FSDP2Strategy.load_checkpoint has loaded `state_dict` (the EMA weights) into the model and
         # returned the raw weights as sharded tensors under `current_model_state`
