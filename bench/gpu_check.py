@@ -277,6 +277,52 @@ def check_single_gpu(ctx: Ctx) -> Outcome:
     )
 
 
+def check_recipes(ctx: Ctx) -> Outcome:
+    """1 GPU, the options added after the first GPU run (2026-11-23): an image folder held in memory with
+    RandAugment and random erasing on the GPU, EMA of the weights, progressive resizing, flip TTA: trains,
+    validates, tests; no host sync inside the steps between two log steps."""
+    size, patch = (32, 8) if ctx.cpu else (ctx.args.img_size, ctx.args.patch_size)
+    # experiment=cifar's model, trainer and schedule, with an image folder in place of its CIFAR datamodule
+    base = [o for o in ctx.base(ctx.args.batch_size) if not o.startswith("datamodule.download")]
+    run_dir = ctx.run(
+        "recipes",
+        "train.py",
+        [
+            *base,
+            "datamodule=image_folder",
+            "~datamodule.download",
+            "datamodule.in_memory=true",
+            "datamodule.auto_augment=rand-m9-n2-mstd0.5",
+            "datamodule.re_prob=0.25",
+            "callbacks=[default,ema]",
+            "+model.net.dynamic_img_size=true",
+            f"model.progressive_resize.start_size={max(size // 2 // patch, 1) * patch}",
+            f"model.progressive_resize.multiple={patch}",
+            "model.tta_flip=true",
+            *ctx.on("gpu"),
+            f"trainer.precision={ctx.precision}",
+            "+callbacks.sync_probe._target_=gpu_check.SyncProbe",
+        ],
+    )
+    fig = gpu_figures(report_of(run_dir))
+    expect_gpu_report(ctx, fig, 1)
+    log = (run_dir.parent / "recipes.log").read_text(errors="replace")
+    expect("image folder: in memory" in log, "the image folder was not held in memory")
+    ckpt = torch.load(checkpoint_in(run_dir), weights_only=True, map_location="cpu")
+    expect("current_model_state" in ckpt and "averaging_state" in ckpt, "no EMA state in the checkpoint")
+    probe = json.loads((run_dir / "sync_probe.json").read_text())
+    fig["host_syncs_between_log_steps"] = probe
+    expect(ctx.cpu or probe["windows"] > 0, "the sync probe measured no step")
+    expect(
+        probe["syncs"] == 0, f"{probe['syncs']} host syncs in {probe['windows']} steps: {probe['where'][:5]}"
+    )
+    return Outcome(
+        PASS,
+        f"{num(fig['images_per_s'], '.0f')} img/s, {probe['windows']} steps without a host sync",
+        fig,
+    )
+
+
 def check_ddp(ctx: Ctx) -> Outcome:
     """DDP on N GPUs: 2 epochs, then resume from last.ckpt for a 3rd: every rank loads it to the CPU (no N
     copies on GPU 0: per-rank memory stays balanced), the checkpoint holds cuda:0 tensors that our IO maps
@@ -467,6 +513,7 @@ def check_gpu_decode(ctx: Ctx) -> Outcome:
 CHECKS: dict[str, Callable[[Ctx], Outcome]] = {
     "environment": check_environment,
     "single_gpu": check_single_gpu,
+    "recipes": check_recipes,
     "ddp": check_ddp,
     "cpu_resume": check_cpu_resume,
     "fsdp": check_fsdp,
