@@ -194,6 +194,17 @@ def expect_gpu_report(ctx: Ctx, fig: dict[str, Any], world: int) -> None:
     )
 
 
+def expect_no_syncs(ctx: Ctx, run_dir: Path, fig: dict[str, Any]) -> dict[str, Any]:
+    """What the run's SyncProbe counted (into `fig`): no host sync in the steps it measured."""
+    probe = json.loads((run_dir / "sync_probe.json").read_text())
+    fig["host_syncs_between_log_steps"] = probe
+    expect(ctx.cpu or probe["windows"] > 0, "the sync probe measured no step")
+    expect(
+        probe["syncs"] == 0, f"{probe['syncs']} host syncs in {probe['windows']} steps: {probe['where'][:5]}"
+    )
+    return probe
+
+
 def checkpoint_in(run_dir: Path, name: str = "last") -> Path:
     folder = run_dir / "checkpoints"
     found = sorted(folder.glob(f"{name}*")) if folder.is_dir() else []
@@ -264,12 +275,7 @@ def check_single_gpu(ctx: Ctx) -> Outcome:
         f"precision {fig['precision']}",
     )
     expect_gpu_report(ctx, fig, 1)
-    probe = json.loads((run_dir / "sync_probe.json").read_text())
-    fig["host_syncs_between_log_steps"] = probe
-    expect(ctx.cpu or probe["windows"] > 0, "the sync probe measured no step")
-    expect(
-        probe["syncs"] == 0, f"{probe['syncs']} host syncs in {probe['windows']} steps: {probe['where'][:5]}"
-    )
+    expect_no_syncs(ctx, run_dir, fig)
     return Outcome(
         PASS,
         f"{num(fig['images_per_s'], '.0f')} img/s, MFU {num(fig['mfu'], '.1%')}, {num(fig['peak_memory_gb'], '.1f')} GB",
@@ -310,12 +316,7 @@ def check_recipes(ctx: Ctx) -> Outcome:
     expect("image folder: in memory" in log, "the image folder was not held in memory")
     ckpt = torch.load(checkpoint_in(run_dir), weights_only=True, map_location="cpu")
     expect("current_model_state" in ckpt and "averaging_state" in ckpt, "no EMA state in the checkpoint")
-    probe = json.loads((run_dir / "sync_probe.json").read_text())
-    fig["host_syncs_between_log_steps"] = probe
-    expect(ctx.cpu or probe["windows"] > 0, "the sync probe measured no step")
-    expect(
-        probe["syncs"] == 0, f"{probe['syncs']} host syncs in {probe['windows']} steps: {probe['where'][:5]}"
-    )
+    probe = expect_no_syncs(ctx, run_dir, fig)
     return Outcome(
         PASS,
         f"{num(fig['images_per_s'], '.0f')} img/s, {probe['windows']} steps without a host sync",
