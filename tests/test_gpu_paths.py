@@ -271,7 +271,7 @@ def test_tuner_searches_on_the_runs_first_device():
 def test_progressive_resize_and_deterministic_cuda_are_refused():
     """A ViT trained below its size resamples its position embeddings (bicubic, antialiased) inside the graph:
     CUDA has no deterministic backward for that, so `trainer.deterministic=true` would stop the first
-    backward on a GPU; the model says so before any step, and lets `warn` and CPU runs through."""
+    backward on a GPU; the model says so before any step, and lets `warn`, evaluation and CPU runs through."""
     from types import SimpleNamespace
 
     from vitrain.errors import ModelError
@@ -296,6 +296,7 @@ def test_progressive_resize_and_deterministic_cuda_are_refused():
         with pytest.raises(ModelError, match=r"set trainer\.deterministic=warn"):
             model.check_strategy(gpu)
         model.check_strategy(cpu)
+        model.check_strategy(gpu, fitting=False)  # evaluation runs no backward
         torch.use_deterministic_algorithms(True, warn_only=True)
         model.check_strategy(gpu)
         torch.use_deterministic_algorithms(False)

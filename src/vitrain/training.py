@@ -59,7 +59,7 @@ def build(cfg: DictConfig) -> RunObjects:
         cfg.trainer, callbacks=callbacks, logger=[*loggers, record], precision=resolve_precision(cfg.trainer)
     )
     if hasattr(model, "check_strategy"):  # options the strategy cannot honour stop before the ranks start
-        model.check_strategy(trainer.strategy)
+        model.check_strategy(trainer.strategy, fitting=bool(cfg.get("train")))
     return RunObjects(cfg, datamodule, model, callbacks, loggers, trainer)
 
 

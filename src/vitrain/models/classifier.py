@@ -8,6 +8,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.strategies import Strategy
+from lightning.pytorch.trainer.states import TrainerFn
 from timm.data import Mixup
 from timm.loss import SoftTargetCrossEntropy
 from timm.optim import param_groups_layer_decay, param_groups_weight_decay
@@ -121,9 +122,10 @@ class ImageClassifier(L.LightningModule):
         # accuracy per class, tracked only when eval.py asks for it (vitrain/evaluation.py)
         self.per_class_acc: MulticlassAccuracy | None = None
 
-    def check_strategy(self, strategy: Strategy) -> None:
-        """Model options that the run's strategy or device cannot honour, refused in one line. Called by
-        training.build before the other ranks start, and again by configure_model (every entry point)."""
+    def check_strategy(self, strategy: Strategy, fitting: bool = True) -> None:
+        """Model options that the run's strategy or device cannot honour (`fitting`: in training), refused in
+        one line. Called by training.build before the other ranks start, and again by configure_model (every
+        entry point)."""
         if self.hparams.channels_last and getattr(strategy, "fsdp_options", None) is not None:
             raise ModelError(
                 "model.channels_last=true is not supported with trainer=fsdp (FSDP2 shards each parameter "
@@ -133,7 +135,8 @@ class ImageClassifier(L.LightningModule):
             getattr(self.net, "dynamic_img_size", False) and getattr(self.net, "pos_embed", None) is not None
         )
         if (
-            self.resize is not None
+            fitting
+            and self.resize is not None
             and resamples
             and strategy.root_device.type == "cuda"
             and torch.are_deterministic_algorithms_enabled()
@@ -151,7 +154,7 @@ class ImageClassifier(L.LightningModule):
         trainer = attached_trainer(self)
         strategy = trainer.strategy if trainer is not None else None
         if strategy is not None:
-            self.check_strategy(strategy)
+            self.check_strategy(strategy, fitting=trainer.state.fn == TrainerFn.FITTING)
         parallelize(self.net, strategy, compile=self.hparams.compile)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
