@@ -96,15 +96,20 @@ def machine() -> dict[str, Any]:
     import timm
     import torch
 
-    from vitrain.precision import cpu_bf16_support
+    from vitrain.precision import SPEEDUP_ENV, cpu_bf16_choice, cpu_bf16_support
 
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    native = cpu_bf16_support()[0]
+    faster = cpu_bf16_choice()[0]  # measures bf16 against fp32 where bf16 is native
     return {
         "cpu": cpu_model(),
         "cores": os.cpu_count(),
         "avx512_bf16": "avx512_bf16" in cpu_flags(),
-        # what `trainer.precision=auto` goes by on CPU: bf16 instructions that oneDNN may use
-        "cpu_native_bf16": cpu_bf16_support()[0],
+        # bf16 instructions that oneDNN may use: the kind of CPU
+        "cpu_native_bf16": native,
+        # bf16 matmuls over fp32 (the probe of `trainer.precision=auto`), and what auto chooses on CPU
+        "cpu_bf16_speedup": float(os.environ[SPEEDUP_ENV]) if native else None,
+        "cpu_auto_precision": "bf16-mixed" if faster else "32-true",
         "memory_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1024**3, 1),
         "gpu": gpu,
         "gpus": torch.cuda.device_count(),

@@ -183,10 +183,14 @@ def cpu_kinds(folder: Path) -> list[str]:
 
 
 def _bf16(m: dict[str, Any]) -> str:
-    """Whether the CPU computes bf16 natively: what `trainer.precision=auto` chooses by on CPU."""
+    """Whether the CPU computes bf16 natively, how fast, and what `trainer.precision=auto` chose there."""
     native = m.get("cpu_native_bf16", m.get("avx512_bf16"))
+    if not native:
+        return "no native bf16: CPU runs 32-true"
     flag = " (AVX-512 BF16)" if m.get("avx512_bf16") else ""
-    return f"native bf16{flag}: CPU runs bf16-mixed" if native else "no native bf16: CPU runs 32-true"
+    speed = f", bf16 matmuls at {m['cpu_bf16_speedup']:.2f}x fp32" if m.get("cpu_bf16_speedup") else ""
+    # results from before the probe: native bf16 was always chosen
+    return f"native bf16{flag}{speed}: CPU runs {m.get('cpu_auto_precision', 'bf16-mixed')}"
 
 
 def what_it_measures(name: str) -> str:

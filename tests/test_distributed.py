@@ -230,7 +230,7 @@ def test_val_metrics_exact_and_eval_on_one_process(name: str, request: pytest.Fi
     distributed = val_metrics(run.dir)
     done = run_cli(
         "eval.py",
-        # the run validated in fp32: eval's default `auto` would pick bf16 on a CPU with native bf16
+        # the run validated in fp32: eval's default `auto` picks bf16 on a CPU whose native bf16 measures faster
         [
             f"ckpt_path={run.dir / 'checkpoints' / 'last.ckpt'}",
             "split=val",

@@ -1,5 +1,6 @@
 """`trainer.precision=auto`: the decision on given capabilities, and torch's own answer on this machine."""
 
+import math
 import os
 import platform
 import subprocess
@@ -9,8 +10,16 @@ import pytest
 import torch
 
 from helpers import ROOT, compose_cfg
+from vitrain import precision
 from vitrain.compat import mkldnn_bf16_supported
-from vitrain.precision import choose_precision, cpu_bf16_support, resolve_precision
+from vitrain.errors import UserError
+from vitrain.precision import (
+    SPEEDUP_ENV,
+    choose_precision,
+    cpu_bf16_choice,
+    cpu_bf16_support,
+    resolve_precision,
+)
 
 
 def test_decision_on_injected_capabilities():
@@ -20,8 +29,8 @@ def test_decision_on_injected_capabilities():
     # Lightning's ModelParallelStrategy (FSDP2) refuses 16-mixed
     assert choose_precision("cuda", cuda_capability=(7, 0), sharded=True) == "32-true"
     assert choose_precision("cuda", cuda_capability=(8, 6), sharded=True) == "bf16-mixed"
-    assert choose_precision("cpu", cpu_native_bf16=True) == "bf16-mixed"
-    assert choose_precision("cpu", cpu_native_bf16=False) == "32-true"
+    assert choose_precision("cpu", cpu_bf16=True) == "bf16-mixed"
+    assert choose_precision("cpu", cpu_bf16=False) == "32-true"
     assert choose_precision("mps") == "32-true"
 
 
@@ -33,7 +42,9 @@ def test_explicit_value_wins_and_auto_follows_torch(tmp_path):
     if native:  # hardware bf16 instructions that oneDNN may use
         assert caps.get("avx512_bf16") or caps.get("amx_bf16") or caps.get("bf16") or caps.get("sve_bf16")
         assert mkldnn_bf16_supported()
-    expected = "bf16-mixed" if native else "32-true"
+    faster, why = cpu_bf16_choice()
+    assert faster <= native, why  # never bf16 where it is emulated
+    expected = "bf16-mixed" if faster else "32-true"
     cfg = compose_cfg("train", ["trainer=cpu"], tmp_path)
     assert cfg.trainer.precision == "auto"  # the default trainer's
     assert resolve_precision(cfg.trainer) == expected, why
@@ -54,3 +65,29 @@ def test_auto_is_fp32_where_onednn_has_no_bf16():
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["False", "32-true"]
+
+
+def test_native_bf16_is_chosen_only_where_it_measures_faster(monkeypatch):
+    """Native bf16 instructions are no promise of speed (bf16 matmuls ran at 0.5x fp32 on an Intel Xeon with
+    AVX-512 BF16): the probe decides, once per launch, and its result reaches the ranks through the environment."""
+    speedup = precision.cpu_bf16_speedup(m=256, k=64, n=128, rounds=2)
+    assert math.isfinite(speedup) and speedup > 0
+    monkeypatch.setattr(precision, "cpu_bf16_support", lambda: (True, "a CPU with native bf16"))
+    monkeypatch.delenv(SPEEDUP_ENV, raising=False)
+    measured, why = cpu_bf16_choice()  # measures here, and leaves the result for the ranks and later calls
+    kept = float(os.environ[SPEEDUP_ENV])
+    assert measured == (kept >= precision.MIN_CPU_BF16_SPEEDUP) and f"{kept:.2f}x fp32" in why
+    auto = {"precision": "auto", "accelerator": "cpu"}
+    monkeypatch.setenv(SPEEDUP_ENV, "0.5")
+    assert cpu_bf16_choice() == (False, "a CPU with native bf16, but its bf16 matmuls run at 0.50x fp32 here")
+    assert resolve_precision(auto) == "32-true"
+    monkeypatch.setenv(SPEEDUP_ENV, "2.4")
+    assert cpu_bf16_choice()[0] and resolve_precision(auto) == "bf16-mixed"
+    monkeypatch.setenv(SPEEDUP_ENV, "fast")
+    with pytest.raises(UserError, match=f"{SPEEDUP_ENV}='fast' is not a positive number"):
+        resolve_precision(auto)
+    # emulated bf16 is never chosen, whatever the environment says, and no probe runs
+    monkeypatch.setattr(precision, "cpu_bf16_support", lambda: (False, "a CPU without bf16"))
+    monkeypatch.setattr(precision, "cpu_bf16_speedup", lambda: pytest.fail("probed where bf16 is emulated"))
+    monkeypatch.delenv(SPEEDUP_ENV)
+    assert cpu_bf16_choice() == (False, "a CPU without bf16") and resolve_precision(auto) == "32-true"

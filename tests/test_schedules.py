@@ -12,7 +12,7 @@ import torch
 
 from helpers import compose_cfg, tiny_overrides
 from vitrain.models.schedules import TrainingClock, WarmupCosine, warmup_cosine, warmup_cosine_factor
-from vitrain.precision import choose_precision, cpu_bf16_support
+from vitrain.precision import choose_precision, cpu_bf16_choice
 from vitrain.training import train
 
 
@@ -193,8 +193,7 @@ def test_budgeted_run_stops_at_max_time_with_the_lr_at_its_minimum(
     assert group["lr"] / group["initial_lr"] <= 0.01 + 0.99 * 0.5 * (1 + math.cos(math.pi * 0.75))
     assert "test/acc1" in metrics and "val/acc1" in metrics
 
-    native, _ = cpu_bf16_support()
-    expected = choose_precision("cpu", cpu_native_bf16=native)
+    expected = choose_precision("cpu", cpu_bf16=cpu_bf16_choice()[0])
     assert str(trainer.precision) == expected
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["precision"] == expected

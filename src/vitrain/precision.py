@@ -1,9 +1,13 @@
 """`trainer.precision=auto`: the fastest precision that trains correctly on the machine in hand.
 
-bf16 autocast is a gain only where the hardware computes in bf16: GPUs of compute capability >= 8.0, and CPUs
-with native bf16 instructions (AVX-512 BF16 or AMX on x86, BF16 on ARM) that oneDNN is allowed to use. On a
-CPU without them torch emulates bf16, and a small ViT trained 18x slower than in fp32 (issue 12). Older GPUs
-(capability < 8.0) have fp16 tensor cores: 16-mixed. Everything else trains in 32-true.
+bf16 autocast is a gain only where the hardware computes in bf16 faster than in fp32: GPUs of compute
+capability >= 8.0, and CPUs with native bf16 instructions (AVX-512 BF16 or AMX on x86, BF16 on ARM) that oneDNN
+is allowed to use *and* that measure faster here. On a CPU without them torch emulates bf16, and a small ViT
+trained 18x slower than in fp32 (issue 12). Having them is no promise either: on a 2-core Intel Xeon with
+AVX-512 BF16 but no AMX, oneDNN's bf16 matmuls ran at half the fp32 rate and experiment=cifar_cpu trained 1.5x
+slower in bf16, where a Zen 4 EPYC trained 2.4x faster. So on a CPU with native bf16 a ~0.1 s matmul probe
+decides (`cpu_bf16_speedup`). Older GPUs (capability < 8.0) have fp16 tensor cores: 16-mixed. Everything else
+trains in 32-true.
 
 Under FSDP2 (`trainer=fsdp`, Lightning's ModelParallelStrategy) `auto` picks the autocast precision only;
 the strategy's own `mixed_precision` (bf16 weights in the all-gather and the compute, fp32 reduction) is a
@@ -13,7 +17,10 @@ separate choice and stays as configured. Lightning refuses 16-mixed there, so an
 from __future__ import annotations
 
 import logging
+import math
+import os
 import platform
+import time
 from typing import Any
 
 import torch
@@ -21,10 +28,17 @@ from lightning.fabric.utilities.rank_zero import rank_zero_only
 from omegaconf import DictConfig
 
 from vitrain.compat import mkldnn_bf16_supported
+from vitrain.errors import UserError
 
 log = logging.getLogger(__name__)
 
 AUTO = "auto"
+# bf16 autocast is chosen on a CPU when its matmuls measure at least this much faster than fp32's: autocast also
+# pays casts around every matmul and convolution, which the probe does not
+MIN_CPU_BF16_SPEEDUP = 1.2
+# the probe's result, kept in the environment: the ranks Lightning starts inherit the launching process's
+# measurement (all ranks choose alike), and later calls in a process reuse it; a user may set it to skip the probe
+SPEEDUP_ENV = "VITRAIN_CPU_BF16_SPEEDUP"
 
 
 def cpu_bf16_support() -> tuple[bool, str]:
@@ -47,11 +61,59 @@ def cpu_bf16_support() -> tuple[bool, str]:
     return True, f"{caps.get('cpu_name') or 'CPU'} with native {'+'.join(native)}"
 
 
+def cpu_bf16_speedup(m: int = 2048, k: int = 256, n: int = 1024, rounds: int = 5) -> float:
+    """bf16 matmul throughput over fp32's on this CPU with this process's threads: the best of `rounds`
+    interleaved timings of a transformer-MLP-sized product (0.5 GFLOP each)."""
+    a, b = torch.randn(m, k), torch.randn(k, n)
+    operands = {torch.float32: (a, b), torch.bfloat16: (a.bfloat16(), b.bfloat16())}
+    best = dict.fromkeys(operands, math.inf)
+    for x, y in operands.values():  # oneDNN builds its kernels on the first call
+        torch.mm(x, y)
+    for _ in range(rounds):
+        for dtype, (x, y) in operands.items():
+            start = time.perf_counter()
+            torch.mm(x, y)
+            best[dtype] = min(best[dtype], time.perf_counter() - start)
+    return best[torch.float32] / best[torch.bfloat16]
+
+
+def _measured_speedup() -> float:
+    """`cpu_bf16_speedup()`, measured once per launch: read from `SPEEDUP_ENV` where an earlier call or the
+    launching process left it, else measured and left there."""
+    value = os.environ.get(SPEEDUP_ENV)
+    if value is None:
+        speedup = cpu_bf16_speedup()
+        os.environ[SPEEDUP_ENV] = f"{speedup:.3f}"
+        return speedup
+    try:
+        speedup = float(value)
+    except ValueError:
+        speedup = math.nan
+    if not math.isfinite(speedup) or speedup <= 0:
+        raise UserError(
+            f"{SPEEDUP_ENV}={value!r} is not a positive number: unset it (trainer.precision=auto then measures "
+            "bf16 against fp32 itself) or give bf16's matmul speed over fp32's, e.g. 2.0"
+        )
+    return speedup
+
+
+def cpu_bf16_choice() -> tuple[bool, str]:
+    """(bf16 autocast pays on this CPU, why): native bf16 (`cpu_bf16_support`) that also measures at least
+    `MIN_CPU_BF16_SPEEDUP` times fp32's matmul speed. No probe runs where bf16 is emulated."""
+    native, why = cpu_bf16_support()
+    if not native:
+        return False, why
+    speedup = _measured_speedup()
+    if speedup < MIN_CPU_BF16_SPEEDUP:
+        return False, f"{why}, but its bf16 matmuls run at {speedup:.2f}x fp32 here"
+    return True, f"{why}, bf16 matmuls at {speedup:.2f}x fp32"
+
+
 def choose_precision(
     device: str,
     *,
     cuda_capability: tuple[int, int] | None = None,
-    cpu_native_bf16: bool = False,
+    cpu_bf16: bool = False,
     sharded: bool = False,
 ) -> str:
     """The decision alone, on capabilities given (tests inject them): see the module docstring."""
@@ -61,7 +123,7 @@ def choose_precision(
         # Lightning's ModelParallelStrategy (FSDP2) supports no 16-mixed
         return "32-true" if sharded else "16-mixed"
     if device == "cpu":
-        return "bf16-mixed" if cpu_native_bf16 else "32-true"
+        return "bf16-mixed" if cpu_bf16 else "32-true"
     return "32-true"
 
 
@@ -107,7 +169,9 @@ def resolve_precision(trainer_cfg: DictConfig | dict[str, Any]) -> Any:
     """`trainer_cfg.precision`, with `auto` replaced by the choice for this machine (logged).
 
     Call it before the Trainer exists: every rank computes the same answer from the same hardware, so no
-    collective is needed. The CUDA branch reads the capability of the run's first device (this initialises
+    collective is needed (the ranks Lightning starts inherit the CPU probe's result through the environment;
+    ranks that torchrun or SLURM start each measure, and the threshold lies far from what the CPUs met so far
+    showed: bf16 matmuls at 0.5x fp32 on one, bf16 training 2.4x faster on another). The CUDA branch reads the capability of the run's first device (this initialises
     CUDA in the process, as the Trainer does next anyway).
     """
     precision = trainer_cfg.get("precision", "32-true")
@@ -121,8 +185,8 @@ def resolve_precision(trainer_cfg: DictConfig | dict[str, Any]) -> Any:
         why = f"{torch.cuda.get_device_name(index)}, compute capability {capability[0]}.{capability[1]}"
         chosen = choose_precision(device, cuda_capability=capability, sharded=sharded)
     elif device == "cpu":
-        native, why = cpu_bf16_support()
-        chosen = choose_precision(device, cpu_native_bf16=native)
+        faster, why = cpu_bf16_choice()
+        chosen = choose_precision(device, cpu_bf16=faster)
     else:
         why = f"accelerator {device}"
         chosen = choose_precision(device)
