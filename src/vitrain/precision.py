@@ -63,7 +63,7 @@ def cpu_bf16_support() -> tuple[bool, str]:
 
 def cpu_bf16_speedup(m: int = 2048, k: int = 256, n: int = 1024, rounds: int = 5) -> float:
     """bf16 matmul throughput over fp32's on this CPU with this process's threads: the best of `rounds`
-    interleaved timings of a transformer-MLP-sized product (0.5 GFLOP each)."""
+    interleaved timings of a transformer-MLP-sized product (1 GFLOP each, ~3-6 ms on 2 cores)."""
     a, b = torch.randn(m, k), torch.randn(k, n)
     operands = {torch.float32: (a, b), torch.bfloat16: (a.bfloat16(), b.bfloat16())}
     best = dict.fromkeys(operands, math.inf)
