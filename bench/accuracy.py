@@ -95,7 +95,7 @@ def main() -> None:
         commit=_commit(),
         config=_experiment_config(run_dir),
     )
-    if not args.smoke:  # this kind of CPU's latest result, beside the other kind's
+    if not args.smoke:  # this kind of CPU's latest result, beside the other kinds'
         record = json.loads(path.read_text())
         machine = record["machine"]
         kind = "no-bf16"

@@ -55,6 +55,27 @@ def test_benchmark_smoke_writes_json(name: str, tmp_path: Path, tiny_cifar: Path
             assert 0 <= result["figures"][f"off_cpu_share_{variant}"] < 1
 
 
+def test_machine_line_says_what_auto_chose_on_the_cpu():
+    """Native bf16 that measured slower than fp32 is named as such, with the precision auto chose there."""
+    from render import _bf16
+
+    assert _bf16({"avx512_bf16": False, "cpu_native_bf16": False}) == "no native bf16: CPU runs 32-true"
+    slower = {
+        "avx512_bf16": True,
+        "cpu_native_bf16": True,
+        "cpu_bf16_speedup": 0.52,
+        "cpu_auto_precision": "32-true",
+    }
+    assert _bf16(slower) == "native bf16 (AVX-512 BF16), bf16 matmuls at 0.52x fp32: CPU runs 32-true"
+    faster = {**slower, "cpu_bf16_speedup": 2.4, "cpu_auto_precision": "bf16-mixed"}
+    assert _bf16(faster).endswith("at 2.40x fp32: CPU runs bf16-mixed")
+    # a result from before the probe: native bf16 was always chosen
+    assert (
+        _bf16({"avx512_bf16": True, "cpu_native_bf16": True})
+        == "native bf16 (AVX-512 BF16): CPU runs bf16-mixed"
+    )
+
+
 def test_render_writes_a_table(tmp_path: Path):
     from render import load, render
 
