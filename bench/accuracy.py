@@ -99,12 +99,8 @@ def main() -> None:
         record = json.loads(path.read_text())
         machine = record["machine"]
         kind = "no-bf16"
-        if machine.get("cpu_native_bf16"):  # native bf16 where auto measured it slower is a kind of its own
-            kind = (
-                "native-bf16"
-                if machine.get("cpu_auto_precision", "bf16-mixed") == "bf16-mixed"
-                else "native-bf16-fp32"
-            )
+        if machine["cpu_native_bf16"]:  # native bf16 where auto measured it slower is a kind of its own
+            kind = "native-bf16" if machine["cpu_auto_precision"] == "bf16-mixed" else "native-bf16-fp32"
         (path.parent / "cpu_kinds").mkdir(exist_ok=True)
         (path.parent / "cpu_kinds" / f"accuracy-{kind}.json").write_text(path.read_text())
 

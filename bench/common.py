@@ -96,7 +96,7 @@ def machine() -> dict[str, Any]:
     import timm
     import torch
 
-    from vitrain.precision import SPEEDUP_ENV, cpu_bf16_choice, cpu_bf16_support
+    from vitrain.precision import cpu_bf16_choice, cpu_bf16_support, measured_cpu_bf16_speedup
 
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     native = cpu_bf16_support()[0]
@@ -108,7 +108,7 @@ def machine() -> dict[str, Any]:
         # bf16 instructions that oneDNN may use: the kind of CPU
         "cpu_native_bf16": native,
         # bf16 matmuls over fp32 (the probe of `trainer.precision=auto`), and what auto chooses on CPU
-        "cpu_bf16_speedup": float(os.environ[SPEEDUP_ENV]) if native else None,
+        "cpu_bf16_speedup": measured_cpu_bf16_speedup() if native else None,
         "cpu_auto_precision": "bf16-mixed" if faster else "32-true",
         "memory_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1024**3, 1),
         "gpu": gpu,

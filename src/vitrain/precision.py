@@ -77,7 +77,7 @@ def cpu_bf16_speedup(m: int = 2048, k: int = 256, n: int = 1024, rounds: int = 5
     return best[torch.float32] / best[torch.bfloat16]
 
 
-def _measured_speedup() -> float:
+def measured_cpu_bf16_speedup() -> float:
     """`cpu_bf16_speedup()`, measured once per launch: read from `SPEEDUP_ENV` where an earlier call or the
     launching process left it, else measured and left there."""
     value = os.environ.get(SPEEDUP_ENV)
@@ -103,7 +103,7 @@ def cpu_bf16_choice() -> tuple[bool, str]:
     native, why = cpu_bf16_support()
     if not native:
         return False, why
-    speedup = _measured_speedup()
+    speedup = measured_cpu_bf16_speedup()
     if speedup < MIN_CPU_BF16_SPEEDUP:
         return False, f"{why}, but its bf16 matmuls run at {speedup:.2f}x fp32 here"
     return True, f"{why}, bf16 matmuls at {speedup:.2f}x fp32"
@@ -171,8 +171,8 @@ def resolve_precision(trainer_cfg: DictConfig | dict[str, Any]) -> Any:
     Call it before the Trainer exists: every rank computes the same answer from the same hardware, so no
     collective is needed (the ranks Lightning starts inherit the CPU probe's result through the environment;
     ranks that torchrun or SLURM start each measure, and the threshold lies far from what the CPUs met so far
-    showed: bf16 matmuls at 0.5x fp32 on one, bf16 training 2.4x faster on another). The CUDA branch reads the capability of the run's first device (this initialises
-    CUDA in the process, as the Trainer does next anyway).
+    showed: bf16 matmuls at 0.5x fp32 on one, bf16 training 2.4x faster on another). The CUDA branch reads the
+    capability of the run's first device (this initialises CUDA in the process, as the Trainer does next anyway).
     """
     precision = trainer_cfg.get("precision", "32-true")
     if str(precision) != AUTO:
