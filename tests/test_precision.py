@@ -75,11 +75,12 @@ def test_native_bf16_is_chosen_only_where_it_measures_faster(monkeypatch):
     monkeypatch.setattr(precision, "cpu_bf16_support", lambda: (True, "a CPU with native bf16"))
     monkeypatch.delenv(SPEEDUP_ENV, raising=False)
     measured, why = cpu_bf16_choice()  # measures here, and leaves the result for the ranks and later calls
-    kept = float(os.environ[SPEEDUP_ENV])
-    assert measured == (kept >= precision.MIN_CPU_BF16_SPEEDUP) and f"{kept:.2f}x fp32" in why
+    kept = os.environ[SPEEDUP_ENV]
+    assert measured == (float(kept) >= precision.MIN_CPU_BF16_SPEEDUP) and f" {kept}x fp32" in why
+    assert cpu_bf16_choice() == (measured, why)  # a later call (or a rank) reads the same value back
     auto = {"precision": "auto", "accelerator": "cpu"}
     monkeypatch.setenv(SPEEDUP_ENV, "0.5")
-    assert cpu_bf16_choice() == (False, "a CPU with native bf16, but its bf16 matmuls run at 0.50x fp32 here")
+    assert cpu_bf16_choice() == (False, "a CPU with native bf16, but its bf16 matmuls run at 0.5x fp32 here")
     assert resolve_precision(auto) == "32-true"
     monkeypatch.setenv(SPEEDUP_ENV, "2.4")
     assert cpu_bf16_choice()[0] and resolve_precision(auto) == "bf16-mixed"
@@ -91,3 +92,19 @@ def test_native_bf16_is_chosen_only_where_it_measures_faster(monkeypatch):
     monkeypatch.setattr(precision, "cpu_bf16_speedup", lambda: pytest.fail("probed where bf16 is emulated"))
     monkeypatch.delenv(SPEEDUP_ENV)
     assert cpu_bf16_choice() == (False, "a CPU without bf16") and resolve_precision(auto) == "32-true"
+
+
+@pytest.mark.parametrize("probed", [0.0149, 0.015, 0.0152, 0.004, 1.195, 1.1996, 1.2, 1.2004, 2.4])
+def test_first_call_decides_and_reports_what_it_keeps(monkeypatch, probed):
+    """The launching process's first call (which measures) and every later reader (the ranks, later calls)
+    make the same decision and print the same number, whatever side of a rounding boundary the probe fell on."""
+    monkeypatch.setattr(precision, "cpu_bf16_support", lambda: (True, "a CPU with native bf16"))
+    monkeypatch.setattr(precision, "cpu_bf16_speedup", lambda: probed)
+    monkeypatch.delenv(SPEEDUP_ENV, raising=False)
+    first = cpu_bf16_choice()
+    kept = os.environ[SPEEDUP_ENV]
+    assert float(kept) > 0 and f" {kept}x fp32" in first[1]
+    assert first[0] == (float(kept) >= precision.MIN_CPU_BF16_SPEEDUP)
+    monkeypatch.setattr(precision, "cpu_bf16_speedup", lambda: pytest.fail("measured twice"))
+    assert cpu_bf16_choice() == first
+    assert precision.measured_cpu_bf16_speedup() == float(kept)

@@ -78,13 +78,13 @@ def cpu_bf16_speedup(m: int = 2048, k: int = 256, n: int = 1024, rounds: int = 5
 
 
 def measured_cpu_bf16_speedup() -> float:
-    """`cpu_bf16_speedup()`, measured once per launch: read from `SPEEDUP_ENV` where an earlier call or the
-    launching process left it, else measured and left there."""
+    """`cpu_bf16_speedup()` to three significant digits, measured once per launch: read from `SPEEDUP_ENV` where an earlier
+    call or the launching process left it, else measured and left there."""
     value = os.environ.get(SPEEDUP_ENV)
     if value is None:
-        speedup = cpu_bf16_speedup()
-        os.environ[SPEEDUP_ENV] = f"{speedup:.3f}"
-        return speedup
+        # kept at the precision the messages show, and read back: this call, the ranks and later calls all
+        # decide on (and print) one value, whatever side of a rounding boundary the probe measured
+        value = os.environ[SPEEDUP_ENV] = f"{cpu_bf16_speedup():.3g}"
     try:
         speedup = float(value)
     except ValueError:
@@ -105,8 +105,8 @@ def cpu_bf16_choice() -> tuple[bool, str]:
         return False, why
     speedup = measured_cpu_bf16_speedup()
     if speedup < MIN_CPU_BF16_SPEEDUP:
-        return False, f"{why}, but its bf16 matmuls run at {speedup:.2f}x fp32 here"
-    return True, f"{why}, bf16 matmuls at {speedup:.2f}x fp32"
+        return False, f"{why}, but its bf16 matmuls run at {speedup:.3g}x fp32 here"
+    return True, f"{why}, bf16 matmuls at {speedup:.3g}x fp32"
 
 
 def choose_precision(
