@@ -2,7 +2,7 @@
 PY ?= .venv/bin/python
 RUN ?=
 
-.PHONY: install test test-fast lint format train train-smoke eval report clean bench bench-smoke bench-recipes gpu-check shards
+.PHONY: install test test-fast lint format train train-smoke eval report clean bench bench-gpu bench-smoke bench-recipes gpu-check shards
 
 install:  ## create .venv and install everything (the README's first command)
 	python3 -m venv .venv && .venv/bin/pip install -r requirements.txt
@@ -38,6 +38,9 @@ shards:  ## make shards SRC=<image folder or .tar(.gz)> DST=<folder or s3://buck
 
 bench:  ## the benchmark suite (~20 min on 2 CPU cores): bench/results/*.json -> docs/benchmarks.md
 	$(PY) bench/run.py $(BENCH_ARGS)
+
+bench-gpu:  ## on a CUDA machine: every GPU path next to a hand-written loop (~8 min on one H100) -> docs/benchmarks.md section 7
+	$(PY) bench/run.py --only gpu $(BENCH_ARGS)
 
 bench-smoke:  ## every benchmark in seconds-sized mode, results in /tmp (checks the scripts, measures nothing)
 	$(PY) bench/run.py --smoke --out /tmp/vitrain-bench-smoke $(BENCH_ARGS)

@@ -1,161 +1,592 @@
-"""GPU figures of the seed run (`experiment=cifar`: ViT-B/32 at 224 px, bf16-mixed): images/s, MFU, peak
-memory and the largest batch size that fits one GPU.
+"""GPU benchmark (`make bench-gpu`): every GPU path of the template next to a hand-written loop of the same work.
 
-With CUDA: a short fit through the template (`vitrain.training.train`, default callbacks) times the
-steady-state steps (bench/probe.py; synchronised at the ends of the window), MFU = measured FLOPs per image
-(forward + backward, counted by Lightning's `measure_flops` on a meta-device copy) x images/s / the GPU's
-dense peak bf16 FLOPs (vitrain/callbacks/throughput.py, the callback's own table), peak memory = `torch.cuda.max_memory_allocated`, and the largest
-batch size comes from the template's own search (`+tune=batch_size`, vitrain/tuning.py).
-Without CUDA the same code runs with a tiny model on the CPU, and every figure is marked "not measured".
+On one GPU, in one run: a hand-written PyTorch loop (the seed's model, batch, fused AdamW, bf16 autocast, data
+on the GPU and prepared batch-wise there as the template does: eager, `torch.compile`d, and compiled with
+float8 matmuls where torchao is installed and the GPU has fp8), then the template as a user runs it
+(`src/train.py`, one fresh process per path): the seed run with yesterday's settings and with today's defaults,
+an image folder of photo-sized JPEGs at 224 px read from disk, the recipes path (that folder in memory with
+RandAugment, random erasing, EMA, progressive resizing and flip TTA), FSDP2 on one GPU, and streaming shards
+(CPU and GPU decode). Per path: steady-state images/s (synchronised at the two ends of the timed window,
+after the warm-up steps), MFU (Lightning's FLOP count of the model x images/s / the GPU's dense bf16 peak),
+the host's wait for data as a share of the window, GPU utilisation sampled during the window (NVML), the
+first step (compile + warm-up) apart, peak memory. Sections run in priority order within `--budget` seconds:
+what does not fit is listed as skipped, with the reason.
+
+    python bench/gpu.py                     # ~8 minutes on one H100 (data generation included)
+    python bench/gpu.py --only hand,seed    # a subset
+    python bench/gpu.py --smoke             # a tiny model on the CPU: checks the script, measures nothing
+
+Without CUDA it runs the same code with a tiny model on the CPU and marks every figure "not measured".
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import torch
-from common import (
-    TINY_VIT_NET,
+ROOT = Path(__file__).resolve().parents[1]
+for extra in (ROOT / "src", ROOT / "bench"):
+    if str(extra) not in sys.path:
+        sys.path.insert(0, str(extra))
+
+import torch  # noqa: E402
+from common import (  # noqa: E402
+    CACHE_DIR,
+    DATA_DIR,
+    PYTHON,
+    RESULTS,
     Result,
-    compose,
-    data_overrides,
-    parse_args,
-    run_train,
-    scratch_dir,
+    probe_overrides,
     train_command,
+    train_env,
 )
 
-from vitrain.callbacks.throughput import peak_flops
-
-SEED = [
-    "experiment=cifar",
-    "model.net.pretrained=false",
-    "datamodule.download=false",
-    "trainer.precision=bf16-mixed",
+MODEL = "vit_base_patch32_224"
+# the seed's network at CPU-smoke size
+TINY = {"model_name": "vit_tiny_patch16_224", "img_size": 32, "patch_size": 8, "embed_dim": 32, "depth": 2,
+        "num_heads": 2}  # fmt: skip
+TINY_OVERRIDES = [
+    "model.net.model_name=vit_tiny_patch16_224",
+    "model.net.img_size=32",
+    "model.net.patch_size=8",
+    "+model.net.embed_dim=32",
+    "+model.net.depth=2",
+    "+model.net.num_heads=2",
 ]
-TINY = [
-    *TINY_VIT_NET,
-    "datamodule.batch_size=8",
-    "datamodule.val_size=16",
-]
+# priority order, and the most seconds each may take on one H100 (data preparation included)
+SECTIONS: dict[str, int] = {
+    "hand": 150,
+    "seed_before": 100,
+    "seed": 110,
+    "folder": 110,
+    "recipes": 150,
+    "fsdp": 150,
+    "streaming": 150,
+    "hand_fp8": 110,
+    "streaming_gpu_decode": 90,
+}
+WHAT = {
+    "hand": "hand-written loop (eager / compiled)",
+    "hand_fp8": "hand-written loop, compiled, float8 matmuls (torchao)",
+    "seed_before": "`experiment=cifar`, 2026-11-26 settings (eager, pageable batches, foreach AdamW)",
+    "seed": "`experiment=cifar` (today's defaults)",
+    "folder": "`datamodule=image_folder` from disk, photo-sized JPEGs, timm transforms in workers",
+    "recipes": "recipes: that folder in memory, RandAugment + erasing, EMA, progressive resizing, flip TTA",
+    "fsdp": "`trainer=fsdp` on 1 GPU, bf16 FSDP policy",
+    "streaming": "`datamodule=streaming` (litdata shards of the photos), CPU decode in workers",
+    "streaming_gpu_decode": "`datamodule=streaming`, `decode_device=cuda` (nvJPEG)",
+}
 
 
-def flops_per_image(net_cfg: dict[str, Any], img_size: int) -> float:
-    """Forward + backward FLOPs of one image, on the meta device (nothing allocated)."""
+# ------------------------------------------------------------------------------------------ hand-written
+def hand_loop(variant: str, batch: int, steps: int, warmup: int, cpu: bool) -> dict[str, Any]:
+    """The seed run's work written by hand: ViT-B/32 (10 classes, drop path 0.1), CIFAR-sized uint8 images
+    held on the device, each batch flipped, resized to 224 px and normalised there, bf16 autocast, label
+    smoothing 0.1, fused AdamW. `variant`: eager, compiled, fp8 (compiled, torchao float8 linears)."""
+    import timm
+    import torch.nn.functional as F
+
+    device = torch.device("cpu" if cpu else "cuda")
+    torch.manual_seed(0)
+    net_kwargs = dict(TINY) if cpu else {"model_name": MODEL, "img_size": 224, "patch_size": 32}
+    size = net_kwargs["img_size"]
+    model = timm.create_model(**net_kwargs, num_classes=10, drop_path_rate=0.1).to(device)
+    if variant == "fp8":
+        from torchao.float8 import convert_to_float8_training
+
+        # the head (768 -> 10) is no fp8 shape (dims must divide by 16)
+        convert_to_float8_training(model, module_filter_fn=lambda mod, fqn: fqn != "head")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.05, fused=device.type == "cuda")
+    if variant in ("compiled", "fp8"):
+        model = torch.compile(model)
+    n = 50_000 if not cpu else 512
+    images = torch.randint(0, 256, (n, 3, 32, 32), dtype=torch.uint8, device=device)
+    labels = torch.randint(0, 10, (n,), device=device)
+    mean = torch.tensor([0.5, 0.5, 0.5], device=device).view(1, 3, 1, 1)
+    std = torch.tensor([0.5, 0.5, 0.5], device=device).view(1, 3, 1, 1)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+
+    def step(i: int) -> None:
+        start = (i * batch) % (n - batch)
+        x = images[start : start + batch].float().div_(255)
+        flip = torch.rand(batch, 1, 1, 1, device=device) < 0.5
+        x = torch.where(flip, x.flip(-1), x)
+        x = F.interpolate(x, size=(size, size), mode="bilinear", align_corners=False)
+        x = (x - mean) / std
+        with torch.autocast(device.type, dtype=dtype, enabled=device.type == "cuda"):
+            loss = F.cross_entropy(model(x), labels[start : start + batch], label_smoothing=0.1)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def clock() -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    t0 = clock()
+    step(0)
+    first = clock() - t0
+    for i in range(1, warmup):
+        step(i)
+    t1 = clock()
+    for i in range(warmup, warmup + steps):
+        step(i)
+    seconds = clock() - t1
+    kernels = kernel_profile(step, warmup + steps) if variant != "eager" and device.type == "cuda" else None
+    return {
+        "kernels": kernels,
+        "variant": variant,
+        "images_per_s": batch * steps / seconds,
+        "first_step_s": first,
+        "batch_size": batch,
+        "steps_timed": steps,
+        "peak_memory_gb": torch.cuda.max_memory_allocated() / 1024**3 if device.type == "cuda" else None,
+        "flops_per_image": flops_per_image(net_kwargs),
+    }
+
+
+def kernel_profile(step: Any, first: int, steps: int = 3) -> dict[str, Any]:
+    """Where a step's GPU time goes (torch.profiler over `steps` steps): the share of matmul, attention,
+    fused elementwise (Triton) and other kernels, the GPU's idle share of the wall time, the top kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for i in range(first, first + steps):
+                step(i)
+            torch.cuda.synchronize()
+        wall_us = (time.perf_counter() - t0) * 1e6
+        rows = [
+            (e.key, e.self_device_time_total)
+            for e in prof.key_averages()
+            if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0
+        ]
+    except Exception as err:  # the timing above stands without the profile
+        return {"error": f"{type(err).__name__}: {err}"[:300]}
+    kinds = {"matmul": ("gemm", "cutlass", "xmma", "nvjet", "cublas", "matmul"),
+             "attention": ("flash", "fmha", "attention", "sdpa"), "triton (fused elementwise)": ("triton",)}  # fmt: skip
+    busy = sum(t for _, t in rows)
+    shares = dict.fromkeys([*kinds, "other"], 0.0)
+    for name, t in rows:
+        kind = next((k for k, words in kinds.items() if any(w in name.lower() for w in words)), "other")
+        shares[kind] += t / busy if busy else 0.0
+    top = sorted(rows, key=lambda r: -r[1])[:12]
+    return {
+        "gpu_busy_share_of_wall": busy / wall_us if wall_us else None,
+        "shares_of_gpu_time": {k: round(v, 4) for k, v in shares.items()},
+        "top": [{"kernel": name[:120], "ms_per_step": round(t / 1e3 / steps, 3)} for name, t in top],
+    }
+
+
+def flops_per_image(net_kwargs: dict[str, Any]) -> float:
+    """Forward + backward FLOPs of one image (Lightning's counter, on the meta device)."""
     import timm
     from lightning.fabric.utilities.throughput import measure_flops
 
     with torch.device("meta"):
-        net = timm.create_model(**{**net_cfg, "pretrained": False})
-        x = torch.empty(1, 3, img_size, img_size)
+        net = timm.create_model(**net_kwargs, num_classes=10)
+        x = torch.empty(1, 3, net_kwargs["img_size"], net_kwargs["img_size"])
     return float(measure_flops(net, lambda: net(x), lambda y: y.sum()))
 
 
-def timed_fit(args: Any, overrides: list[str], workdir: Path) -> dict[str, Any]:
-    from omegaconf import OmegaConf, open_dict
-    from probe import BenchProbe
+# ------------------------------------------------------------------------------------------------- data
+def _photo(job: tuple[str, str]) -> None:
+    """One CIFAR image upsampled to a photo's size (400 x 350 px, JPEG quality 90)."""
+    from PIL import Image
 
-    from vitrain.training import train
+    src, dst = job
+    with Image.open(src) as img:
+        img.convert("RGB").resize((400, 350), Image.BICUBIC).save(dst, quality=90)
 
-    cfg = compose(
-        [
-            *overrides,
+
+def make_photos(cifar: Path, dst: Path, train: int, val: int, workers: int) -> Path:
+    """train/<class>/ and val/<class>/ of photo-sized JPEGs made from CIFAR-10's training images."""
+    if (dst / "done").is_file():
+        return dst
+    classes = sorted(p.name for p in (cifar / "train").iterdir() if p.is_dir())
+    jobs = []
+    for split, count in (("train", train), ("val", val)):
+        per_class = count // len(classes)
+        for c in classes:
+            (dst / split / c).mkdir(parents=True, exist_ok=True)
+            files = sorted((cifar / "train" / c).iterdir())
+            offset = 0 if split == "train" else len(files) - per_class
+            jobs += [(str(f), str(dst / split / c / f.name)) for f in files[offset : offset + per_class]]
+    with ProcessPoolExecutor(workers) as pool:
+        list(pool.map(_photo, jobs, chunksize=64))
+    (dst / "done").write_text("ok")
+    return dst
+
+
+def unpack_cifar(archive: Path, work: Path) -> Path:
+    """The CIFAR-10 JPEG archive unpacked with the system tar (seconds for 60,000 files)."""
+    if archive.is_dir():
+        return archive
+    dst = work / "cifar10"
+    if not (dst / "train").is_dir():
+        dst.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["tar", "xzf", str(archive), "-C", str(dst)], check=True)
+    return dst
+
+
+# ------------------------------------------------------------------------------------ template sections
+class Ctx:
+    def __init__(self, args: argparse.Namespace, work: Path, cpu: bool) -> None:
+        self.args, self.work, self.cpu = args, work, cpu
+        self.logs = args.out / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self._cifar: Path | None = None
+        self._photos: Path | None = None
+        self._shards: Path | None = None
+
+    @property
+    def cifar(self) -> Path:
+        if self._cifar is None:
+            self._cifar = unpack_cifar(self.args.data_dir, self.work)
+        return self._cifar
+
+    @property
+    def photos(self) -> Path:
+        if self._photos is None:
+            train, val = (self.args.photos, 640) if not self.cpu else (160, 40)
+            self._photos = make_photos(self.cifar, self.work / "photos", train, val, os.cpu_count() or 2)
+        return self._photos
+
+    @property
+    def shards(self) -> Path:
+        if self._shards is None:
+            from vitrain.data.shards import write_shards
+
+            out = self.work / "shards"
+            if not out.is_dir():
+                write_shards(
+                    self.photos, str(out), val_size=0.03, workers=os.cpu_count(), cache_dir=self.work
+                )
+            self._shards = out
+        return self._shards
+
+    def common(self, name: str, batch: int | None = None) -> list[str]:
+        a = self.args
+        steps = a.warmup + a.steps + 1
+        return [
+            "experiment=cifar",
+            "model.net.pretrained=false",
+            *(TINY_OVERRIDES if self.cpu else []),
+            f"datamodule.batch_size={batch or a.batch}",
+            f"datamodule.cache_dir={self.work / 'cache'}",
+            f"paths.cache_dir={self.work / 'cache'}",
             "trainer.max_epochs=1",
-            f"trainer.limit_train_batches={args.warmup + args.steps + 1}",
-            "trainer.limit_val_batches=1",
+            f"trainer.limit_train_batches={steps}",
+            "trainer.limit_val_batches=2",
+            "trainer.num_sanity_val_steps=0",
             "test=false",
             "extras.print_config=false",
-        ],
-        workdir / "fit",
-    )
-    with open_dict(cfg):
-        cfg.callbacks["bench_probe"] = {
-            "_target_": "probe.BenchProbe",
-            "out": str(workdir / "probe.json"),
-            "warmup": args.warmup,
-        }
-    _, objects = train(cfg)
-    probe = next(c for c in objects.trainer.callbacks if isinstance(c, BenchProbe))
-    rec = probe.record
-    ends = rec["step_ends"][args.warmup :]
-    batch = int(cfg.datamodule.batch_size)
-    net_cfg = OmegaConf.to_container(cfg.model.net, resolve=True)
-    img = int(objects.model.input_spec["img_size"])
+            "callbacks.run_stats.gpu_sample_interval=1.0",
+            *(["trainer=cpu"] if self.cpu else []),
+            f"hydra.run.dir={self.work / 'runs' / name}",
+            *probe_overrides(self.work / "runs" / f"{name}.probe.json", warmup=a.warmup, sample_gpu=True),
+        ]
+
+    def cifar_data(self) -> list[str]:
+        return [f"datamodule.data_dir={self.cifar}", "datamodule.download=false"]
+
+    def folder_data(self, in_memory: bool) -> list[str]:
+        workers = 0 if in_memory else max(1, (os.cpu_count() or 2) - 2)
+        return [
+            "datamodule=image_folder",
+            "~datamodule.download",
+            f"datamodule.data_dir={self.photos}",
+            f"datamodule.in_memory={str(in_memory).lower()}",
+            f"datamodule.num_workers={workers}",
+        ]
+
+    def train(self, name: str, overrides: list[str], timeout: float) -> dict[str, Any]:
+        """One `src/train.py` run; its figures from the probe and the run's report."""
+        cmd = [PYTHON, str(ROOT / "src" / "train.py"), *overrides]
+        with open(self.logs / f"{name}.log", "w") as log:
+            done = subprocess.run(
+                cmd, cwd=ROOT, env=train_env(), stdout=log, stderr=subprocess.STDOUT, timeout=timeout
+            )
+        if done.returncode != 0:
+            tail = (self.logs / f"{name}.log").read_text(errors="replace")[-1500:]
+            raise RuntimeError(f"src/train.py exited {done.returncode}: ...{tail}")
+        run_dir = self.work / "runs" / name
+        probe = json.loads((self.work / "runs" / f"{name}.probe.json").read_text())
+        report = json.loads((run_dir / "report.json").read_text())
+        return {**template_figures(probe, report, self.args.warmup), "command": train_command(overrides)}
+
+
+def template_figures(probe: dict[str, Any], report: dict[str, Any], warmup: int) -> dict[str, Any]:
+    """Steady-state figures of the timed window (batches warmup..end, synchronised at both ends)."""
+    starts, ends = probe["step_starts"], probe["step_ends"]
+    batch = int((report.get("batch_size") or {}).get("per_device_observed") or 0) or None
+    timed = len(ends) - 1 - warmup
+    seconds = ends[-1] - ends[warmup]
+    ips = batch * timed / seconds if batch and timed > 0 and seconds > 0 else None
+    waits = [starts[i] - ends[i - 1] for i in range(warmup + 1, min(len(starts), len(ends)))]
+    flops = report.get("flops") or {}
+    per_image, peak = flops.get("train_flops_per_image"), flops.get("peak_flops_per_device")
+    util = probe.get("gpu_util_samples") or []
     return {
-        "images_per_s": batch * (len(ends) - 1) / (ends[-1] - ends[0]),
-        "flops_per_image": flops_per_image(net_cfg, img),
-        "peak_memory_gb": (rec["peak_cuda_allocated"] / 1024**3) if "peak_cuda_allocated" in rec else None,
+        "images_per_s": ips,
+        "mfu": per_image * ips / peak if per_image and peak and ips else None,
+        "data_wait_share": sum(waits) / seconds if seconds > 0 else None,
+        "gpu_util_pct": sum(util) / len(util) if util else None,
+        "first_step_s": report.get("first_step_s"),
+        "peak_memory_gb": (probe.get("peak_cuda_allocated") or 0) / 1024**3 or None,
         "batch_size": batch,
-        "img_size": img,
-        "model": net_cfg["model_name"],
-        "device": str(objects.trainer.strategy.root_device),
+        "steps_timed": timed,
+        "precision": report.get("precision"),
+        "flops_per_image": per_image,
+        "peak_flops": peak,
     }
 
 
-def largest_batch(args: Any, workdir: Path) -> dict[str, Any]:
-    """The template's own batch-size search on one GPU, as a user runs it."""
-    run_dir = workdir / "tune"
-    argv = [*SEED, *data_overrides(args), "trainer=gpu", "+tune=batch_size", f"hydra.run.dir={run_dir}"]
-    run_train(argv, log=run_dir / "output.log", timeout=3600)
-    found = json.loads((run_dir / "batch_size_search.json").read_text())
-    return {
-        "per_device": found["per_device"],
-        "stopped_by": found.get("stopped_by"),
-        "command": train_command(argv),
-    }
+def run_hand(ctx: Ctx, variants: list[str], timeout: float) -> dict[str, Any]:
+    out = ctx.work / "hand.json"
+    a = ctx.args
+    cmd = [PYTHON, str(Path(__file__)), "--hand", ",".join(variants), "--hand-out", str(out),
+           "--batch", str(a.batch), "--steps", str(a.steps), "--warmup", str(a.warmup),
+           *(["--smoke"] if ctx.cpu else [])]  # fmt: skip
+    name = "hand" if variants != ["fp8"] else "hand_fp8"
+    with open(ctx.logs / f"{name}.log", "w") as log:
+        done = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
+    results = json.loads(out.read_text()) if out.is_file() else {}
+    if done.returncode != 0 and not results:
+        tail = (ctx.logs / f"{name}.log").read_text(errors="replace")[-1500:]
+        raise RuntimeError(f"hand loop exited {done.returncode}: ...{tail}")
+    return results
 
 
-def main() -> None:
-    args = parse_args(__doc__, steps=(int, 30, "timed steps"), warmup=(int, 5, "untimed steps first"))
-    cuda = torch.cuda.is_available()
-    if args.smoke or not cuda:
-        args.steps, args.warmup = 3, 1
+def section(ctx: Ctx, name: str, timeout: float) -> dict[str, Any]:
+    if name == "hand":
+        # on the CPU (--smoke) without compile: Inductor's C++ build of even a tiny ViT takes ~50 s there
+        return run_hand(ctx, ["eager"] if ctx.cpu else ["eager", "compiled"], timeout)
+    if name == "hand_fp8":
+        if ctx.cpu:
+            raise RuntimeError("float8 needs a GPU")
+        import importlib.util
+
+        if importlib.util.find_spec("torchao") is None:
+            raise RuntimeError("torchao is not installed")
+        if torch.cuda.get_device_capability() < (8, 9):
+            raise RuntimeError("no fp8 tensor cores on this GPU (compute capability < 8.9)")
+        return run_hand(ctx, ["fp8"], timeout)
+    started = time.perf_counter()
+    base = ctx.common(name)
+    if name == "seed_before":
+        extra = [*ctx.cifar_data(), "model.compile=false", "datamodule.pin_memory=false",
+                 "+model.optimizer.fused=false"]  # fmt: skip
+    elif name == "seed":
+        extra = ctx.cifar_data()
+    elif name == "folder":
+        extra = ctx.folder_data(in_memory=False)
+    elif name == "recipes":
+        size, patch = (32, 8) if ctx.cpu else (224, 32)
+        extra = [
+            *ctx.folder_data(in_memory=True),
+            "datamodule.auto_augment=rand-m9-n2-mstd0.5",
+            "datamodule.re_prob=0.25",
+            "callbacks=[default,ema]",
+            "+model.net.dynamic_img_size=true",
+            f"model.progressive_resize.start_size={size // 2 // patch * patch}",
+            f"model.progressive_resize.multiple={patch}",
+            # full size reached within the warm-up: the timed window compares like with like
+            "model.progressive_resize.end=0.2",
+            "model.tta_flip=true",
+        ]
+    elif name == "fsdp":
+        extra = [
+            *ctx.cifar_data(),
+            "trainer=fsdp",
+            "trainer.devices=1",
+            "trainer.strategy.mixed_precision=bf16",
+            "trainer.precision=32-true",
+            *(["trainer.accelerator=cpu"] if ctx.cpu else []),
+        ]
+        base = [o for o in base if o != "trainer=cpu"]
+    elif name in ("streaming", "streaming_gpu_decode"):
+        decode = "cuda" if name == "streaming_gpu_decode" and not ctx.cpu else "cpu"
+        extra = [
+            "datamodule=streaming",
+            "~datamodule.download",
+            f"datamodule.data_dir={ctx.shards}",
+            f"datamodule.decode_device={decode}",
+            f"datamodule.num_workers={max(1, (os.cpu_count() or 2) - 2)}",
+        ]
+    else:
+        raise ValueError(name)
+    prepared = time.perf_counter() - started  # data made by the properties above, the first time
+    result = ctx.train(name, [*base, *extra], max(30.0, timeout - prepared))
+    return {**result, "data_preparation_s": round(prepared, 1)}
+
+
+# ----------------------------------------------------------------------------------------------- render
+def fmt(value: Any, spec: str) -> str:
+    return "—" if value is None else format(value, spec)
+
+
+def table(results: dict[str, Any]) -> list[str]:
+    """The markdown table of docs/benchmarks.md: each path against the compiled hand loop and the seed."""
+    hand = (results.get("hand") or {}).get("figures") or {}
+    ref = (hand.get("compiled") or {}).get("images_per_s")
+    seed = ((results.get("seed") or {}).get("figures") or {}).get("images_per_s")
+    rows = [
+        "| path | images/s | MFU | x hand compiled | x seed | data wait | GPU util | first step (compile) | peak GB |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for name in SECTIONS:
+        res = results.get(name)
+        if res is None:
+            continue
+        if res.get("error"):
+            error = " ".join(res["error"].replace("|", "/").split())
+            rows.append(f"| {WHAT[name]} | {error[-200:]} | | | | | | | |")
+            continue
+        figs = res["figures"]
+        entries = figs.items() if name.startswith("hand") else [("", figs)]
+        for variant, f in entries:
+            ips = f.get("images_per_s")
+            label = f"{WHAT[name]}{': ' + variant if variant else ''}"
+            rows.append(
+                f"| {label} | {fmt(ips, ',.0f')} | {fmt(f.get('mfu'), '.1%')} "
+                f"| {fmt(ips / ref if ips and ref else None, '.2f')} "
+                f"| {fmt(ips / seed if ips and seed else None, '.2f')} "
+                f"| {fmt(f.get('data_wait_share'), '.1%')} | {fmt(f.get('gpu_util_pct'), '.0f')} "
+                f"| {fmt(f.get('first_step_s'), '.1f')} s | {fmt(f.get('peak_memory_gb'), '.1f')} |"
+            )
+    return rows
+
+
+def gpu_facts() -> dict[str, Any]:
+    facts: dict[str, Any] = {"torch": torch.__version__, "cuda": torch.version.cuda}
+    if torch.cuda.is_available():
+        facts["gpu"] = torch.cuda.get_device_name(0)
+        facts["capability"] = ".".join(map(str, torch.cuda.get_device_capability(0)))
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            facts["driver"] = pynvml.nvmlSystemGetDriverVersion()
+        except Exception as err:  # NVML missing: the driver is not known, nothing else changes
+            facts["driver"] = f"unknown ({err})"
+    return facts
+
+
+# ------------------------------------------------------------------------------------------------- main
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--smoke", action="store_true", help="tiny model on the CPU: checks the script")
+    p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--data-dir", type=Path, default=DATA_DIR, help="CIFAR-10 JPEG archive or folder")
+    p.add_argument("--cache-dir", type=Path, default=CACHE_DIR, help="unused; kept for bench/run.py")
+    p.add_argument("--work", type=Path, default=None, help="scratch folder (default: a temporary one)")
+    p.add_argument("--only", default="", help="comma-separated subset of " + ",".join(SECTIONS))
+    p.add_argument("--budget", type=float, default=480.0, help="seconds for all sections together")
+    p.add_argument("--batch", type=int, default=384)
+    p.add_argument("--steps", type=int, default=40, help="timed steps")
+    p.add_argument("--warmup", type=int, default=15, help="untimed steps first (compile included)")
+    p.add_argument("--photos", type=int, default=19_200, help="photo-sized JPEGs to generate (training)")
+    p.add_argument("--hand", default="", help=argparse.SUPPRESS)
+    p.add_argument("--hand-out", type=Path, default=None, help=argparse.SUPPRESS)
+    return p.parse_args()
+
+
+def hand_main(args: argparse.Namespace) -> int:
+    """The child process of a hand-written section: each variant's figures into --hand-out as it goes."""
+    cpu = args.smoke or not torch.cuda.is_available()
+    if not cpu:
+        torch.backends.cuda.matmul.allow_tf32 = True
+    results: dict[str, Any] = {}
+    for variant in args.hand.split(","):
+        try:
+            results[variant] = hand_loop(variant, args.batch, args.steps, args.warmup, cpu)
+        except Exception as err:
+            results[variant] = {"error": f"{type(err).__name__}: {err}"[:300]}
+        args.hand_out.write_text(json.dumps(results, indent=1))
+        print(variant, results[variant], flush=True)
+    return 0
+
+
+def main() -> int:
+    args = parse()
+    if args.hand:
+        return hand_main(args)
+    cpu = args.smoke or not torch.cuda.is_available()
+    if cpu:
+        args.batch, args.steps, args.warmup, args.photos = 8, 3, 2, 160
     result = Result("gpu", args)
-    workdir = scratch_dir("gpu")
-    overrides = [*SEED, *data_overrides(args), "trainer=gpu" if cuda else "trainer=cpu"]
-    if args.smoke or not cuda:
-        overrides += TINY
-    fit = timed_fit(args, overrides, workdir)
-    if not cuda:
-        result.save(
-            f"not measured: no CUDA device (the path ran on the CPU with a tiny ViT: "
-            f"{fit['images_per_s']:.0f} images/s, {fit['flops_per_image'] / 1e6:.1f} MFLOPs per image)",
-            figures={"images_per_s": None, "mfu": None, "peak_memory_gb": None, "largest_batch": None},
-            goal=None,
-            met=None,
-            notes=["Run `make bench` on a CUDA machine for these figures."],
-            cpu_smoke=fit,
+    work = args.work or Path(tempfile.mkdtemp(prefix="bench-gpu-"))
+    work.mkdir(parents=True, exist_ok=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    ctx = Ctx(args, work, cpu)
+    # --smoke (the tests' run) exercises the two kinds of section, a hand-written loop and a template run
+    names = [n for n in args.only.split(",") if n] or (["hand", "seed"] if args.smoke else list(SECTIONS))
+    unknown = set(names) - set(SECTIONS)
+    if unknown:
+        raise SystemExit(f"unknown section(s) {', '.join(sorted(unknown))}; known: {', '.join(SECTIONS)}")
+    deadline = time.perf_counter() + args.budget
+    results: dict[str, Any] = {}
+    for name in names:
+        left = deadline - time.perf_counter()
+        if left < 30 and not cpu:
+            results[name] = {"error": f"skipped: {args.budget:.0f} s budget spent"}
+            continue
+        t0 = time.perf_counter()
+        try:
+            timeout = SECTIONS[name] * (10 if cpu else 1)
+            figures = section(ctx, name, min(timeout, left) if not cpu else timeout)
+            results[name] = {"figures": figures}
+        except Exception as err:
+            results[name] = {"error": f"{type(err).__name__}: {err}"[:1500]}
+        results[name]["seconds"] = round(time.perf_counter() - t0, 1)
+        print(f"{name} ({results[name]['seconds']:.0f} s):", json.dumps(results[name])[:600], flush=True)
+        (args.out / "gpu_sections.json").write_text(json.dumps(results, indent=1, default=str))
+    rows = table(results)
+    print("\n".join(rows), flush=True)
+    facts = gpu_facts()
+    seed = (results.get("seed") or {}).get("figures") or {}
+    hand = ((results.get("hand") or {}).get("figures") or {}).get("compiled") or {}
+    if cpu:
+        line = "not measured: no CUDA device (the sections ran on the CPU with a tiny ViT)"
+        met = None
+    else:
+        ratio = seed["images_per_s"] / hand["images_per_s"] if seed.get("images_per_s") and hand.get(
+            "images_per_s") else None  # fmt: skip
+        line = (
+            f"{facts.get('gpu')}: seed run {fmt(seed.get('images_per_s'), ',.0f')} images/s, MFU "
+            f"{fmt(seed.get('mfu'), '.1%')}, {fmt(ratio, '.2f')}x the compiled hand-written loop"
         )
-        return
-    device = torch.device("cuda")
-    # the table the run's own MFU uses (callbacks/throughput.py): dense bf16 peak
-    peak = peak_flops(torch.cuda.get_device_name(device), torch.bfloat16)
-    mfu = fit["flops_per_image"] * fit["images_per_s"] / peak if peak else None
-    biggest = {"per_device": None} if args.smoke else largest_batch(args, workdir)
-    gpu = torch.cuda.get_device_name(device)
-    line = (
-        f"{gpu}: {fit['images_per_s']:.0f} images/s, MFU {100 * mfu:.1f} %, "
-        if mfu is not None
-        else f"{gpu}: {fit['images_per_s']:.0f} images/s, MFU not known (no peak FLOPs for this GPU), "
-    )
-    line += f"peak {fit['peak_memory_gb']:.2f} GB at batch {fit['batch_size']}, largest batch {biggest['per_device']}"
+        met = bool(seed.get("mfu") and seed["mfu"] >= 0.40 and ratio and ratio >= 1.0)
     result.save(
         line,
         figures={
-            "images_per_s": round(fit["images_per_s"], 1),
-            "mfu": None if mfu is None else round(mfu, 4),
-            "peak_memory_gb": round(fit["peak_memory_gb"], 3),
-            "largest_batch": biggest["per_device"],
+            "seed_images_per_s": seed.get("images_per_s"),
+            "seed_mfu": seed.get("mfu"),
+            "hand_compiled_images_per_s": hand.get("images_per_s"),
         },
-        goal=None,
-        met=None,
-        fit=fit,
-        largest_batch=biggest,
-        peak_flops=peak,
+        goal="seed run >= 40 % MFU and >= the compiled hand-written loop; other paths >= 0.85x the seed",
+        met=met,
+        table_md=rows,
+        sections=results,
+        gpu_facts=facts,
     )
+    if args.work is None:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

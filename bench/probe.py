@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import threading
 import time
 from typing import Any
 
@@ -29,7 +30,7 @@ class BenchProbe(Callback):
     """Records, for the benchmark that added it:
 
     - `first_step_unix`: wall-clock time (time.time) when the first optimizer step has finished;
-    - `step_ends`: perf_counter at the end of every training batch of the first epoch (up to `max_steps`);
+    - `step_starts`, `step_ends`: perf_counter at the start and end of every training batch (up to `max_steps`);
     - `step_cpu`: the main thread's CPU time (thread_time) at the same moments: wall time beyond it is time
       the step waited (for other ranks, communication, the OS);
     - `fit_seconds`, `epochs`, `global_step`, `stopped_early`: how the fit went (max_time, max_epochs);
@@ -38,11 +39,14 @@ class BenchProbe(Callback):
     - `metrics`: the logged metrics after fit and after test (test/acc1 ...).
     """
 
-    def __init__(self, out: str, max_steps: int = 100_000, warmup: int = 0) -> None:
+    def __init__(self, out: str, max_steps: int = 100_000, warmup: int = 0, sample_gpu: bool = False) -> None:
         self.out = out
+        # NVML utilisation samples of the GPU between the warm-up's end and the end of training
+        self.sampler: GpuUtilSampler | None = None
+        self.sample_gpu = sample_gpu
         self.max_steps = int(max_steps)
         self.warmup = int(warmup)  # on CUDA: synchronise after this batch and after the epoch's last one
-        self.record: dict[str, Any] = {"step_ends": [], "step_cpu": [], "metrics": {}}
+        self.record: dict[str, Any] = {"step_starts": [], "step_ends": [], "step_cpu": [], "metrics": {}}
         self._t_train_start: float | None = None
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -63,6 +67,11 @@ class BenchProbe(Callback):
         self._t_train_start = synced_clock(device)
         self.record["train_start_unix"] = time.time()
 
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *_: Any) -> None:
+        # the host's wait for the batch is the time from the previous batch's end to here
+        if len(self.record["step_starts"]) < self.max_steps:
+            self.record["step_starts"].append(time.perf_counter())
+
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
@@ -72,6 +81,9 @@ class BenchProbe(Callback):
             len(steps) == self.warmup or batch_idx == trainer.num_training_batches - 1
         ):
             torch.cuda.synchronize(device)
+            if self.sample_gpu and self.sampler is None and len(steps) == self.warmup:
+                self.sampler = GpuUtilSampler(device)
+                self.sampler.start()
         if not steps:
             self.record["first_step_unix"] = time.time()
         if len(steps) < self.max_steps:
@@ -96,6 +108,9 @@ class BenchProbe(Callback):
             lr_end_ratio=_lr_ratio(trainer),
             peak_rss_train=proc_status("VmHWM"),
         )
+        if self.sampler is not None:
+            self.sampler.stop.set()
+            self.record["gpu_util_samples"] = self.sampler.samples
         if device.type == "cuda":
             self.record["peak_cuda_allocated"] = torch.cuda.max_memory_allocated(device)
             self.record["peak_cuda_reserved"] = torch.cuda.max_memory_reserved(device)
@@ -134,3 +149,18 @@ def step_periods(step_ends: list[float], warmup: int) -> list[float]:
     """Seconds per step after `warmup` steps: differences of consecutive batch-end times."""
     ends = step_ends[warmup:]
     return [b - a for a, b in itertools.pairwise(ends)]
+
+
+class GpuUtilSampler(threading.Thread):
+    """NVML utilisation of the training GPU every 0.25 s while running (bench/probe.py starts it)."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(daemon=True)
+        self.device, self.samples, self.stop = device, [], threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.wait(0.25):
+            try:
+                self.samples.append(float(torch.cuda.utilization(self.device)))
+            except Exception:  # NVML missing: no samples, the figure reads "—"
+                return

@@ -132,9 +132,19 @@ def render(run: dict[str, Any] | None, results: list[dict[str, Any]]) -> str:
         ]
         for note in r.get("notes") or []:
             out += [f"> {note}", ""]
+        if r["name"] == "gpu" and (r.get("details") or {}).get("table_md"):
+            facts = r["details"].get("gpu_facts") or {}
+            out += [
+                f"{facts.get('gpu', 'no GPU')}, driver {facts.get('driver', '—')}, torch {facts.get('torch')} "
+                f"(CUDA {facts.get('cuda')}). Steady state: the timed steps after the warm-up, synchronised "
+                "at both ends; first step: compile + warm-up, apart.",
+                "",
+                *r["details"]["table_md"],
+                "",
+            ]
         if r["name"] == "accuracy":
             out += cpu_kinds(ROOT / "bench" / "results" / "cpu_kinds")
-        extra = {k: v for k, v in (r.get("details") or {}).items()}
+        extra = {k: v for k, v in (r.get("details") or {}).items() if k != "table_md"}
         if extra:
             out += [
                 "<details><summary>details</summary>",

@@ -16,6 +16,7 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.fabric.utilities.load import _METADATA_FILENAME
+from lightning.fabric.utilities.throughput import Throughput
 from lightning.pytorch.callbacks import ThroughputMonitor, WeightAveraging
 from lightning.pytorch.callbacks.throughput_monitor import _plugin_to_compute_dtype
 from lightning.pytorch.strategies import ModelParallelStrategy
@@ -97,10 +98,35 @@ class UnsyncedThroughputMonitor(ThroughputMonitor):
         for throughput in self._throughputs.values():
             throughput.available_flops = flops
 
+    def fit_train_window(self, trainer: L.Trainer, window: int) -> None:
+        """A training window of `window` batches (the meter `setup` made has the configured size)."""
+        old = self._throughputs.get(RunningStage.TRAINING)
+        if old is not None and old._time.maxlen != window:
+            self._throughputs[RunningStage.TRAINING] = Throughput(
+                available_flops=self.available_flops,
+                world_size=trainer.world_size,
+                **{**self.kwargs, "window_size": window},
+            )
+
+    @staticmethod
+    def _measures_now(trainer: L.Trainer) -> bool:
+        """A logging step, or a training epoch's last batch (a short run still gets its figures)."""
+        if trainer.state.stage != RunningStage.TRAINING:
+            return True
+        return should_update_logs(trainer) or bool(trainer.is_last_batch)
+
+    def _compute(self, trainer: L.Trainer, iter_num: int | None = None) -> None:
+        if not (should_update_logs(trainer) or (trainer.training and trainer.is_last_batch)):
+            return
+        throughput = self._throughputs[trainer.state.stage]
+        metrics = throughput.compute()
+        metrics = {f"{trainer.state.stage.value}{throughput.separator}{k}": v for k, v in metrics.items()}
+        trainer._logger_connector.log_metrics(metrics, step=iter_num)
+
     @torch.inference_mode()
     def _update(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, iter_num: int) -> None:
         stage = trainer.state.stage
-        exact = stage != RunningStage.TRAINING or should_update_logs(trainer)
+        exact = self._measures_now(trainer)
         if trainer.strategy.root_device.type == "cuda" and exact:
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - self._t0s[stage]

@@ -95,6 +95,15 @@ def use_tensor_cores_for_fp32(trainer: L.Trainer) -> None:
         torch.set_float32_matmul_precision("high")
 
 
+def keep_compiled_kernels(cfg: DictConfig) -> None:
+    """torch.compile's caches (Inductor's kernels and graphs) in `paths.cache_dir/torch_compile` unless the
+    environment names a place: the next run of the same model compiles in seconds (the default, /tmp, is
+    lost at reboot and on a new container). The ranks Lightning starts inherit the variable."""
+    cache = cfg.get("paths", {}).get("cache_dir")
+    if cache:
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(cache).expanduser() / "torch_compile"))
+
+
 def best_value(metric: str, metrics: dict[str, float], trainer: L.Trainer) -> float | None:
     """The best value of `metric` in the run: the score of the ModelCheckpoint that monitors it (the same on
     every rank), else, with a warning, its last value. What a sweeper optimises (`optimized_metric`)."""
@@ -112,6 +121,7 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], RunObjects]:
     if cfg.get("seed") is not None:
         # the same seed on every rank: identical initial weights everywhere
         L.seed_everything(cfg.seed, workers=True)
+    keep_compiled_kernels(cfg)
     objects = build(cfg)
     trainer, model, datamodule = objects.trainer, objects.model, objects.datamodule
     if isinstance(datamodule, ImageDataModule):  # before Lightning starts the other local ranks

@@ -135,6 +135,8 @@ class ImageThroughputMonitor(UnsyncedThroughputMonitor):
         self.eval_flops: float | None = None
         # training FLOPs per image at the smaller sizes progressive resizing trains at, by (height, width)
         self.resized_train_flops: dict[tuple[int, int], float | None] = {}
+        #: the training window used: `window_size`, or half an epoch when an epoch is shorter than two windows
+        self.train_window: int = int(window_size)
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         with warnings.catch_warnings():  # "FLOPs not found for ...": our table decides below
@@ -156,6 +158,18 @@ class ImageThroughputMonitor(UnsyncedThroughputMonitor):
         if self.train_flops is None:
             self.train_flops = flops_per_image(pl_module, training=True)
             self.eval_flops = flops_per_image(pl_module, training=False)
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        # figures are computed at log steps and at each epoch's last batch over the last `window` batches: a
+        # window of half an epoch at most fills in a short run, and leaves its first steps (compile,
+        # warm-up) out of the figure
+        batches = trainer.num_training_batches
+        configured = int(self.kwargs.get("window_size", self.train_window))
+        self.train_window = (
+            configured if batches == float("inf") else max(2, min(configured, int(batches) // 2))
+        )
+        self.fit_train_window(trainer, self.train_window)
 
     def _set_flops(self, pl_module: L.LightningModule, per_image: float | None, batch: Any) -> None:
         pl_module.flops_per_batch = per_image * batch_size(batch) if per_image else None

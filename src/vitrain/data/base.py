@@ -67,7 +67,7 @@ class ImageDataModule(LightningDataModule):
         split_seed: int = 0,
         shuffle_seed: int = 0,
         num_workers: int | None = 0,
-        pin_memory: bool = False,
+        pin_memory: bool | str = "auto",
         drop_last: bool = True,
         img_size: int | None = None,
         mean: list[float] | None = None,
@@ -277,7 +277,7 @@ class ImageDataModule(LightningDataModule):
             sampler=sampler,
             drop_last=train and hp.drop_last,
             num_workers=workers,
-            pin_memory=hp.pin_memory,
+            pin_memory=self.pin_memory(),
             persistent_workers=workers > 0,
             collate_fn=passthrough_collate if in_memory else getattr(dataset, "collate", None),
             # a private generator: creating the iterator draws a seed, which must not shift the global RNG
@@ -285,6 +285,18 @@ class ImageDataModule(LightningDataModule):
             generator=torch.Generator().manual_seed(hp.shuffle_seed),
             **extra,
         )
+
+    def pin_memory(self) -> bool:
+        """`pin_memory`, with `auto` = on when the trainer's device is a GPU: a batch copied from pageable
+        memory makes the host wait until the GPU has run everything queued before it (one stall per step, the
+        next step's kernels launched late); from pinned memory the copy runs behind the host's back."""
+        value = self.hparams.pin_memory
+        if value == "auto":
+            device = self.trainer.strategy.root_device if self.trainer is not None else None
+            return device is not None and device.type == "cuda"
+        if not isinstance(value, bool):
+            raise DataError(f"datamodule.pin_memory={value!r} must be true, false or auto")
+        return value
 
     def _resume_offset(self) -> int:
         """Batches of the current epoch a restored (mid-epoch) checkpoint has already trained on."""

@@ -294,7 +294,7 @@ class StreamingDataModule(ImageDataModule):
             self.train_set,
             batch_size=self._batch,
             num_workers=workers,
-            pin_memory=self.hparams.pin_memory,
+            pin_memory=self.pin_memory(),
             persistent_workers=workers > 0,
             collate_fn=collate,
             drop_last=True,

@@ -1,5 +1,6 @@
 """LightningModule around a timm network: loss, top-1/top-5 accuracy, AdamW + warm-up/cosine."""
 
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
@@ -64,7 +65,7 @@ class ImageClassifier(L.LightningModule):
         scheduler: Mapping[str, Any] | None = None,
         label_smoothing: float = 0.0,
         weights_file: str | None = None,
-        compile: bool = False,
+        compile: bool | str = "auto",
         fused_attn: bool | None = None,
         mixup: Mapping[str, Any] | None = None,
         layer_decay: float | None = None,
@@ -155,7 +156,7 @@ class ImageClassifier(L.LightningModule):
         strategy = trainer.strategy if trainer is not None else None
         if strategy is not None:
             self.check_strategy(strategy, fitting=trainer.state.fn == TrainerFn.FITTING)
-        parallelize(self.net, strategy, compile=self.hparams.compile)
+        parallelize(self.net, strategy, compile=compile_choice(self.hparams.compile, strategy))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.hparams.channels_last:
@@ -207,10 +208,13 @@ class ImageClassifier(L.LightningModule):
         self, batch: tuple[torch.Tensor, torch.Tensor], metrics: MetricCollection, loss: MeanMetric
     ):
         x, y = batch
-        logits = self(x)
-        if self.hparams.tta_flip:
-            # test-time augmentation: the mean of the logits of each image and its mirror image
-            logits = (logits + self(x.flip(-1))) / 2
+        # evaluation runs eagerly: a compiled network would compile again for no-grad mode and for each
+        # evaluation batch size (~20-30 s each for ViT-B/32 on an H100), more than most evaluations take
+        with torch.compiler.set_stance("force_eager"):
+            logits = self(x)
+            if self.hparams.tta_flip:
+                # test-time augmentation: the mean of the logits of each image and its mirror image
+                logits = (logits + self(x.flip(-1))) / 2
         # per-sample losses: their mean over the epoch weighs every image alike, and no Python weight is
         # turned into a GPU tensor each batch (a host-to-device copy: a sync)
         loss.update(F.cross_entropy(logits, y, reduction="none"))
@@ -244,7 +248,7 @@ class ImageClassifier(L.LightningModule):
             base_lr = options["lr"]
             for group in groups:
                 group["lr"] = base_lr * group["lr_scale"]  # torch's schedulers scale each group's own lr
-        optimizer = hydra_partial(options)(params=groups)
+        optimizer = hydra_partial(options)(params=groups, **fused_default(options, self.net))
         if self.hparams.scheduler is None:
             return {"optimizer": optimizer}
         # the trainer: its max_time is the schedule's time budget (vitrain/models/schedules.py)
@@ -266,6 +270,30 @@ class ImageClassifier(L.LightningModule):
         """Refuse, in one line, a checkpoint trained on other classes than the data now given (runs before
         the weights are loaded, which would fail on the head's shape with a long message)."""
         check_classes(checkpoint.get("class_names"), self.class_names, "ckpt_path")
+
+
+def compile_choice(value: bool | str, strategy: Strategy | None) -> bool:
+    """`model.compile`: true, false, or auto = on when training on a GPU (1.25x a ViT-B/32's eager speed on
+    an H100, docs/benchmarks.md), off on a CPU (compile time is rarely won back there)."""
+    if value == "auto":
+        return strategy is not None and strategy.root_device.type == "cuda"
+    if not isinstance(value, bool):
+        raise ModelError(f"model.compile={value!r} must be true, false or auto")
+    return value
+
+
+def fused_default(options: Mapping[str, Any], net: nn.Module) -> dict[str, Any]:
+    """`fused=True` for an optimizer that has a fused kernel (Adam, AdamW, SGD...) when the config does not
+    say, on a GPU, for plain (unsharded) parameters: one kernel for the whole update instead of a few per
+    parameter list. Sharded (DTensor) parameters keep torch's default (foreach), as torchtitan does."""
+    if "fused" in options:
+        return {}
+    cls = hydra.utils.get_class(options["_target_"])
+    params = list(net.parameters())
+    plain_cuda = bool(params) and all(type(p.data) is torch.Tensor and p.is_cuda for p in params)
+    if plain_cuda and "fused" in inspect.signature(cls.__init__).parameters:
+        return {"fused": True}
+    return {}
 
 
 def hydra_partial(node: Mapping[str, Any]) -> Any:

@@ -93,10 +93,7 @@ def render_markdown(report: dict[str, Any]) -> str:
                     "training wall time",
                     f"{fmt(report['wall_time_s'])} s (fit), {fmt(report['time_per_epoch_s'])} s per epoch",
                 ],
-                [
-                    "throughput",
-                    f"{fmt(report['throughput_images_per_s'])} images/s (training batches, all devices)",
-                ],
+                ["throughput", _throughput(report)],
                 ["MFU", mfu],
                 ["peak memory", f"{fmt(report['peak_memory_gb'])} GB (largest device)"],
                 [
@@ -198,3 +195,16 @@ def render_markdown(report: dict[str, Any]) -> str:
     if plots:
         lines += ["", "## Curves", "", *(f"![{name}]({path})" for name, path in plots.items())]
     return scrub("\n".join(lines) + "\n")
+
+
+def _throughput(report: dict[str, Any]) -> str:
+    """Steady state (the throughput monitor's last window) first; the average over all training batches,
+    and the first step (torch.compile's compile time, warm-up) apart."""
+    steady = report.get("throughput_monitor_images_per_s")
+    text = f"{fmt(steady)} images/s steady state (all devices), " if steady else ""
+    text += f"{fmt(report['throughput_images_per_s'])} images/s over all training batches"
+    if report.get("first_step_s") is not None:
+        text += f"; first step {fmt(report['first_step_s'])} s (compile, warm-up)"
+        if report.get("images_per_s_after_first_step"):
+            text += f", {fmt(report['images_per_s_after_first_step'])} images/s after it"
+    return text

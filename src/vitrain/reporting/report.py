@@ -139,13 +139,9 @@ def build_report(run_dir: Path, scalars: Scalars | None = None) -> dict[str, Any
         "throughput_images_per_s": fit.get("images_per_s"),
         "throughput_monitor_images_per_s": monitor_ips,
         "mfu": mfu,
-        "mfu_note": None
-        if mfu is not None
-        else (
-            f"no peak FLOPs known for {flops.get('device') or 'this device'}"
-            if flops
-            else "not measured (no ImageThroughputMonitor)"
-        ),
+        "first_step_s": fit.get("first_step_s"),
+        "images_per_s_after_first_step": fit.get("images_per_s_after_first_step"),
+        "mfu_note": None if mfu is not None else mfu_note(flops, stats),
         "flops": flops or None,
         "metrics": metric_summary(scalars, stats),
         "memory": memory or None,
@@ -161,6 +157,22 @@ def build_report(run_dir: Path, scalars: Scalars | None = None) -> dict[str, Any
         "sources": {"metric_record": bool(scalars), "run_stats": bool(stats), "hydra": bool(hydra)},
     }
     return redact(report)
+
+
+def mfu_note(flops: dict[str, Any], stats: dict[str, Any]) -> str:
+    """Why a run's report has no MFU: the real reason, from what the run recorded."""
+    if not flops:
+        if not stats:
+            return "not measured (no run_stats.json: the run ended before its statistics were written)"
+        return "not measured (no ImageThroughputMonitor in the callbacks)"
+    device = flops.get("device") or "this device"
+    if flops.get("train_flops_per_image") is None:
+        return f"the model's FLOPs per image could not be counted (images/s only) on {device}"
+    if not flops.get("peak_flops_per_device"):
+        return f"no peak FLOPs known for {device} (set callbacks.throughput.peak_flops)"
+    window = flops.get("window_batches")
+    steps = (stats.get("fit") or {}).get("global_step")
+    return f"the run trained {steps} steps, fewer than the throughput window ({window} batches)"
 
 
 def _checkpoints_on_disk(run_dir: Path) -> dict[str, Any]:

@@ -104,6 +104,12 @@ class RunStats(Callback):
         images = batch_size(batch)
         self.stats["batch_size"].setdefault("per_device_observed", images)
         self._epoch["images"] += images * trainer.world_size  # equal shards on every rank (drop_last)
+        fit = self.stats["fit"]
+        if "first_step_s" not in fit and self._stretch is not None:
+            # the fit's first step: torch.compile's compile time (model.compile), cuDNN/cuBLAS warm-up and
+            # the loader's start, kept apart from the steady-state figures (one synchronize, once)
+            fit["first_step_s"] = round(self._sync(trainer) - self._stretch, 3)
+            fit["first_step_images"] = images * trainer.world_size
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._close_stretch(trainer)
@@ -145,6 +151,9 @@ class RunStats(Callback):
         fit["global_step"] = trainer.global_step
         if fit["train_time_s"] > 0:
             fit["images_per_s"] = round(fit["images"] / fit["train_time_s"], 2)
+        rest = fit["train_time_s"] - fit.get("first_step_s", 0.0)
+        if "first_step_s" in fit and fit["images"] > fit["first_step_images"] and rest > 0:
+            fit["images_per_s_after_first_step"] = round((fit["images"] - fit["first_step_images"]) / rest, 2)
         if self._sampler is not None:
             self._sampler.stop()
             self.stats["gpu_utilization"] = self._gather_utilisation(trainer)
@@ -232,6 +241,7 @@ class RunStats(Callback):
             or None,
             "peak_flops_per_device": monitor.available_flops,
             "device": monitor.device_name,
+            "window_batches": monitor.train_window,
         }
 
 
