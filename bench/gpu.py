@@ -67,6 +67,7 @@ SECTIONS: dict[str, int] = {
     "hand": 150,
     "seed_before": 100,
     "seed": 110,
+    "seed_eager": 60,
     "folder": 110,
     "recipes": 150,
     "fsdp": 150,
@@ -79,6 +80,7 @@ WHAT = {
     "hand_fp8": "hand-written loop, compiled, float8 matmuls (torchao)",
     "seed_before": "`experiment=cifar`, 2026-11-26 settings (eager, pageable batches, foreach AdamW)",
     "seed": "`experiment=cifar` (today's defaults)",
+    "seed_eager": "`experiment=cifar model.compile=false` (pinned batches, fused AdamW, eager)",
     "folder": "`datamodule=image_folder` from disk, photo-sized JPEGs, timm transforms in workers",
     "recipes": "recipes: that folder in memory, RandAugment + erasing, EMA, progressive resizing, flip TTA",
     "fsdp": "`trainer=fsdp` on 1 GPU, bf16 FSDP policy",
@@ -391,6 +393,8 @@ def section(ctx: Ctx, name: str, timeout: float) -> dict[str, Any]:
                  "+model.optimizer.fused=false"]  # fmt: skip
     elif name == "seed":
         extra = ctx.cifar_data()
+    elif name == "seed_eager":
+        extra = [*ctx.cifar_data(), "model.compile=false"]
     elif name == "folder":
         extra = ctx.folder_data(in_memory=False)
     elif name == "recipes":
