@@ -84,6 +84,8 @@ class BenchProbe(Callback):
             if self.sample_gpu and self.sampler is None and len(steps) == self.warmup:
                 self.sampler = GpuUtilSampler(device)
                 self.sampler.start()
+            elif self.sampler is not None and batch_idx == trainer.num_training_batches - 1:
+                self.sampler.stop.set()  # the timed window ends here: no validation or saving in it
         if not steps:
             self.record["first_step_unix"] = time.time()
         if len(steps) < self.max_steps:

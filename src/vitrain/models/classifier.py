@@ -22,7 +22,7 @@ from vitrain.compat import attached_trainer, should_update_logs
 from vitrain.distributed.parallelize import parallelize
 from vitrain.errors import ModelError
 from vitrain.models.resolution import make_resize
-from vitrain.models.timm_net import create_net, input_spec
+from vitrain.models.timm_net import create_net, input_spec, patch_convs_as_matmuls
 from vitrain.utils.config import plain
 
 
@@ -156,7 +156,10 @@ class ImageClassifier(L.LightningModule):
         strategy = trainer.strategy if trainer is not None else None
         if strategy is not None:
             self.check_strategy(strategy, fitting=trainer.state.fn == TrainerFn.FITTING)
-        parallelize(self.net, strategy, compile=compile_choice(self.hparams.compile, strategy))
+        if strategy is not None and strategy.root_device.type == "cuda":
+            patch_convs_as_matmuls(self.net)
+        compile = compile_choice(self.hparams.compile, strategy, resizes=self.resize is not None)
+        parallelize(self.net, strategy, compile=compile)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.hparams.channels_last:
@@ -272,11 +275,18 @@ class ImageClassifier(L.LightningModule):
         check_classes(checkpoint.get("class_names"), self.class_names, "ckpt_path")
 
 
-def compile_choice(value: bool | str, strategy: Strategy | None) -> bool:
-    """`model.compile`: true, false, or auto = on when training on a GPU (1.25x a ViT-B/32's eager speed on
-    an H100, docs/benchmarks.md), off on a CPU (compile time is rarely won back there)."""
+def compile_choice(value: bool | str, strategy: Strategy | None, resizes: bool = False) -> bool:
+    """`model.compile`: true, false, or auto = on when training on one GPU or under DDP with static shapes
+    (1.2x the eager speed of the seed run on an H100, docs/benchmarks.md). Off on a CPU (Inductor's C++
+    build is rarely won back there), with progressive resizing (every new size compiles again) and under
+    FSDP (each block is compiled apart: its start-up did not fit the benchmark's time, not yet measured)."""
     if value == "auto":
-        return strategy is not None and strategy.root_device.type == "cuda"
+        return (
+            strategy is not None
+            and strategy.root_device.type == "cuda"
+            and getattr(strategy, "fsdp_options", None) is None
+            and not resizes
+        )
     if not isinstance(value, bool):
         raise ModelError(f"model.compile={value!r} must be true, false or auto")
     return value
