@@ -142,7 +142,7 @@ def data_wait(args: Any, workdir: Path) -> dict[str, Any]:
     from omegaconf import open_dict
     from probe import BenchProbe
 
-    from vitrain.training import build
+    from vitrain.tasks.build import build
 
     warmup, steps = (1, 3) if args.smoke else (3, args.wait_steps)
     overrides = [

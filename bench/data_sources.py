@@ -128,7 +128,7 @@ def torchvision_loader(folder: Path, args: Any) -> DataLoader:
 
 def data_wait(source: str, data_dir: Path, args: Any, workdir: Path) -> dict[str, Any]:
     """Share of step time in the training loader's next() during a short fit at 224 px."""
-    from vitrain.training import build
+    from vitrain.tasks.build import build
 
     warmup, steps = (1, 2) if args.smoke else (3, args.wait_steps)
     overrides = [

@@ -1,11 +1,11 @@
 """GPU figures of the seed run (`experiment=cifar`: ViT-B/32 at 224 px, bf16-mixed): images/s, MFU, peak
 memory and the largest batch size that fits one GPU.
 
-With CUDA: a short fit through the template (`vitrain.training.train`, default callbacks) times the
+With CUDA: a short fit through the template (`vitrain.tasks.training.train`, default callbacks) times the
 steady-state steps (bench/probe.py; synchronised at the ends of the window), MFU = measured FLOPs per image
 (forward + backward, counted by Lightning's `measure_flops` on a meta-device copy) x images/s / the GPU's
 dense peak bf16 FLOPs (vitrain/callbacks/throughput.py, the callback's own table), peak memory = `torch.cuda.max_memory_allocated`, and the largest
-batch size comes from the template's own search (`+tune=batch_size`, vitrain/tuning.py).
+batch size comes from the template's own search (`+tune=batch_size`, vitrain/tasks/tuning.py).
 Without CUDA the same code runs with a tiny model on the CPU, and every figure is marked "not measured".
 """
 
@@ -57,7 +57,7 @@ def timed_fit(args: Any, overrides: list[str], workdir: Path) -> dict[str, Any]:
     from omegaconf import OmegaConf, open_dict
     from probe import BenchProbe
 
-    from vitrain.training import train
+    from vitrain.tasks.training import train
 
     cfg = compose(
         [

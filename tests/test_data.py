@@ -486,7 +486,7 @@ def test_cifar100_trains_with_a_100_class_head(tmp_path: Path):
     meta file's fine class names, CIFAR-100's own normalisation is used."""
     from helpers import compose_cfg, tiny_overrides
     from vitrain.data.cifar10 import CIFAR100_MEAN, CIFAR100DataModule
-    from vitrain.training import train
+    from vitrain.tasks.training import train
 
     make_cifar100_python(tmp_path / "data", n_train_per_class=2, n_test_per_class=1)
     overrides = [

@@ -32,8 +32,8 @@ from vitrain.data import in_memory
 from vitrain.data.image_folder import ImageFileDataset, ImageFolderDataModule
 from vitrain.data.loaders import TensorImageDataset
 from vitrain.errors import DataError
-from vitrain.evaluation import evaluate
-from vitrain.training import train
+from vitrain.tasks.evaluation import evaluate
+from vitrain.tasks.training import train
 
 N_ALL = N_TRAIN_ALL + N_VAL_ALL  # the photos have train/ and val/, no test/ (test = val)
 

@@ -102,7 +102,7 @@ def test_every_target_leads_to_the_code_in_one_hop():
             assert obj.__module__ == module, (
                 f"{path.relative_to(ROOT)}: {target} is defined in {obj.__module__}"
             )
-    assert "vitrain.reporting.run_stats.RunStats" in seen
+    assert "vitrain.callbacks.run_stats.RunStats" in seen
 
 
 FRAMEWORKS = ("lightning", "torch", "litdata", "hydra", "omegaconf", "timm", "torchmetrics", "torchvision")

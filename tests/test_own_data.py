@@ -18,7 +18,7 @@ from helpers import TINY_VIT, compose_cfg, run_cli
 from vitrain.data.image_folder import ImageFolderDataModule
 from vitrain.data.shards import write_shards
 from vitrain.errors import DataError
-from vitrain.training import train
+from vitrain.tasks.training import train
 
 RUN_TIMEOUT = 300
 

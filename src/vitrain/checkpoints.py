@@ -1,4 +1,5 @@
-"""Writing checkpoints atomically, and reading them back: a file, a sharded (FSDP) folder, or s3://."""
+"""Writing checkpoints atomically, and reading them back: a file or a sharded (FSDP) folder (which checkpoint, local
+or s3://, is vitrain/tasks/runs.py's question)."""
 
 import errno
 import io
@@ -64,18 +65,6 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             )
         except READ_ERRORS as err:
             raise _damaged(Path(path), err) from err
-
-
-def resolve(ckpt_path: str, cache_dir: str | Path) -> Path:
-    """A local path for `ckpt_path`, downloading (and verifying) s3:// URIs into the cache."""
-    if ckpt_path.startswith("s3://"):
-        from vitrain.s3.store import fetch_checkpoint  # boto3 only when needed
-
-        return fetch_checkpoint(ckpt_path, Path(cache_dir) / "s3")
-    path = Path(ckpt_path).expanduser()
-    if not path.exists():
-        raise CheckpointError(f"ckpt_path={ckpt_path} does not exist")
-    return path
 
 
 def load(path: Path) -> dict[str, Any]:
