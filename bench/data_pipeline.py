@@ -95,7 +95,7 @@ def resize(x: torch.Tensor, size: int) -> torch.Tensor:
 
 
 def pipeline_rates(args: Any, workdir: Path, device: torch.device) -> dict[str, Any]:
-    from vitrain.data.cifar10 import CIFAR10DataModule
+    from vitrain.data.datamodules.cifar import CIFAR10DataModule
 
     datamodule = CIFAR10DataModule(
         str(args.data_dir),

@@ -44,8 +44,8 @@ IMG = 224
 
 def build_folder(args: Any, root: Path) -> Path:
     """`root/train|val/<class>/*.jpg`: CIFAR-10 images upscaled to 224 px and re-encoded."""
-    from vitrain.data.cache import unpack_archive
-    from vitrain.data.sources import find_layout
+    from vitrain.data.readers.cache import unpack_archive
+    from vitrain.data.readers.cifar import find_layout
 
     src = Path(args.data_dir)
     if src.is_file():

@@ -18,8 +18,8 @@ import torch
 from PIL import Image
 
 from helpers import ROOT, TINY_VIT, Recorder, compose_cfg, fails_in_process, run_cli
-from vitrain.data import image_folder
-from vitrain.data.image_folder import ImageFolderDataModule
+from vitrain.data.datamodules import image_folder
+from vitrain.data.datamodules.image_folder import ImageFolderDataModule
 from vitrain.errors import DataError
 from vitrain.tasks.training import train
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from helpers import ROOT, compose_cfg
-from vitrain.tasks import precision
 from vitrain.compat import mkldnn_bf16_supported
 from vitrain.errors import UserError
+from vitrain.tasks import precision
 from vitrain.tasks.precision import (
     SPEEDUP_ENV,
     choose_precision,

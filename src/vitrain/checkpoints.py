@@ -95,6 +95,32 @@ def _load_sharded(folder: Path) -> dict[str, Any]:
     return checkpoint
 
 
+# where classes that checkpoints name by path (the `_target_`s of their saved `run_config`) lived before
+# (issue 32 moved them): old prefix -> new prefix; vitrain/tasks/evaluation.py rebuilds a run from them
+MOVED_TARGETS = {
+    "vitrain.data.cifar10.": "vitrain.data.datamodules.cifar.",
+    "vitrain.data.image_folder.": "vitrain.data.datamodules.image_folder.",
+    "vitrain.data.streaming.": "vitrain.data.datamodules.streaming.",
+    "vitrain.reporting.run_stats.": "vitrain.callbacks.run_stats.",
+}
+
+
+def current_targets(node: Any) -> Any:
+    """`node` (a saved config: dicts and lists) with every `_target_` that names a moved class rewritten to
+    where the class lives now; a checkpoint written before a move still rebuilds its run."""
+    if isinstance(node, dict):
+        out = {key: current_targets(value) for key, value in node.items()}
+        target = out.get("_target_")
+        if isinstance(target, str):
+            for old, new in MOVED_TARGETS.items():
+                if target.startswith(old):
+                    out["_target_"] = new + target.removeprefix(old)
+        return out
+    if isinstance(node, list):
+        return [current_targets(value) for value in node]
+    return node
+
+
 def state_dict_mismatch(err: BaseException) -> str | None:
     """The first detail of torch's "Error(s) in loading state_dict" (a missing key, a size mismatch), for a
     one-line message; None when `err` is another error."""

@@ -34,7 +34,11 @@ def saved_config(checkpoint: dict[str, Any], path: Path) -> DictConfig:
     run_config = checkpoint.get("run_config")
     if not run_config:
         raise CheckpointError(f"{path} has no saved run config: it was not written by src/train.py")
-    cfg = OmegaConf.create({"model": run_config["model"], "datamodule": run_config["datamodule"]})
+    # classes that moved since the checkpoint was written are found where they live now
+    saved = checkpoints.current_targets(
+        {"model": run_config["model"], "datamodule": run_config["datamodule"]}
+    )
+    cfg = OmegaConf.create(saved)
     cfg.merge_with_dotlist([o.lstrip("+") for o in _command_line_overrides(("model.", "datamodule."))])
     # the weights come from the checkpoint: never download or read pretrained weights again
     cfg.model.net.pretrained = False

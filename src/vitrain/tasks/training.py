@@ -17,7 +17,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig
 
 from vitrain.checkpoints import CheckpointError, state_dict_mismatch
-from vitrain.data.base import ImageDataModule
+from vitrain.data.datamodules.base import ImageDataModule
 from vitrain.errors import UserError
 from vitrain.loggers import finish_runs, log_run_config
 from vitrain.reporting.report import write_report

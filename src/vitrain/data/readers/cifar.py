@@ -13,10 +13,10 @@ from pathlib import Path
 
 import torch
 
-from vitrain.data.cache import CACHE_FORMAT, digest, is_archive, stat_key, unpack_archive
-from vitrain.data.cifar_batches import decode_batches
-from vitrain.data.cifar_folders import decode_folders, folder_files
-from vitrain.data.cifar_spec import CIFAR10, CifarSpec, Decoded, Layout
+from vitrain.data.readers.cache import CACHE_FORMAT, digest, is_archive, stat_key, unpack_archive
+from vitrain.data.readers.cifar_folders import decode_folders, folder_files
+from vitrain.data.readers.cifar_pickles import decode_batches
+from vitrain.data.readers.cifar_spec import CIFAR10, CifarSpec, Decoded, Layout
 from vitrain.errors import DataError
 from vitrain.utils.atomic import write_atomic
 
