@@ -2,7 +2,7 @@
 decode it once into a uint8 tensor file in the cache, and load that file on every later run.
 
 Decoding is slow and the same every run, so it happens once per source; the readers of each layout are
-`cifar_batches` and `cifar_folders`, the data sets' specs are in `cifar_spec`."""
+`cifar_pickles` and `cifar_folders`, the data sets' specs are in `cifar_spec`."""
 
 from __future__ import annotations
 
