@@ -96,7 +96,7 @@ def machine() -> dict[str, Any]:
     import timm
     import torch
 
-    from vitrain.precision import cpu_bf16_choice, cpu_bf16_support, measured_cpu_bf16_speedup
+    from vitrain.tasks.precision import cpu_bf16_choice, cpu_bf16_support, measured_cpu_bf16_speedup
 
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     native = cpu_bf16_support()[0]
@@ -274,7 +274,7 @@ def compose(overrides: Sequence[str], output_dir: Path) -> Any:
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import open_dict
 
-    from vitrain.utils.run_id import register_resolvers
+    from vitrain.tasks.runs import register_resolvers
 
     register_resolvers()
     GlobalHydra.instance().clear()

@@ -95,7 +95,7 @@ def resize(x: torch.Tensor, size: int) -> torch.Tensor:
 
 
 def pipeline_rates(args: Any, workdir: Path, device: torch.device) -> dict[str, Any]:
-    from vitrain.data.cifar10 import CIFAR10DataModule
+    from vitrain.data.datamodules.cifar import CIFAR10DataModule
 
     datamodule = CIFAR10DataModule(
         str(args.data_dir),
@@ -142,7 +142,7 @@ def data_wait(args: Any, workdir: Path) -> dict[str, Any]:
     from omegaconf import open_dict
     from probe import BenchProbe
 
-    from vitrain.training import build
+    from vitrain.tasks.build import build
 
     warmup, steps = (1, 3) if args.smoke else (3, args.wait_steps)
     overrides = [

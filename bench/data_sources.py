@@ -44,8 +44,8 @@ IMG = 224
 
 def build_folder(args: Any, root: Path) -> Path:
     """`root/train|val/<class>/*.jpg`: CIFAR-10 images upscaled to 224 px and re-encoded."""
-    from vitrain.data.cache import unpack_archive
-    from vitrain.data.sources import find_layout
+    from vitrain.data.readers.cache import unpack_archive
+    from vitrain.data.readers.cifar import find_layout
 
     src = Path(args.data_dir)
     if src.is_file():
@@ -128,7 +128,7 @@ def torchvision_loader(folder: Path, args: Any) -> DataLoader:
 
 def data_wait(source: str, data_dir: Path, args: Any, workdir: Path) -> dict[str, Any]:
     """Share of step time in the training loader's next() during a short fit at 224 px."""
-    from vitrain.training import build
+    from vitrain.tasks.build import build
 
     warmup, steps = (1, 2) if args.smoke else (3, args.wait_steps)
     overrides = [

@@ -43,7 +43,7 @@ from common import (
     short_run,
 )
 
-from vitrain.precision import resolve_precision
+from vitrain.tasks.precision import resolve_precision
 
 SMOKE = [
     *SMOKE_NET,

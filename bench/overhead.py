@@ -1,6 +1,6 @@
 """Framework overhead: training steps/s of the template vs a hand-written PyTorch loop, interleaved.
 
-Template: `vitrain.training.train(cfg)` — what `src/train.py` runs — with `experiment=cifar_cpu` and the
+Template: `vitrain.tasks.training.train(cfg)` — what `src/train.py` runs — with `experiment=cifar_cpu` and the
 default callbacks and logger (checkpoints, Rich progress bar, LR monitor, throughput, run report,
 TensorBoard...). Plain: the same timm network, the same uint8 images in memory with the same on-device
 augmentation, batch size, AdamW parameter groups, LR schedule and autocast precision, in a `for` loop with
@@ -32,7 +32,7 @@ from common import (
 )
 from lightning.pytorch.callbacks import Callback
 
-from vitrain.precision import resolve_precision
+from vitrain.tasks.precision import resolve_precision
 
 SMOKE = [
     *SMOKE_NET,
@@ -181,7 +181,7 @@ def main() -> None:
     sys.modules.setdefault("overhead", sys.modules[__name__])  # so the config's _target_ finds this one
     from omegaconf import open_dict
 
-    from vitrain.training import train
+    from vitrain.tasks.training import train
 
     with open_dict(cfg):
         cfg.callbacks["bench_interleave"] = {"_target_": "overhead.interleaver"}

@@ -20,8 +20,8 @@ import torch
 from common import synced_clock
 from lightning.pytorch.callbacks import Callback
 
-from vitrain.reporting.measuring import proc_status, reset_peak_rss
 from vitrain.utils.atomic import write_atomic
+from vitrain.utils.measuring import proc_status, reset_peak_rss
 
 GB = 1024**3
 

@@ -3,8 +3,8 @@
 import hydra
 from omegaconf import DictConfig
 
-from vitrain.utils.cli import check_overrides
-from vitrain.utils.run_id import register_resolvers
+from vitrain.tasks.cli import check_overrides
+from vitrain.tasks.runs import register_resolvers
 
 register_resolvers()
 
@@ -17,7 +17,7 @@ def main(cfg: DictConfig) -> None:
 if __name__ == "__main__":
     check_overrides("eval")
     # loaded after the config check, before Hydra's logging set-up (src/train.py says why)
-    from vitrain.evaluation import evaluate
-    from vitrain.utils.task import run_task
+    from vitrain.tasks.evaluation import evaluate
+    from vitrain.tasks.harness import run_task
 
     main()

@@ -3,8 +3,8 @@
 import hydra
 from omegaconf import DictConfig
 
-from vitrain.utils.cli import check_overrides
-from vitrain.utils.run_id import register_resolvers
+from vitrain.tasks.cli import check_overrides
+from vitrain.tasks.runs import register_resolvers
 
 register_resolvers()
 
@@ -21,7 +21,7 @@ if __name__ == "__main__":
     # torch, Lightning and timm load after the config check (a mistyped override fails in a second, not after
     # ~10 s of imports) and before Hydra sets up logging: imported later, Lightning would not install its own
     # log handler and its records would reach Hydra's handlers as well
-    from vitrain.training import best_value, train
-    from vitrain.utils.task import run_task
+    from vitrain.tasks.harness import run_task
+    from vitrain.tasks.training import best_value, train
 
     main()

@@ -99,7 +99,7 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory, tiny_cifar: Path, 
     and the best epoch*.ckpt. Trained once, in-process, for every test that only needs a checkpoint to
     start from; a test that writes into it works on a copy (shutil.copytree)."""
     from helpers import compose_cfg, tiny_overrides
-    from vitrain.training import train
+    from vitrain.tasks.training import train
 
     run_dir = tmp_path_factory.mktemp("tiny_checkpoint")
     train(

@@ -14,7 +14,7 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 
 from helpers import TINY_VIT, compose_cfg
-from vitrain.training import train
+from vitrain.tasks.training import train
 
 # every family with nothing but a small input: the model config has no family-specific keyword
 FAMILIES = {

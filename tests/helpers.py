@@ -17,7 +17,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, open_dict
 
 import warm
-from vitrain.utils.run_id import register_resolvers
+from vitrain.tasks.runs import register_resolvers
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
@@ -78,9 +78,9 @@ def fails_in_process(config_name: str, overrides: Sequence[str], output_dir: Pat
 
     from lightning.pytorch.utilities import rank_zero_only
 
-    from vitrain.evaluation import evaluate
-    from vitrain.training import train
-    from vitrain.utils.task import run_task
+    from vitrain.tasks.evaluation import evaluate
+    from vitrain.tasks.harness import run_task
+    from vitrain.tasks.training import train
 
     task = {"train": train, "eval": evaluate}[config_name]
     cfg = compose_cfg(config_name, overrides, output_dir)

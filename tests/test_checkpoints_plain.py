@@ -89,3 +89,32 @@ def test_a_checkpoint_with_python_objects_is_refused_in_one_line(tmp_path: Path)
         checkpoints.load(path)
     with pytest.raises(checkpoints.CheckpointError, match="holds Python objects"):
         checkpoints.AtomicCheckpointIO().load_checkpoint(path)
+
+
+@pytest.mark.parametrize(
+    ("saved", "now"),
+    [
+        ("vitrain.data.cifar10.CIFAR10DataModule", "vitrain.data.datamodules.cifar.CIFAR10DataModule"),
+        ("vitrain.data.cifar10.CIFAR100DataModule", "vitrain.data.datamodules.cifar.CIFAR100DataModule"),
+        (
+            "vitrain.data.image_folder.ImageFolderDataModule",
+            "vitrain.data.datamodules.image_folder.ImageFolderDataModule",
+        ),
+        (
+            "vitrain.data.streaming.StreamingDataModule",
+            "vitrain.data.datamodules.streaming.StreamingDataModule",
+        ),
+    ],
+)
+def test_a_checkpoint_written_before_the_move_rebuilds_its_run(saved: str, now: str):
+    """Issue 32 moved the datamodules: eval.py finds a checkpoint's saved `_target_` where the class is now."""
+    from vitrain.tasks.evaluation import saved_config
+
+    run_config = {
+        "model": {"_target_": "vitrain.models.classifier.ImageClassifier", "net": {"model_name": "resnet18"}},
+        "datamodule": {"_target_": saved, "batch_size": 8},
+    }
+    cfg = saved_config({"run_config": run_config}, Path("old.ckpt"))
+    assert cfg.datamodule._target_ == now and cfg.datamodule.batch_size == 8
+    assert hydra.utils.get_class(now).__name__ == saved.rsplit(".", 1)[1]
+    assert cfg.model._target_ == "vitrain.models.classifier.ImageClassifier"

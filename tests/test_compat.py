@@ -92,6 +92,8 @@ def test_throughput_monitor_internals():
         enable_validation=False,
         world_size=1,
         _logger_connector=SimpleNamespace(should_update_logs=False),
+        is_last_batch=False,
+        training=True,
     )
     monitor.setup(trainer, L.LightningModule(), "fit")
     monitor.set_available_flops(10**12)
@@ -99,6 +101,12 @@ def test_throughput_monitor_internals():
     monitor._update(trainer, L.LightningModule(), [0, 1, 2], 1)
     assert monitor._samples[RunningStage.TRAINING] == 3 and monitor._batches[RunningStage.TRAINING] == 1
     assert monitor._throughputs[RunningStage.TRAINING].available_flops == 10**12
+    # a window fitted to a short run replaces the meter setup made, with the same peak
+    monitor.fit_train_window(trainer, 5)
+    meter = monitor._throughputs[RunningStage.TRAINING]
+    assert meter._time.maxlen == 5 and meter.available_flops == 10**12, f"{UPGRADE} Throughput's window"
+    # Lightning's own _compute logs through the logger connector, as our override does
+    assert "_logger_connector.log_metrics" in inspect.getsource(ThroughputMonitor._compute), f"{UPGRADE} _compute"
 
 
 def test_weight_averaging_internals():

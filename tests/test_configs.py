@@ -9,7 +9,7 @@ import torch
 from omegaconf import DictConfig
 
 from helpers import CONFIGS, TINY_VIT, compose_cfg, tiny_overrides
-from vitrain.training import train
+from vitrain.tasks.training import train
 from vitrain.utils.config import instantiate_dict
 
 SEED_COMMAND = [

@@ -23,10 +23,10 @@ from data_factory import (
     pattern_image,
 )
 from vitrain.data.augment import BatchTransform, random_crop_flip, to_model_input
-from vitrain.data.cifar10 import CIFAR10_MEAN, CIFAR10_STD, CIFAR10DataModule
-from vitrain.data.cifar_spec import CIFAR100
+from vitrain.data.datamodules.cifar import CIFAR10_MEAN, CIFAR10_STD, CIFAR10DataModule
+from vitrain.data.readers.cifar import load_cifar, load_cifar10
+from vitrain.data.readers.cifar_spec import CIFAR100
 from vitrain.data.sampling import make_sampler, per_process_batch, split_indices
-from vitrain.data.sources import load_cifar, load_cifar10
 from vitrain.errors import DataError
 
 
@@ -485,8 +485,8 @@ def test_cifar100_trains_with_a_100_class_head(tmp_path: Path):
     """datamodule=cifar100 on the in-memory path: the model's head has 100 outputs, the checkpoint keeps the
     meta file's fine class names, CIFAR-100's own normalisation is used."""
     from helpers import compose_cfg, tiny_overrides
-    from vitrain.data.cifar10 import CIFAR100_MEAN, CIFAR100DataModule
-    from vitrain.training import train
+    from vitrain.data.datamodules.cifar import CIFAR100_MEAN, CIFAR100DataModule
+    from vitrain.tasks.training import train
 
     make_cifar100_python(tmp_path / "data", n_train_per_class=2, n_test_per_class=1)
     overrides = [

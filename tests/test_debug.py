@@ -11,8 +11,8 @@ from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig
 
 from helpers import CONFIGS, ROOT, compose_cfg, tiny_overrides
-from vitrain.training import train
-from vitrain.utils.run_id import register_resolvers
+from vitrain.tasks.runs import register_resolvers
+from vitrain.tasks.training import train
 
 
 def compose_with_hydra(overrides: list[str], config_dir: Path = CONFIGS) -> DictConfig:

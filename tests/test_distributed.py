@@ -26,8 +26,8 @@ from helpers import ROOT, TINY_VIT, assert_plain, compose_cfg, run_cli, tiny_ove
 from vitrain import checkpoints
 from vitrain.distributed.ddp import DDPStrategy
 from vitrain.distributed.ranks import devices_per_node, global_rank_from_env
-from vitrain.training import train
-from vitrain.utils.run_id import run_id
+from vitrain.tasks.runs import run_id
+from vitrain.tasks.training import train
 from warm import ScriptRun, run_script
 
 RUN_TIMEOUT = 240  # seconds for one multi-process run on 2 slow cores (normally 20-40 s)

@@ -199,7 +199,7 @@ def test_step_values_are_logged_as_cpu_tensors_on_log_steps_only(
 ):
     """A logged GPU tensor is read with .item() by the progress bar after every batch: a host sync per step.
     On a CPU only the form can be checked: CPU tensors, logged on the logger's steps only."""
-    from vitrain.training import build
+    from vitrain.tasks.build import build
 
     cfg = compose_cfg(
         "train",
@@ -261,7 +261,7 @@ def test_bench_and_callback_share_one_peak_table():
 
 
 def test_tuner_searches_on_the_runs_first_device():
-    from vitrain.tuning import first_device
+    from vitrain.tasks.tuning import first_device
 
     assert first_device([2, 3]) == [2]
     assert first_device("2,3") == [2]

@@ -18,10 +18,10 @@ import torch
 from PIL import Image
 
 from helpers import ROOT, TINY_VIT, Recorder, compose_cfg, fails_in_process, run_cli
-from vitrain.data import image_folder
-from vitrain.data.image_folder import ImageFolderDataModule
+from vitrain.data.datamodules import image_folder
+from vitrain.data.datamodules.image_folder import ImageFolderDataModule
 from vitrain.errors import DataError
-from vitrain.training import train
+from vitrain.tasks.training import train
 
 CLASSES = ("bird", "cat", "ship")  # a subset of CIFAR-10's, in label order
 N_TRAIN = 20  # per class
@@ -97,7 +97,7 @@ def test_trains_one_process_then_eval_per_class(photos: Path, tmp_path: Path, ca
     """The head follows the data (3 classes, no num_classes given); the checkpoint keeps the class names;
     eval prints and writes per-class accuracy; a checkpoint meets data with other classes: one line."""
     from vitrain.checkpoints import CheckpointError
-    from vitrain.evaluation import evaluate
+    from vitrain.tasks.evaluation import evaluate
 
     cfg = compose_cfg("train", [*_overrides(photos, tmp_path), "+trainer.limit_train_batches=3"], tmp_path)
     metrics, objects = train(cfg)
@@ -112,7 +112,7 @@ def test_trains_one_process_then_eval_per_class(photos: Path, tmp_path: Path, ca
 
     evaluated, out = evaluate(compose_cfg("eval", [f"ckpt_path={last}", "split=val"], tmp_path / "eval"))
     written = json.loads((tmp_path / "eval" / "metrics.json").read_text())
-    assert set(written["per_class_acc"]) == set(CLASSES) == set(out["per_class_acc"])
+    assert set(written["per_class_acc"]) == set(CLASSES) == set(out.per_class_acc)
     # the per-class accuracies are those of the same predictions: their mean over 3 equal classes is acc1
     mean = sum(written["per_class_acc"].values()) / 3
     assert mean == pytest.approx(evaluated["val/acc1"], abs=1e-6)

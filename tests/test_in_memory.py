@@ -28,12 +28,12 @@ from test_image_folder import (  # noqa: F401 - `photos` is a fixture
     _trainer,
     photos,
 )
-from vitrain.data import in_memory
-from vitrain.data.image_folder import ImageFileDataset, ImageFolderDataModule
+from vitrain.data.datamodules.image_folder import ImageFileDataset, ImageFolderDataModule
 from vitrain.data.loaders import TensorImageDataset
+from vitrain.data.readers import decode as in_memory
 from vitrain.errors import DataError
-from vitrain.evaluation import evaluate
-from vitrain.training import train
+from vitrain.tasks.evaluation import evaluate
+from vitrain.tasks.training import train
 
 N_ALL = N_TRAIN_ALL + N_VAL_ALL  # the photos have train/ and val/, no test/ (test = val)
 
@@ -61,7 +61,7 @@ def test_auto_trains_in_memory_with_exact_eval(
         _memory_overrides(photos, tmp_path, "+trainer.limit_train_batches=3", "test=false"),
         tmp_path,
     )
-    with caplog.at_level(logging.INFO, logger="vitrain.data.image_folder"):
+    with caplog.at_level(logging.INFO, logger="vitrain.data.datamodules.image_folder"):
         metrics, objects = train(cfg)
     assert any("image folder: in memory (datamodule.in_memory=auto)" in r.message for r in caplog.records)
     dm, model = objects.datamodule, objects.model

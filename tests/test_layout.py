@@ -1,4 +1,5 @@
-"""The shape of the code base: no import circle, configs that lead to the code in one hop."""
+"""The shape of the code base: no import circle and no upward import (function-level imports included),
+every Lightning callback under callbacks/, a short walk of train(cfg), configs that lead to the code in one hop."""
 
 import ast
 import contextlib
@@ -19,10 +20,11 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def top_level_imports(path: Path) -> set[str]:
-    """The vitrain modules a module imports when it is imported (function-level imports run later)."""
+def vitrain_imports(path: Path) -> set[str]:
+    """The vitrain modules a module imports: at the top, inside functions and classes alike (a function-level
+    import is still a dependency, only a later one)."""
     found: set[str] = set()
-    for node in ast.parse(path.read_text()).body:
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names if a.name.startswith("vitrain")}
         elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("vitrain"):
@@ -32,14 +34,18 @@ def top_level_imports(path: Path) -> set[str]:
     return found
 
 
-def test_no_import_circle():
+def import_graph() -> dict[str, set[str]]:
     modules = {module_name(p): p for p in PACKAGE.rglob("*.py")}
-    graph = {
-        name: {m for m in top_level_imports(path) if m in modules and m != name}
+    return {
+        name: {m for m in vitrain_imports(path) if m in modules and m != name}
         for name, path in modules.items()
     }
+
+
+def test_no_import_circle():
+    graph = import_graph()
     # a package's __init__ is imported before any of its modules
-    for name in modules:
+    for name in list(graph):
         parent = name.rpartition(".")[0]
         while parent:
             graph[name].add(parent)
@@ -59,6 +65,107 @@ def test_no_import_circle():
     for name in sorted(graph):
         if name not in state:
             visit(name, [name])
+
+
+# The layers of vitrain, bottom to top. A module may import from its own layer and the layers below it.
+# An import is UPWARD (as issue 32 defines it) when a module imports one of a higher layer: a sub-package
+# reaching up to the package root's run-level modules (where training, tuning and resume used to live: they
+# are vitrain.tasks now, the top) or to a sibling sub-package ranked above it (callbacks -> models and
+# loggers -> reporting were such). The root keeps only foundation modules (errors, compat, checkpoints) and
+# loggers, each placed in a layer below tasks. Every module belongs to exactly one layer: a new root module or
+# sub-package must be placed here.
+LAYERS = [
+    # foundation: errors, private framework names, small helpers (atomic writes, config, secrets, the run
+    # dir's file names, measuring a process)
+    ("vitrain.errors", "vitrain.compat", "vitrain.utils"),
+    # services: checkpoint IO, S3, strategies and the ordered parallelize step, reading a run dir
+    ("vitrain.checkpoints", "vitrain.s3", "vitrain.distributed", "vitrain.reporting"),
+    # what is trained on, and what is trained
+    ("vitrain.data", "vitrain.models"),
+    # what watches a run: Lightning callbacks and loggers
+    ("vitrain.callbacks", "vitrain.loggers"),
+    # the life of a run: build, train, evaluate, tune, run dirs and resume, the entry points' harness
+    ("vitrain.tasks",),
+]
+
+
+def layer_of(module: str) -> int:
+    if module == "vitrain":
+        return 0
+    for index, members in enumerate(LAYERS):
+        if any(module == m or module.startswith(m + ".") for m in members):
+            return index
+    raise AssertionError(f"{module} is in no layer of tests/test_layout.py's LAYERS: place it")
+
+
+def test_no_upward_import():
+    upward = [
+        f"{name} (layer {layer_of(name)}) imports {dep} (layer {layer_of(dep)})"
+        for name, deps in sorted(import_graph().items())
+        for dep in sorted(deps)
+        if layer_of(dep) > layer_of(name)
+    ]
+    assert not upward, "upward imports:\n" + "\n".join(upward)
+
+
+def test_every_lightning_callback_lives_under_callbacks():
+    from lightning.pytorch.callbacks import Callback
+
+    elsewhere = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = module_name(path)
+        # compat.py's shims of Lightning's own callbacks (private names live there) are its to keep
+        if name.startswith("vitrain.callbacks") or name.endswith("__main__") or name == "vitrain.compat":
+            continue
+        module = importlib.import_module(name)
+        elsewhere += [
+            f"{name}.{cls.__name__}"
+            for cls in vars(module).values()
+            if isinstance(cls, type) and issubclass(cls, Callback) and cls.__module__ == name
+        ]
+    assert not elsewhere, f"Lightning callbacks outside vitrain/callbacks/: {elsewhere}"
+
+
+def _module_of(module: str, name: str) -> str:
+    """`from module import name`: the module `name` is, or `module`."""
+    full = f"{module}.{name}"
+    path = PACKAGE.parent / full.replace(".", "/")
+    return full if path.with_suffix(".py").is_file() or (path / "__init__.py").is_file() else module
+
+
+def test_the_walk_of_train_enters_no_module_more_than_twice():
+    """`train(cfg)` read as the modules its phases call, in order (a phase of tasks/training.py is followed
+    into): leaving a module and coming back is a second entry; a third is a knot to untie."""
+    tree = ast.parse((PACKAGE / "tasks" / "training.py").read_text())
+    functions = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+    origin = {
+        alias.asname or alias.name: _module_of(node.module, alias.name)
+        for node in tree.body
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("vitrain")
+        for alias in node.names
+    }
+
+    def walk(function: ast.FunctionDef, seen: tuple[str, ...]) -> list[str]:
+        rooms: list[str] = []
+        calls = sorted(
+            (n for n in ast.walk(function) if isinstance(n, ast.Call)), key=lambda n: (n.lineno, n.col_offset)
+        )
+        for call in calls:
+            head = ast.unparse(call.func).split(".")[0]
+            if head in functions and head not in seen:
+                rooms += ["vitrain.tasks.training", *walk(functions[head], (*seen, head))]
+            elif head in origin:
+                rooms.append(origin[head])
+        return rooms
+
+    rooms = walk(functions["train"], ("train",))
+    entries: dict[str, int] = {}
+    for i, room in enumerate(rooms):
+        if i == 0 or rooms[i - 1] != room:
+            entries[room] = entries.get(room, 0) + 1
+    assert len(entries) > 5, rooms  # the walk saw the phases
+    entries.pop("vitrain.tasks.training")  # the list of phases itself
+    assert max(entries.values()) <= 2, f"entered more than twice: {entries}\n{rooms}"
 
 
 def test_report_cli_needs_neither_torch_nor_lightning():
@@ -102,7 +209,7 @@ def test_every_target_leads_to_the_code_in_one_hop():
             assert obj.__module__ == module, (
                 f"{path.relative_to(ROOT)}: {target} is defined in {obj.__module__}"
             )
-    assert "vitrain.reporting.run_stats.RunStats" in seen
+    assert "vitrain.callbacks.run_stats.RunStats" in seen
 
 
 FRAMEWORKS = ("lightning", "torch", "litdata", "hydra", "omegaconf", "timm", "torchmetrics", "torchvision")

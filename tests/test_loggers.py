@@ -15,7 +15,7 @@ import torch
 
 from helpers import compose_cfg, tiny_overrides
 from vitrain.loggers import LoggerError
-from vitrain.training import train
+from vitrain.tasks.training import train
 
 SECRET = "hf_vitrain-test-secret-0123456789"
 SCALARS = {"train/loss_step", "train/loss_epoch", "train/acc1", "val/loss", "val/acc1", "val/acc5", "lr"}

@@ -15,10 +15,10 @@ import torch
 
 from data_factory import PhotoFolder, make_photo_folder
 from helpers import TINY_VIT, compose_cfg, run_cli
-from vitrain.data.image_folder import ImageFolderDataModule
+from vitrain.data.datamodules.image_folder import ImageFolderDataModule
 from vitrain.data.shards import write_shards
 from vitrain.errors import DataError
-from vitrain.training import train
+from vitrain.tasks.training import train
 
 RUN_TIMEOUT = 300
 
@@ -190,7 +190,7 @@ def test_jpeg_cut_short_is_found_before_training(tmp_path: Path):
     and progressive), and passes whole JPEGs: with bytes after the end marker, CMYK, grayscale."""
     from PIL import Image
 
-    from vitrain.data.shards import find_unreadable
+    from vitrain.data.readers.image_folders import find_unreadable
 
     noise = Image.fromarray(torch.randint(0, 256, (90, 120, 3), dtype=torch.uint8).numpy())
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from helpers import ROOT, compose_cfg
-from vitrain import precision
 from vitrain.compat import mkldnn_bf16_supported
 from vitrain.errors import UserError
-from vitrain.precision import (
+from vitrain.tasks import precision
+from vitrain.tasks.precision import (
     SPEEDUP_ENV,
     choose_precision,
     cpu_bf16_choice,
@@ -58,7 +58,7 @@ def test_explicit_value_wins_and_auto_follows_torch(tmp_path):
 def test_auto_is_fp32_where_onednn_has_no_bf16():
     """With oneDNN capped at AVX2 (as on a CPU without AVX-512), torch reports no usable bf16: auto is fp32."""
     code = (
-        "from vitrain.precision import cpu_bf16_support, resolve_precision\n"
+        "from vitrain.tasks.precision import cpu_bf16_support, resolve_precision\n"
         "print(cpu_bf16_support()[0], resolve_precision({'precision': 'auto', 'accelerator': 'cpu'}))"
     )
     env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "PYTHONPATH": str(ROOT / "src")}

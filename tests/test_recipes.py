@@ -23,11 +23,12 @@ from vitrain.compat import averaged_model
 from vitrain.data.augment import OPS, BatchTransform, RandomAugment
 from vitrain.distributed.fsdp import FSDP2Strategy, shard_units
 from vitrain.errors import DataError, ModelError, UserError
-from vitrain.evaluation import evaluate
 from vitrain.models.classifier import ImageClassifier, make_mixup
 from vitrain.models.resolution import ProgressiveResize, make_resize
 from vitrain.models.timm_net import create_net
-from vitrain.training import build, train
+from vitrain.tasks.build import build
+from vitrain.tasks.evaluation import evaluate
+from vitrain.tasks.training import train
 
 # --- any family -------------------------------------------------------------------------------------
 

@@ -17,8 +17,8 @@ from tensorboard.backend.event_processing.event_accumulator import SCALARS, Even
 from helpers import PYTHON, ROOT, compose_cfg, tiny_overrides
 from vitrain.models.classifier import ImageClassifier
 from vitrain.reporting.report import mask_override
-from vitrain.training import train
-from vitrain.tuning import GB, MemoryCapExceeded, PerDeviceBatch, extrapolate, peak_bytes, search_copy
+from vitrain.tasks.training import train
+from vitrain.tasks.tuning import GB, MemoryCapExceeded, PerDeviceBatch, extrapolate, peak_bytes, search_copy
 
 SECRET = "vitrain-report-secret-0123456789"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

@@ -190,8 +190,7 @@ def _fake_run(runs: Path, name: str, overrides: list[str], with_last: bool = Tru
 
 
 def test_ckpt_path_last_finds_the_newest_run_of_the_same_overrides(tmp_path: Path, monkeypatch):
-    from vitrain.resume import ResumeError
-    from vitrain.utils.run_id import run_dir
+    from vitrain.tasks.runs import ResumeError, run_dir
 
     for var in ("VITRAIN_RUN_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "MASTER_ADDR"):
         monkeypatch.delenv(var, raising=False)
@@ -215,7 +214,7 @@ def test_ckpt_path_last_finds_the_newest_run_of_the_same_overrides(tmp_path: Pat
 
 
 def test_slurm_run_dir_names_are_readable_and_survive_a_requeue():
-    from vitrain.utils.run_id import run_id
+    from vitrain.tasks.runs import run_id
 
     job = {"SLURM_JOB_ID": "4711", "SLURM_JOB_NAME": "vit-b32"}
     assert run_id(job) == "vit-b32-4711"

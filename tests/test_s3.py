@@ -565,8 +565,8 @@ def test_train_uploads_best_once_and_eval_from_s3_matches_local(
     upload_calls: list[str],
 ):
     from helpers import compose_cfg
-    from vitrain.evaluation import evaluate
-    from vitrain.training import train
+    from vitrain.tasks.evaluation import evaluate
+    from vitrain.tasks.training import train
 
     monkeypatch.setenv("S3_BUCKET", s3_bucket)
     _, objects = train(compose_cfg("train", _train_overrides(tiny_cifar, data_cache), tmp_path / "run"))
@@ -587,7 +587,7 @@ def test_train_uploads_best_once_and_eval_from_s3_matches_local(
     local, _ = evaluate_ckpt(str(best), "eval_local")
     remote, evaluated = evaluate_ckpt(f"s3://{s3_bucket}/{key}", "eval_s3")
     assert remote == local and "val/acc1" in remote
-    assert evaluated["checkpoint_path"].is_relative_to(tmp_path / "cache")
+    assert evaluated.checkpoint_path.is_relative_to(tmp_path / "cache")
 
 
 @pytest.mark.slow
@@ -645,8 +645,8 @@ def test_train_fails_before_training_with_one_line(
     capsys: pytest.CaptureFixture,
 ):
     from helpers import compose_cfg
-    from vitrain.training import train
-    from vitrain.utils.task import run_task
+    from vitrain.tasks.harness import run_task
+    from vitrain.tasks.training import train
 
     monkeypatch.setenv("S3_BUCKET", "vitrain-no-such-bucket" if case == "no_bucket" else s3_bucket)
     cfg = compose_cfg("train", _train_overrides(tiny_cifar, data_cache), tmp_path / "run")
@@ -756,7 +756,7 @@ def test_resume_from_s3_on_an_empty_disk(
 ):
     """resume=auto finds the run's `last` in the bucket when the local disk has none; ckpt_path=s3://... too."""
     from helpers import compose_cfg
-    from vitrain.training import train
+    from vitrain.tasks.training import train
 
     monkeypatch.setenv("S3_BUCKET", s3_bucket)
     monkeypatch.setenv("VITRAIN_RUN_ID", "spot-1")  # the relaunched job's name (SLURM, torchrun, by hand)
@@ -795,8 +795,8 @@ def test_ckpt_path_on_s3_that_is_missing_or_corrupt_stops_in_one_line(
     capsys: pytest.CaptureFixture,
 ):
     from helpers import compose_cfg, tiny_overrides
-    from vitrain.training import train
-    from vitrain.utils.task import run_task
+    from vitrain.tasks.harness import run_task
+    from vitrain.tasks.training import train
 
     key = "runs/old/checkpoints/last.ckpt"
     if case == "sha256":  # uploaded with a sha256 that the bytes do not have (bit rot, a partial overwrite)

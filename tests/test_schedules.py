@@ -12,8 +12,8 @@ import torch
 
 from helpers import compose_cfg, tiny_overrides
 from vitrain.models.schedules import TrainingClock, WarmupCosine, warmup_cosine, warmup_cosine_factor
-from vitrain.precision import choose_precision, cpu_bf16_choice
-from vitrain.training import train
+from vitrain.tasks.precision import choose_precision, cpu_bf16_choice
+from vitrain.tasks.training import train
 
 
 def _optimizer(lrs: tuple[float, ...] = (1e-3,)) -> torch.optim.Optimizer:

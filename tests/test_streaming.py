@@ -16,12 +16,12 @@ from torchvision.io import encode_jpeg
 
 from data_factory import pattern_image
 from helpers import ROOT, TINY_VIT, Recorder, compose_cfg, run_cli
-from vitrain.data import streaming
+from vitrain.data.datamodules import streaming
+from vitrain.data.datamodules.streaming import StreamingDataModule, litdata_env
 from vitrain.data.shards import FORMAT_VERSION, METADATA_FILE, write_shards
 from vitrain.data.shards import main as shards_main
-from vitrain.data.streaming import StreamingDataModule, litdata_env
 from vitrain.errors import DataError
-from vitrain.training import train
+from vitrain.tasks.training import train
 
 CLASSES = ("ant", "bee", "cat")
 N_TRAIN = 22  # per class: 66 train images

@@ -22,8 +22,8 @@ from omegaconf import open_dict
 from helpers import CONFIGS, ROOT, run_cli, tiny_overrides
 from vitrain.distributed.multirun import DistributedMultirun, job_command
 from vitrain.reporting.sweep import write_summary
-from vitrain.training import best_value
-from vitrain.utils.run_id import register_resolvers
+from vitrain.tasks.runs import register_resolvers
+from vitrain.tasks.training import best_value
 
 SWEEP_TIMEOUT = 240  # seconds; normally 30-60 s on 2 slow cores
 

@@ -10,8 +10,8 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from helpers import TINY_VIT, compose_cfg, run_cli, tiny_overrides
-from vitrain.evaluation import evaluate
-from vitrain.training import train
+from vitrain.tasks.evaluation import evaluate
+from vitrain.tasks.training import train
 
 
 def _events(run_dir: Path) -> EventAccumulator:

@@ -1,4 +1,5 @@
-"""Writing checkpoints atomically, and reading them back: a file, a sharded (FSDP) folder, or s3://."""
+"""Writing checkpoints atomically, and reading them back: a file or a sharded (FSDP) folder (which checkpoint, local
+or s3://, is vitrain/tasks/runs.py's question)."""
 
 import errno
 import io
@@ -66,18 +67,6 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             raise _damaged(Path(path), err) from err
 
 
-def resolve(ckpt_path: str, cache_dir: str | Path) -> Path:
-    """A local path for `ckpt_path`, downloading (and verifying) s3:// URIs into the cache."""
-    if ckpt_path.startswith("s3://"):
-        from vitrain.s3.store import fetch_checkpoint  # boto3 only when needed
-
-        return fetch_checkpoint(ckpt_path, Path(cache_dir) / "s3")
-    path = Path(ckpt_path).expanduser()
-    if not path.exists():
-        raise CheckpointError(f"ckpt_path={ckpt_path} does not exist")
-    return path
-
-
 def load(path: Path) -> dict[str, Any]:
     """The whole checkpoint as one dict on CPU; a sharded folder is consolidated in memory.
 
@@ -104,6 +93,32 @@ def _load_sharded(folder: Path) -> dict[str, Any]:
     if meta.is_file():
         checkpoint.update(torch.load(meta, map_location="cpu", weights_only=True))
     return checkpoint
+
+
+# where classes that checkpoints name by path (the `_target_`s of their saved `run_config`) lived before
+# (issue 32 moved them): old prefix -> new prefix; vitrain/tasks/evaluation.py rebuilds a run from them
+MOVED_TARGETS = {
+    "vitrain.data.cifar10.": "vitrain.data.datamodules.cifar.",
+    "vitrain.data.image_folder.": "vitrain.data.datamodules.image_folder.",
+    "vitrain.data.streaming.": "vitrain.data.datamodules.streaming.",
+    "vitrain.reporting.run_stats.": "vitrain.callbacks.run_stats.",
+}
+
+
+def current_targets(node: Any) -> Any:
+    """`node` (a saved config: dicts and lists) with every `_target_` that names a moved class rewritten to
+    where the class lives now; a checkpoint written before a move still rebuilds its run."""
+    if isinstance(node, dict):
+        out = {key: current_targets(value) for key, value in node.items()}
+        target = out.get("_target_")
+        if isinstance(target, str):
+            for old, new in MOVED_TARGETS.items():
+                if target.startswith(old):
+                    out["_target_"] = new + target.removeprefix(old)
+        return out
+    if isinstance(node, list):
+        return [current_targets(value) for value in node]
+    return node
 
 
 def state_dict_mismatch(err: BaseException) -> str | None:

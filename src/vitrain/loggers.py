@@ -28,7 +28,7 @@ from lightning.pytorch.loggers import MLFlowLogger as _LightningMLFlowLogger
 from lightning.pytorch.utilities import rank_zero_only
 
 from vitrain.errors import UserError
-from vitrain.reporting.files import METRICS_FILE
+from vitrain.utils.run_files import METRICS_FILE
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from vitrain.callbacks.upload_jobs import UploadRunner
 from vitrain.callbacks.upload_queue import Signature, UploadJob, UploadWorker, sharded_complete, signature
 from vitrain.errors import UserError
 from vitrain.s3.client import S3Options, S3Uri, parse_s3_uri
-from vitrain.s3.errors import S3Error
+from vitrain.s3.errors import S3Error, S3ObjectNotFound
 from vitrain.s3.store import S3Store
 
 log = logging.getLogger(__name__)
@@ -158,6 +158,24 @@ class S3CheckpointUpload(Callback):
             self._report()
         self._worker.close(timeout=0)
         self._worker = None
+
+    def fetch_last(self, trainer: L.Trainer, cache_dir: Path) -> Path | None:
+        """This run's `last` checkpoint from the bucket (a new machine with an empty disk), downloaded into
+        `cache_dir`; None without a bucket or when the run has none there yet (vitrain/tasks/runs.py)."""
+        if not self.bucket:
+            return None
+        uri = self.run_uri(trainer).child("checkpoints", "last.ckpt")
+        try:
+            path = S3Store(self.options).fetch(uri, cache_dir)
+        except S3ObjectNotFound:
+            log.info("S3: no %s yet: nothing to resume", uri)
+            return None
+        log.info("Resuming from %s (downloaded from %s)", path, uri)
+        return path
+
+    def run_stats_entry(self) -> dict[str, Any]:
+        """This callback's part of run_stats.json (vitrain/callbacks/run_stats.py)."""
+        return {"s3": {"uploaded": self.uploaded, "failures": self.failures}}
 
     # --- run files --------------------------------------------------------------------------------------------
 

@@ -101,16 +101,14 @@ def flops_per_image(
     """FLOPs of one image (of `shape`, default the model's input size) through the network (forward, and
     backward when `training`), measured on a copy built on the meta device: nothing is allocated and the
     real model is not touched."""
-    net_cfg = getattr(pl_module, "hparams", {}).get("net")
+    meta_net = getattr(pl_module, "meta_net", None)  # vitrain.models.classifier.ImageClassifier.meta_net
     spec = getattr(pl_module, "input_spec", None)
-    if net_cfg is None or spec is None:
+    if meta_net is None or spec is None:
         return None
-    from vitrain.models.timm_net import create_net  # builds the net's Hydra nodes (an embed_layer) too
-
     height, width = shape or (spec["img_size"], spec["img_size"])
     try:
         with torch.device("meta"):
-            net = create_net({**dict(net_cfg), "pretrained": False})
+            net = meta_net()
             x = torch.empty(1, 3, height, width)
         loss_fn = (lambda y: y.sum()) if training else None
         return float(measure_flops(net, lambda: net(x), loss_fn))

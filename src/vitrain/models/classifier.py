@@ -118,14 +118,32 @@ class ImageClassifier(L.LightningModule):
         self.train_loss = MeanMetric(nan_strategy="disable")
         # the composed Hydra config of the run, stored in every checkpoint so eval.py can rebuild it
         self.run_config: dict[str, Any] | None = None
-        # the data's class names in label order (set by training.build_model), stored in every checkpoint
+        # the data's class names in label order (set by describe_run), stored in every checkpoint
         self.class_names: list[str] | None = None
-        # accuracy per class, tracked only when eval.py asks for it (vitrain/evaluation.py)
+        # accuracy per class, tracked only when eval.py asks for it (vitrain/tasks/evaluation.py)
         self.per_class_acc: MulticlassAccuracy | None = None
+
+    def describe_run(self, run_config: dict[str, Any] | None, class_names: list[str]) -> None:
+        """What every checkpoint of this run stores beside the weights: the composed config (eval.py rebuilds
+        the run from it) and the class names in label order (vitrain/tasks/build.py)."""
+        self.run_config = run_config
+        self.class_names = list(class_names)
+
+    def track_per_class_accuracy(self) -> MulticlassAccuracy:
+        """Accuracy per class from now on (evaluation), synced across ranks by torchmetrics at compute()."""
+        self.per_class_acc = MulticlassAccuracy(
+            num_classes=int(self.net.num_classes), average=None, validate_args=False
+        )
+        return self.per_class_acc
+
+    def meta_net(self) -> torch.nn.Module:
+        """A copy of the network's architecture without weights, for counting FLOPs (build it under
+        `torch.device("meta")`: nothing is allocated; vitrain/callbacks/throughput.py)."""
+        return create_net({**dict(self.hparams.net), "pretrained": False})
 
     def check_strategy(self, strategy: Strategy, fitting: bool = True) -> None:
         """Model options that the run's strategy or device cannot honour (`fitting`: in training), refused in
-        one line. Called by training.build before the other ranks start, and again by configure_model (every
+        one line. Called by vitrain.tasks.build before the other ranks start, and again by configure_model (every
         entry point)."""
         if self.hparams.channels_last and getattr(strategy, "fsdp_options", None) is not None:
             raise ModelError(

@@ -10,9 +10,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from vitrain.reporting.files import REPORT_MD, STATS_FILE, has_metrics
 from vitrain.reporting.report import write_report
 from vitrain.reporting.sweep import job_dirs, write_summary
+from vitrain.utils.run_files import REPORT_MD, STATS_FILE, has_metrics
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vitrain.reporting.files import Scalars
+from vitrain.utils.run_files import Scalars
 
 PLOTS = {
     "loss": ("Loss", ["train/loss_step", "train/loss_epoch", "val/loss"]),

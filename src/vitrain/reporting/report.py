@@ -13,7 +13,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from vitrain.reporting.files import (
+from vitrain.reporting.markdown import render_markdown
+from vitrain.reporting.plots import plot_curves
+from vitrain.utils.atomic import write_atomic
+from vitrain.utils.run_files import (
     PLOTS_DIR,
     REPORT_JSON,
     REPORT_MD,
@@ -25,9 +28,6 @@ from vitrain.reporting.files import (
     read_scalars,
     to_json,
 )
-from vitrain.reporting.markdown import render_markdown
-from vitrain.reporting.plots import plot_curves
-from vitrain.utils.atomic import write_atomic
 from vitrain.utils.secrets import REDACTED, is_secret_key, redact, scrub
 
 

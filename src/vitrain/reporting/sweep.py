@@ -18,9 +18,9 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from vitrain.reporting.files import REPORT_JSON, REPORT_MD, STATS_FILE, read_json, read_overrides
 from vitrain.reporting.markdown import table
 from vitrain.utils.atomic import write_atomic
+from vitrain.utils.run_files import REPORT_JSON, REPORT_MD, STATS_FILE, read_json, read_overrides
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 decode it once into a uint8 tensor file in the cache, and load that file on every later run.
 
 Decoding is slow and the same every run, so it happens once per source; the readers of each layout are
-`cifar_batches` and `cifar_folders`, the data sets' specs are in `cifar_spec`."""
+`cifar_pickles` and `cifar_folders`, the data sets' specs are in `cifar_spec`."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ from pathlib import Path
 
 import torch
 
-from vitrain.data.cache import CACHE_FORMAT, digest, is_archive, stat_key, unpack_archive
-from vitrain.data.cifar_batches import decode_batches
-from vitrain.data.cifar_folders import decode_folders, folder_files
-from vitrain.data.cifar_spec import CIFAR10, CifarSpec, Decoded, Layout
+from vitrain.data.readers.cache import CACHE_FORMAT, digest, is_archive, stat_key, unpack_archive
+from vitrain.data.readers.cifar_folders import decode_folders, folder_files
+from vitrain.data.readers.cifar_pickles import decode_batches
+from vitrain.data.readers.cifar_spec import CIFAR10, CifarSpec, Decoded, Layout
 from vitrain.errors import DataError
 from vitrain.utils.atomic import write_atomic
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import platform
 import time
 from typing import Any
@@ -29,6 +28,7 @@ from omegaconf import DictConfig
 
 from vitrain.compat import mkldnn_bf16_supported
 from vitrain.errors import UserError
+from vitrain.tasks.decisions import CPU_BF16_SPEEDUP, RankZeroDecisions, decisions
 
 log = logging.getLogger(__name__)
 
@@ -36,9 +36,10 @@ AUTO = "auto"
 # bf16 autocast is chosen on a CPU when its matmuls measure at least this much faster than fp32's: autocast also
 # pays casts around every matmul and convolution, which the probe does not
 MIN_CPU_BF16_SPEEDUP = 1.2
-# the probe's result, kept in the environment: the ranks Lightning starts inherit the launching process's
-# measurement (all ranks choose alike), and later calls in a process reuse it; a user may set it to skip the probe
-SPEEDUP_ENV = "VITRAIN_CPU_BF16_SPEEDUP"
+# the probe's result, a rank-zero decision (vitrain/tasks/decisions.py) kept in the environment: the ranks
+# Lightning starts inherit the launching process's measurement (all ranks choose alike), and later calls in a
+# process reuse it; a user may set it to skip the probe
+SPEEDUP_ENV = RankZeroDecisions.variable(CPU_BF16_SPEEDUP)
 
 
 def cpu_bf16_support() -> tuple[bool, str]:
@@ -80,11 +81,9 @@ def cpu_bf16_speedup(m: int = 2048, k: int = 256, n: int = 1024, rounds: int = 5
 def measured_cpu_bf16_speedup() -> float:
     """`cpu_bf16_speedup()` to three significant digits, measured once per launch: read from `SPEEDUP_ENV` where an earlier
     call or the launching process left it, else measured and left there."""
-    value = os.environ.get(SPEEDUP_ENV)
-    if value is None:
-        # kept at the precision the messages show, and read back: this call, the ranks and later calls all
-        # decide on (and print) one value, whatever side of a rounding boundary the probe measured
-        value = os.environ[SPEEDUP_ENV] = f"{cpu_bf16_speedup():.3g}"
+    # kept at the precision the messages show, and read back: this call, the ranks and later calls all
+    # decide on (and print) one value, whatever side of a rounding boundary the probe measured
+    value = decisions.decide(CPU_BF16_SPEEDUP, lambda: f"{cpu_bf16_speedup():.3g}")
     try:
         speedup = float(value)
     except ValueError:

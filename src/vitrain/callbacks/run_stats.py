@@ -21,8 +21,8 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from vitrain.callbacks.throughput import ImageThroughputMonitor, batch_size
-from vitrain.reporting.files import STATS_FILE, write_json
-from vitrain.reporting.measuring import UtilisationSampler, device_memory, metric_floats, reset_peak_memory
+from vitrain.utils.measuring import UtilisationSampler, device_memory, metric_floats, reset_peak_memory
+from vitrain.utils.run_files import STATS_FILE, write_json
 from vitrain.utils.secrets import redact
 
 # resolved config entries worth repeating in the report (dotted paths)
@@ -163,7 +163,7 @@ class RunStats(Callback):
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.stats["checkpoints"] = checkpoint_paths(trainer)
         if trainer.is_global_zero:
-            self.save()
+            self.save(trainer)
 
     def on_test_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._test_t0 = self._sync(trainer)
@@ -176,13 +176,19 @@ class RunStats(Callback):
         }
         self.stats["memory"] = self._gather_memory(trainer)  # the peak now covers fit and test
         if trainer.is_global_zero:
-            self.save()
+            self.save(trainer)
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if self._sampler is not None:
             self._sampler.stop()
+        if stage in ("fit", "test") and trainer.is_global_zero:
+            self.save(trainer)  # the other callbacks' parts as they stand once theirs have ended (S3 uploads)
 
-    def save(self) -> Path:
+    def save(self, trainer: L.Trainer | None = None) -> Path:
+        """run_stats.json, with the part of every callback that has one (`run_stats_entry()`: S3 uploads)."""
+        for callback in trainer.callbacks if trainer is not None else []:
+            if callback is not self and callable(entry := getattr(callback, "run_stats_entry", None)):
+                self.stats.update(entry())
         return write_json(self.run_dir / STATS_FILE, redact(self.stats))
 
     # -- helpers --

@@ -23,7 +23,7 @@ from vitrain.utils.secrets import install_secret_filter
 
 log = logging.getLogger(__name__)
 
-# a task returns its metrics and the objects it built (training.RunObjects, evaluation's dict)
+# a task returns its metrics and the objects it built (vitrain.tasks.build.RunObjects)
 Task = Callable[[DictConfig], tuple[dict[str, float], Any]]
 
 

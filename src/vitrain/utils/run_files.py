@@ -12,7 +12,7 @@ from vitrain.utils.atomic import write_atomic
 
 STATS_FILE = "run_stats.json"  # written by reporting.run_stats.RunStats
 METRICS_FILE = "metrics.jsonl"  # written by vitrain.loggers.MetricRecord
-SEARCH_FILE = "batch_size_search.json"  # written by vitrain.tuning (`+tune=batch_size`)
+SEARCH_FILE = "batch_size_search.json"  # written by vitrain.tasks.tuning (`+tune=batch_size`)
 REPORT_JSON = "report.json"
 REPORT_MD = "report.md"
 PLOTS_DIR = "plots"

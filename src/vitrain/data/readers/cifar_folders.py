@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 from torchvision.io import ImageReadMode, decode_image
 
-from vitrain.data.cifar_spec import IMAGE_SHAPE, CifarSpec, Decoded
+from vitrain.data.readers.cifar_spec import IMAGE_SHAPE, CifarSpec, Decoded
 from vitrain.errors import DataError
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")

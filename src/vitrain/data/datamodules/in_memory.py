@@ -1,21 +1,14 @@
-"""CIFAR-10 and CIFAR-100 as datamodules: uint8 tensors in memory, whole-batch fetches, augmentation on the
-training device (the shared base, vitrain/data/base.py, does splits, sampling, loaders and the transform)."""
+"""The in-memory datamodule: a data set decoded once into uint8 [N,3,H,W] tensors, batches as tensor slices
+augmented on the training device. CIFAR-10/100 (datamodules/cifar.py) are its subclasses; an image folder
+held in memory (`datamodule.in_memory`) takes the same loaders and device transform from the base."""
 
 from __future__ import annotations
 
 from vitrain.data.augment import BatchTransform
-from vitrain.data.base import ImageDataModule, Splits, check_ints
-from vitrain.data.cifar_spec import CIFAR10, CIFAR10_CLASSES, CIFAR100, CifarSpec, Decoded
+from vitrain.data.datamodules.base import ImageDataModule, Splits, check_ints
 from vitrain.data.loaders import TensorImageDataset
+from vitrain.data.readers.cifar_spec import Decoded
 from vitrain.data.sampling import split_indices
-from vitrain.data.sources import load_cifar
-
-CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
-CIFAR10_STD = (0.2470, 0.2435, 0.2616)
-# the training set's per-channel statistics, as CIFAR-10's above
-CIFAR100_MEAN = (0.5071, 0.4865, 0.4409)
-CIFAR100_STD = (0.2673, 0.2564, 0.2762)
-NATIVE_SIZE = 32
 
 
 class InMemoryDataModule(ImageDataModule):
@@ -72,37 +65,3 @@ class InMemoryDataModule(ImageDataModule):
         if not self.hparams.augment:
             return self.batch_transform(crop_padding=0, hflip=False)
         return self.transform
-
-
-class CIFAR10DataModule(InMemoryDataModule):
-    """CIFAR-10 from python batches, class folders or an archive of either; see configs/datamodule/cifar10.yaml."""
-
-    dataset: CifarSpec = CIFAR10
-    default_mean = CIFAR10_MEAN
-    default_std = CIFAR10_STD
-    default_img_size = NATIVE_SIZE
-
-    def decode(self) -> Decoded:
-        hp = self.hparams
-        return load_cifar(hp.data_dir, hp.cache_dir, self.dataset, download=hp.download)
-
-
-class CIFAR100DataModule(CIFAR10DataModule):
-    """CIFAR-100's 100 fine classes, from torchvision's python format (`cifar-100-python/` train, test, meta),
-    class folders or an archive of either; see configs/datamodule/cifar100.yaml."""
-
-    dataset = CIFAR100
-    default_mean = CIFAR100_MEAN
-    default_std = CIFAR100_STD
-
-
-__all__ = [
-    "CIFAR10_CLASSES",
-    "CIFAR10_MEAN",
-    "CIFAR10_STD",
-    "CIFAR100_MEAN",
-    "CIFAR100_STD",
-    "CIFAR10DataModule",
-    "CIFAR100DataModule",
-    "InMemoryDataModule",
-]

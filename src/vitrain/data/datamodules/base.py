@@ -191,7 +191,7 @@ class ImageDataModule(LightningDataModule):
 
     def split_batches(self, world_size: int) -> tuple[int, int]:
         """(train, eval) batch per process; a size that does not divide by `world_size` is a DataError.
-        training.train asks before fitting, so a bad size stops before the other ranks start."""
+        vitrain.tasks.training asks before fitting, so a bad size stops before the other ranks start."""
         hp = self.hparams
         batch = per_process_batch(hp.batch_size, world_size, "batch_size")
         if hp.eval_batch_size is None:

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from vitrain.data.cifar_spec import IMAGE_SHAPE, CifarSpec, Decoded
+from vitrain.data.readers.cifar_spec import IMAGE_SHAPE, CifarSpec, Decoded
 from vitrain.errors import DataError
 
 

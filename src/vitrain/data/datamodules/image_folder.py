@@ -4,7 +4,7 @@ or a .tar/.tar.gz of one, read from disk per sample.
 DataLoader worker processes open, decode (JPEG, PNG, WebP; any mode converted to RGB) and transform each
 image with timm's transforms from the model's data config. Splits, samplers, the per-process batch, exact
 evaluation and the resumable training loader (torchdata's StatefulDataLoader, whose state Lightning keeps
-in every checkpoint) come from the shared base, vitrain/data/base.py.
+in every checkpoint) come from the shared base, vitrain/data/datamodules/base.py.
 
 Unreadable files are found before training, by PIL reading each file's header and structure without
 decoding every pixel (`verify_images`); `bad_images: stop` then names them in one error, `skip` leaves them
@@ -27,13 +27,13 @@ from PIL import Image
 from torch import Tensor
 from torch.utils.data import Dataset
 
-from vitrain.data import in_memory
 from vitrain.data.augment import BatchTransform
-from vitrain.data.base import ImageDataModule, Splits, check_ints
-from vitrain.data.cache import unpack_archive
+from vitrain.data.datamodules.base import ImageDataModule, Splits, check_ints
 from vitrain.data.loaders import TensorImageDataset
+from vitrain.data.readers import decode as in_memory
+from vitrain.data.readers.cache import unpack_archive
+from vitrain.data.readers.image_folders import Source, carve_val, find_source, find_unreadable, scan
 from vitrain.data.sampling import sample_seed, seed_sample
-from vitrain.data.shards import Source, carve_val, find_source, find_unreadable, scan
 from vitrain.data.transforms import timm_transform
 from vitrain.errors import DataError
 

@@ -11,12 +11,12 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.table import Table
-from torchmetrics.classification import MulticlassAccuracy
 
 from vitrain import checkpoints
 from vitrain.checkpoints import CheckpointError, state_dict_mismatch
 from vitrain.models.classifier import check_classes
-from vitrain.precision import resolve_precision
+from vitrain.tasks.build import RunObjects, build_trainer
+from vitrain.tasks.runs import resolve_checkpoint
 from vitrain.utils.config import instantiate_dict
 
 log = logging.getLogger(__name__)
@@ -34,7 +34,11 @@ def saved_config(checkpoint: dict[str, Any], path: Path) -> DictConfig:
     run_config = checkpoint.get("run_config")
     if not run_config:
         raise CheckpointError(f"{path} has no saved run config: it was not written by src/train.py")
-    cfg = OmegaConf.create({"model": run_config["model"], "datamodule": run_config["datamodule"]})
+    # classes that moved since the checkpoint was written are found where they live now
+    saved = checkpoints.current_targets(
+        {"model": run_config["model"], "datamodule": run_config["datamodule"]}
+    )
+    cfg = OmegaConf.create(saved)
     cfg.merge_with_dotlist([o.lstrip("+") for o in _command_line_overrides(("model.", "datamodule."))])
     # the weights come from the checkpoint: never download or read pretrained weights again
     cfg.model.net.pretrained = False
@@ -51,11 +55,11 @@ def print_table(metrics: dict[str, float], title: str) -> None:
     Console().print(table)
 
 
-def evaluate(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
+def evaluate(cfg: DictConfig) -> tuple[dict[str, float], RunObjects]:
     """Evaluate `cfg.ckpt_path` on `cfg.split` (test or val); writes metrics.json in the run dir."""
     if cfg.split not in ("test", "val"):
         raise CheckpointError(f"split={cfg.split} is not one of test, val")
-    path = checkpoints.resolve(str(cfg.ckpt_path), cfg.paths.cache_dir)
+    path = resolve_checkpoint(str(cfg.ckpt_path), cfg.paths.cache_dir)
     checkpoint = checkpoints.load(path)
     run_cfg = saved_config(checkpoint, path)
     if cfg.get("seed") is not None:
@@ -79,36 +83,32 @@ def evaluate(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
             raise
         raise CheckpointError(f"{path} does not fit model {run_cfg.model.net.model_name}: {detail}") from err
     datamodule.set_input_spec(**model.input_spec)
-    # synced across ranks by torchmetrics at compute(): every sample once, as for the other metrics
-    model.per_class_acc = MulticlassAccuracy(num_classes=len(classes), average=None, validate_args=False)
+    per_class_acc = model.track_per_class_accuracy()
 
-    trainer: L.Trainer = hydra.utils.instantiate(
-        cfg.trainer,
-        callbacks=instantiate_dict(cfg.get("callbacks")),
-        logger=False,
-        precision=resolve_precision(cfg.trainer),
-    )
+    callbacks = instantiate_dict(cfg.get("callbacks"))
+    trainer = build_trainer(cfg, callbacks, loggers=False)
+    objects = RunObjects(cfg, datamodule, model, callbacks, [], trainer, checkpoint_path=path)
     run = trainer.test if cfg.split == "test" else trainer.validate
     run(model=model, datamodule=datamodule, verbose=False)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-    per_class = dict(zip(classes, model.per_class_acc.compute().tolist(), strict=True))
+    objects.per_class_acc = dict(zip(classes, per_class_acc.compute().tolist(), strict=True))
 
     if trainer.is_global_zero:
-        print_table(metrics, f"{cfg.split} metrics of {cfg.ckpt_path}")
-        print_table(per_class, f"{cfg.split} accuracy per class")
-        out = Path(cfg.paths.output_dir) / "metrics.json"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(
-            json.dumps(
-                {"ckpt_path": str(cfg.ckpt_path), "split": cfg.split, **metrics, "per_class_acc": per_class},
-                indent=2,
-            )
+        write_metrics(cfg, metrics, objects.per_class_acc)
+    return metrics, objects
+
+
+def write_metrics(cfg: DictConfig, metrics: dict[str, float], per_class: dict[str, float]) -> Path:
+    """The tables on the console, and metrics.json in the run dir."""
+    print_table(metrics, f"{cfg.split} metrics of {cfg.ckpt_path}")
+    print_table(per_class, f"{cfg.split} accuracy per class")
+    out = Path(cfg.paths.output_dir) / "metrics.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(
+        json.dumps(
+            {"ckpt_path": str(cfg.ckpt_path), "split": cfg.split, **metrics, "per_class_acc": per_class},
+            indent=2,
         )
-        log.info(f"Metrics written to {out}")
-    return metrics, {
-        "per_class_acc": per_class,
-        "trainer": trainer,
-        "model": model,
-        "datamodule": datamodule,
-        "checkpoint_path": path,
-    }
+    )
+    log.info(f"Metrics written to {out}")
+    return out

@@ -16,8 +16,11 @@ So a memory cap (`max_memory_gb`, by default half the RAM) stops the growth: a t
 process's peak RSS exceeds it, or before it starts when the peak extrapolated from the previous trials
 would. Lightning sees such a failure as an out-of-memory error and reacts as it does to a real one.
 
-The result goes to `<run dir>/batch_size_search.json` and into the run report. With `apply: true` the run
-then trains with it; processes that Lightning starts for the other local ranks read it from that file.
+The search runs before the run is built, on a datamodule and model of its own (`vitrain.tasks.build`), so
+the run's objects are never touched. The result goes to `<run dir>/batch_size_search.json` and into the run
+report. With `apply: true` it is written in one place, the config's `datamodule.batch_size`, from which the
+run is then built (and which its checkpoints store); processes that Lightning starts for the other local
+ranks get it as a rank-zero decision (`BATCH_SIZE_SEARCH`, vitrain/tasks/decisions.py).
 """
 
 from __future__ import annotations
@@ -28,23 +31,22 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+import hydra
 import lightning as L
 import psutil
 import torch
 from lightning.pytorch.tuner import Tuner
-from lightning.pytorch.utilities.model_helpers import is_overridden
 from omegaconf import DictConfig, open_dict
-
-if TYPE_CHECKING:
-    from vitrain.training import RunObjects
 
 from vitrain.distributed.ranks import devices_per_node, global_rank_from_env
 from vitrain.errors import UserError
-from vitrain.precision import resolve_precision
-from vitrain.reporting.files import SEARCH_FILE
-from vitrain.reporting.measuring import GB, peak_rss_bytes, reset_peak_memory
+from vitrain.tasks.build import build_model
+from vitrain.tasks.decisions import BATCH_SIZE_SEARCH, decisions
+from vitrain.tasks.precision import resolve_precision
+from vitrain.utils.measuring import GB, peak_rss_bytes, reset_peak_memory
+from vitrain.utils.run_files import SEARCH_FILE
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +80,8 @@ class PerDeviceBatch(L.LightningDataModule):
 
     The search runs on one process, so the datamodule's (global) batch size is the per-device one. Setting
     it runs the datamodule's `setup` again, which recomputes its loaders' batch size. Every batch first
-    checks the memory cap.
+    checks the memory cap. The datamodule's batch hooks run as in the run (a GPU decoder turns encoded
+    bytes into images before the transfer); the model's own batch hooks would not (ours has none).
     """
 
     def __init__(
@@ -89,12 +92,6 @@ class PerDeviceBatch(L.LightningDataModule):
         self.trials: list[tuple[int, int]] = []  # (batch size, peak bytes) of every trial that ran
         self.stopped_by: str | None = None
         self._started = False
-        # the datamodule's other batch hooks, where it has its own, so its batches reach the trials as they
-        # reach the run's steps (a GPU decoder turns encoded bytes into images before the transfer); where it
-        # has none, Lightning calls the model's, as in the run
-        for hook in ("on_before_batch_transfer", "transfer_batch_to_device"):
-            if is_overridden(hook, datamodule, L.LightningDataModule):
-                setattr(self, hook, getattr(datamodule, hook))
 
     @property
     def batch_size(self) -> int:
@@ -124,6 +121,12 @@ class PerDeviceBatch(L.LightningDataModule):
 
     def val_dataloader(self) -> Any:
         return self.datamodule.val_dataloader()
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        return self.datamodule.on_before_batch_transfer(batch, dataloader_idx)
+
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        return self.datamodule.transfer_batch_to_device(batch, device, dataloader_idx)
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         self._check_cap()
@@ -167,8 +170,9 @@ def first_device(devices: Any) -> int | list[int]:
     return 1
 
 
-def search_batch_size(cfg: DictConfig, objects: RunObjects) -> dict[str, Any] | None:
-    """Run the search if `tune.batch_size` is configured (`+tune=batch_size`); returns its result."""
+def search_batch_size(cfg: DictConfig) -> dict[str, Any] | None:
+    """Run the search if `tune.batch_size` is configured (`+tune=batch_size`) and, with `apply: true`, set
+    `cfg.datamodule.batch_size` to its result: call it before the run is built. Returns the result."""
     options = (cfg.get("tune") or {}).get("batch_size")
     if not options or not options.get("enabled", True):
         return None
@@ -178,9 +182,12 @@ def search_batch_size(cfg: DictConfig, objects: RunObjects) -> dict[str, Any] | 
     if global_rank_from_env(per_node) != 0:
         if not options.get("apply"):
             return None
-        result = _read_result(run_dir)  # global rank zero searched before it launched this process
+        result = _decided_result()  # global rank zero searched before it launched this process
     else:
-        result = find_max_batch_size(objects.model, objects.datamodule, cfg, world, run_dir, options)
+        datamodule: L.LightningDataModule = hydra.utils.instantiate(cfg.datamodule)
+        model = build_model(cfg, datamodule)  # the search's own: the run is built afterwards
+        result = find_max_batch_size(model, datamodule, cfg, world, run_dir, options)
+        del model, datamodule
         (run_dir / SEARCH_FILE).write_text(json.dumps(result, indent=2) + "\n")
         log.info(
             "Largest batch size that fits: %d per device, %d global (%d processes); see %s",
@@ -190,23 +197,24 @@ def search_batch_size(cfg: DictConfig, objects: RunObjects) -> dict[str, Any] | 
             run_dir / SEARCH_FILE,
         )
     if options.get("apply"):
-        objects.datamodule.hparams.batch_size = result["global"]
         with open_dict(cfg):
             cfg.datamodule.batch_size = result["global"]
-        if getattr(objects.model, "run_config", None):
-            objects.model.run_config["datamodule"]["batch_size"] = result["global"]
-    objects.batch_size_search = result
     return result
 
 
-def _read_result(run_dir: Path) -> dict[str, Any]:
-    try:
-        return json.loads((run_dir / SEARCH_FILE).read_text())
-    except (OSError, ValueError) as err:
+def decision(result: dict[str, Any] | None) -> dict[str, str]:
+    """The search's result as the rank-zero decision the processes Lightning starts read."""
+    return {BATCH_SIZE_SEARCH: json.dumps(result)} if result else {}
+
+
+def _decided_result() -> dict[str, Any]:
+    result = decisions.get_json(BATCH_SIZE_SEARCH)
+    if result is None:
         raise UserError(
-            f"tune.batch_size: {run_dir / SEARCH_FILE} is missing ({err}); with torchrun, SLURM or several "
-            "nodes, run the search first (one process), then train with datamodule.batch_size=<global>"
-        ) from err
+            "tune.batch_size: this process was not started by the one that searched; with torchrun, SLURM or "
+            "several nodes, run the search first (one process), then train with datamodule.batch_size=<global>"
+        )
+    return result
 
 
 def search_copy(model: L.LightningModule) -> L.LightningModule:
@@ -226,7 +234,8 @@ def find_max_batch_size(
     run_dir: Path,
     options: DictConfig | dict[str, Any],
 ) -> dict[str, Any]:
-    """Search on one device with a copy of the model; the run's own model and datamodule are left as found."""
+    """Search on one device with a copy of `model` and with `datamodule` (the search's own: its `setup` is
+    made for this one process, not for the run's ranks)."""
     trainer_cfg = cfg.trainer
     precision = resolve_precision(trainer_cfg)  # the run's own, `auto` resolved alike
     tuner_trainer = L.Trainer(
@@ -251,10 +260,6 @@ def find_max_batch_size(
             f"tune.batch_size.max_memory_gb={cap / GB:.2f} is below what the process already uses "
             f"({peak_bytes(device) / GB:.2f} GB) before any batch: raise it"
         )
-    original = int(datamodule.hparams.batch_size)
-    # What the trials' `setup` adds to the datamodule (its splits, an image folder's in-memory plan) was made
-    # for this one process; the run's ranks must set it up themselves (world size, their collectives)
-    found_state = dict(vars(datamodule))
     # Lightning builds the first trial's loader before it sets `init_val`: start from it already
     datamodule.hparams.batch_size = int(options.get("init_val", 2))
     scaled = PerDeviceBatch(datamodule, device, cap)
@@ -275,9 +280,6 @@ def find_max_batch_size(
         train_size = len(train_set) if train_set is not None else None
     finally:
         scaled._close_trial()
-        vars(datamodule).clear()
-        vars(datamodule).update(found_state)
-        datamodule.hparams.batch_size = original
         del tuner_trainer
         gc.collect()
         if device.type == "cuda":

@@ -2,7 +2,7 @@
 anything is decoded, and the decode itself: every image once, shorter side resized to S and center-cropped
 to S x S, RGB, into one uint8 [N,3,S,S] tensor per split, cached on disk so a later run (and the other
 ranks of this one) only loads the file. Batches are then tensor slices augmented on the device, as for
-CIFAR-10 (vitrain/data/base.py)."""
+CIFAR-10 (vitrain/data/datamodules/base.py)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import torch
 from PIL import Image, ImageOps
 from torch import Tensor
 
-from vitrain.data.cache import digest, stat_key
+from vitrain.data.readers.cache import digest, stat_key
 from vitrain.errors import DataError
 from vitrain.utils.atomic import write_atomic
 

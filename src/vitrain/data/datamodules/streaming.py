@@ -23,7 +23,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
 from vitrain.compat import litdata_allow_http, litdata_distributed_env
-from vitrain.data.base import ImageDataModule, Splits
+from vitrain.data.datamodules.base import ImageDataModule, Splits
 from vitrain.data.sampling import sample_seed, seed_sample
 from vitrain.data.shards import FORMAT_NAME, FORMAT_VERSION, METADATA_FILE
 from vitrain.data.transforms import timm_transform

@@ -1,0 +1,118 @@
+"""An image-folder tree (`train/<class>/`, with `val/<class>/` and/or `test/<class>/`: the ImageNet layout):
+finding it, listing its files per split with labels, carving a validation split, and finding unreadable
+files. Read by the image-folder datamodule and by the shard writer (vitrain/data/shards.py) alike."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from vitrain.errors import DataError
+
+SPLITS = ("train", "val", "test")
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp")
+
+
+@dataclass(frozen=True)
+class Source:
+    """Image files per split, each with its label index into `classes`."""
+
+    classes: list[str]
+    splits: dict[str, list[tuple[str, int]]]
+
+
+def find_source(root: Path) -> Path:
+    """The folder holding `train/`: `root` itself or its only sub-folder (an unpacked archive)."""
+    for candidate in (root, *([p for p in root.iterdir() if p.is_dir()] if root.is_dir() else [])):
+        if (candidate / "train").is_dir():
+            return candidate
+    raise DataError(
+        f"{root} has no train/<class>/ folder: give a train/<class>/ tree (with val/ or test/) or an archive of one"
+    )
+
+
+def scan(root: Path) -> Source:
+    """Classes from train/, files of every split present; refuse empty classes and class sets that differ."""
+    classes = sorted(p.name for p in (root / "train").iterdir() if p.is_dir() and not p.name.startswith("."))
+    if not classes:
+        raise DataError(f"{root / 'train'} has no class folders: put the images in train/<class>/")
+    splits: dict[str, list[tuple[str, int]]] = {}
+    for split in SPLITS:
+        d = root / split
+        if not d.is_dir():
+            continue
+        found = sorted(p.name for p in d.iterdir() if p.is_dir() and not p.name.startswith("."))
+        if split != "train" and found != classes:
+            extra, missing = sorted(set(found) - set(classes)), sorted(set(classes) - set(found))
+            raise DataError(
+                f"{d} has other classes than train/ (extra: {extra or 'none'}, missing: {missing or 'none'}): "
+                "every split needs the same class folders"
+            )
+        files: list[tuple[str, int]] = []
+        for label, cls in enumerate(classes):
+            images = sorted(
+                p for p in (d / cls).iterdir()
+                if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES and not p.name.startswith(".")
+            )  # fmt: skip
+            if not images:
+                raise DataError(
+                    f"{d / cls} holds no {'/'.join(IMAGE_SUFFIXES)} images: add some or remove the folder"
+                )
+            files.extend((str(p), label) for p in images)
+        splits[split] = files
+    return Source(classes, splits)
+
+
+def carve_val(files: list[tuple[str, int]], val_size: int | float, seed: int) -> tuple[list, list]:
+    """(train, val) from one list, by a fixed permutation: the same split every time the shards are written."""
+    n = len(files)
+    count = round(val_size * n) if isinstance(val_size, float) and val_size < 1 else int(val_size)
+    if not 0 < count < n:
+        raise DataError(f"--val-size {val_size} must leave 1..{n - 1} images for validation (train has {n})")
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    return [files[i] for i in sorted(perm[count:])], [files[i] for i in sorted(perm[:count])]
+
+
+def unreadable(path: str) -> str | None:
+    """Why `path` is not a usable image (truncated, not an image), or None; checked by PIL without decoding
+    every pixel, so writing ImageNet stays I/O bound.
+
+    PIL's verify reads a JPEG's headers only, so a JPEG cut short passes it: one without its end-of-image
+    marker near the end is decoded at 1/8 scale (libjpeg's DCT scaling), which fails on a truncated file and
+    passes a whole one with bytes after the marker. Only such files pay for a decode."""
+    from PIL import Image
+
+    try:
+        with Image.open(path) as img:
+            jpeg = img.format == "JPEG"
+            img.verify()
+        if jpeg and not _ends_jpeg(path):
+            with Image.open(path) as img:
+                img.draft(img.mode, (1, 1))
+                img.load()
+    except Exception as e:  # PIL raises many types for bad files
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def _ends_jpeg(path: str, tail: int = 1024) -> bool:
+    """The JPEG end-of-image marker in the file's last `tail` bytes (scan data cannot contain it: a 0xFF
+    there is always followed by 0x00 or a restart marker)."""
+    with open(path, "rb") as f:
+        f.seek(max(0, os.path.getsize(path) - tail))
+        return b"\xff\xd9" in f.read()
+
+
+def find_unreadable(paths: list[str], workers: int) -> list[tuple[str, str]]:
+    """(path, why) of every file that is not a usable image, checked by `workers` processes."""
+    import multiprocessing
+
+    if workers <= 1 or len(paths) < 1000:
+        reasons = [unreadable(p) for p in paths]
+    else:
+        with multiprocessing.get_context("fork").Pool(workers) as pool:
+            reasons = pool.map(unreadable, paths, chunksize=256)
+    return [(p, why) for p, why in zip(paths, reasons, strict=True) if why]

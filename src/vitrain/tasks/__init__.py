@@ -1,0 +1,1 @@
+"""The life of a run: build, train, evaluate, tune; run directories and resume; the entry points' harness."""
