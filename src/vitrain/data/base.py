@@ -18,7 +18,6 @@ import torch
 from lightning.pytorch import LightningDataModule
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from torch.utils.data import DataLoader, Dataset
-from torchdata.stateful_dataloader import StatefulDataLoader
 
 from vitrain.data.augment import BatchTransform
 from vitrain.data.loaders import ResumableLoader, TensorImageDataset, passthrough_collate
@@ -258,19 +257,13 @@ class ImageDataModule(LightningDataModule):
         sampler = make_sampler(
             dataset, train=train, num_replicas=world, rank=rank, seed=hp.shuffle_seed, tag_epoch=not in_memory
         )
-        if train and not in_memory:
-            # Lightning sets the epoch only after it created the first iterator; with worker processes that
-            # iterator already drew indices, so a run resumed in epoch 3 would replay epoch 0's order
-            sampler.set_epoch(self._epoch())
         workers = self.num_workers()
-        # StatefulDataLoader for training: Lightning saves its state_dict() in every checkpoint and loads it
-        # back on resume, so a mid-epoch restart continues with the next unseen batch (workers included)
+        # training: a ResumableLoader, which continues a resumed epoch from the trainer's restored counters
+        # (epoch, batches completed) when its first batch is asked for; no loader state is needed
         extra: dict[str, Any] = {}
         loader_cls: type[DataLoader] = DataLoader
-        if train and in_memory:
+        if train:
             loader_cls, extra = ResumableLoader, {"batches_done": self._resume_offset}
-        elif train:
-            loader_cls = StatefulDataLoader
         return loader_cls(
             dataset,
             batch_size=self._batch if train else self._eval_batch,

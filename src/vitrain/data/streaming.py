@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from vitrain.compat import litdata_allow_http, litdata_distributed_env
 from vitrain.data.base import ImageDataModule, Splits
-from vitrain.data.sampling import sample_seed, seed_sample
+from vitrain.data.sampling import sample_seed, seeded_sample
 from vitrain.data.shards import FORMAT_NAME, FORMAT_VERSION, METADATA_FILE
 from vitrain.data.transforms import timm_transform
 from vitrain.errors import DataError
@@ -116,8 +116,8 @@ class SampleTransform:
     def __call__(self, item: dict[str, Any], epoch: int) -> tuple[Tensor, int]:
         if self.raw:
             return torch.frombuffer(bytearray(item["image"]), dtype=torch.uint8), item["label"]
-        seed_sample(sample_seed(self.seed, epoch, item["index"]))
-        return self.transform(decode_rgb(item["image"])), item["label"]
+        with seeded_sample(sample_seed(self.seed, epoch, item["index"])):
+            return self.transform(decode_rgb(item["image"])), item["label"]
 
 
 def collate(batch: list[tuple[Tensor, int]]) -> tuple[Tensor | list[Tensor], Tensor]:
