@@ -1,8 +1,9 @@
 """Shards written by `make shards` (vitrain/data/shards.py), read with litdata from a local folder or S3.
 
 Training streams with litdata's `StreamingDataset` + `StreamingDataLoader`: chunks are fetched into a local
-cache ahead of use and evicted after, each rank and worker reads its own part of the epoch, and the loader's
-`state_dict` (which Lightning stores in every checkpoint) resumes in the middle of an epoch. Validation and
+cache ahead of use and evicted after, each rank and worker reads its own part of the epoch, and a resumed run
+continues the interrupted epoch with its next batch, placed from the trainer's restored (epoch, batches
+done) (`ResumableStreamingLoader`); each sample's augmentation is seeded from (seed, epoch, index). Validation and
 test read the same shards by index through the shared base's samplers, because a streaming eval would have to
 drop or pad samples to give every rank whole batches; the base's `UnrepeatedDistributedSampler` counts every
 sample exactly once.
@@ -14,6 +15,7 @@ import io
 import json
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -163,6 +165,50 @@ class ShardIndexDataset(Dataset):
     collate = staticmethod(collate)
 
 
+class ResumableStreamingLoader(StreamingDataLoader):
+    """litdata's loader, whose every pass starts where the trainer's restored counters say: epoch `e` of the
+    fit loop is litdata's epoch `e + 1` (its shuffle), and a resumed epoch starts after the batches the
+    restored loop has completed, as litdata's own resume does (each worker skips its share unread).
+
+    litdata counts epochs by the passes started and resumes from the state Lightning stores in the checkpoint;
+    but Lightning creates the training iterator (for `estimated_stepping_batches`) before it restores its
+    loop counters and then never hands that state to the loader, so a killed run replayed the start of the
+    interrupted epoch, or epoch 0's shuffle after an epoch boundary. Here the position is set when the first
+    batch is asked for, from (epoch, batches done) alone; the state litdata saves is left unused. It is also
+    exact after a SIGTERM save, which happens after the loader already handed out the next batch."""
+
+    def __init__(self, position: Callable[[], tuple[int, int]], *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._position = position
+
+    def __iter__(self) -> Any:
+        passes = super().__iter__  # a generator function: nothing runs before the first batch
+
+        def batches() -> Any:
+            self.seek(*self._position())
+            yield from passes()
+
+        return batches()
+
+    def seek(self, epoch: int, batches_done: int) -> None:
+        """The next pass is fit-loop epoch `epoch`, `batches_done` batches in."""
+        if not batches_done:
+            self.current_epoch, self.restore = epoch, False  # litdata starts a fresh pass at epoch + 1
+            return
+        assert self.batch_size
+        yielded = batches_done * self.batch_size
+        self.dataset.set_epoch(epoch + 1)
+        self.load_state_dict(
+            {
+                "dataset": self.dataset.state_dict(yielded, self.num_workers, self.batch_size),
+                "current_epoch": epoch + 1,
+                "num_samples_yielded": yielded,
+                # batches come from the workers in turn, the first from worker 0
+                "latest_worker_idx": (batches_done - 1) % max(self.num_workers, 1),
+            }
+        )
+
+
 # --- the datamodule ---------------------------------------------------------------------------------------
 
 
@@ -288,9 +334,9 @@ class StreamingDataModule(ImageDataModule):
         if self.train_set is None:
             raise RuntimeError("call setup() before asking for a dataloader")
         workers = self.num_workers()
-        # StreamingDataLoader: litdata's state_dict (epoch, samples yielded per worker) lands in Lightning's
-        # checkpoint and resumes the epoch where it stopped
-        return StreamingDataLoader(
+        # litdata's loader, placed at each pass's start from the trainer's restored (epoch, batches done)
+        return ResumableStreamingLoader(
+            self._position,
             self.train_set,
             batch_size=self._batch,
             num_workers=workers,
@@ -298,7 +344,15 @@ class StreamingDataModule(ImageDataModule):
             persistent_workers=workers > 0,
             collate_fn=collate,
             drop_last=True,
+            # a private generator, as the base's loaders have: starting a pass draws the workers' base seed,
+            # which must not move the global RNG that drop-path draws from (an uninterrupted run starts more
+            # passes of its persistent workers than a resumed one)
+            generator=torch.Generator().manual_seed(self.hparams.shuffle_seed),
         )
+
+    def _position(self) -> tuple[int, int]:
+        """(epoch, batches of it already trained on) for the training pass about to start."""
+        return self._epoch(), self._resume_offset()
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """GPU decode: the encoded bytes of a training batch become augmented images on the GPU."""
