@@ -42,6 +42,25 @@ def check_ints(**values: object) -> None:
             raise DataError(f"datamodule.{name}={value!r} must be a whole number")
 
 
+# methods that decide a training sample's random draws: one defined outside vitrain (datasets or a transform
+# of your own) may draw from a generator that the per-sample seeding does not cover
+SAMPLE_HOOKS = (
+    "load_splits",
+    "build_transform",
+    "batch_transform",
+    "device_transform",
+    "on_before_batch_transfer",
+    "on_after_batch_transfer",
+)
+
+
+def defined_outside_vitrain(cls: type, name: str) -> bool:
+    """Whether the `name` that `cls` uses comes from a class of neither vitrain nor Lightning (whose hooks
+    do nothing)."""
+    owner = next((k for k in cls.__mro__ if name in vars(k)), None)
+    return owner is not None and not owner.__module__.startswith(("vitrain.", "lightning."))
+
+
 def floats(values: Sequence[float] | None) -> tuple[float, ...] | None:
     return None if values is None else tuple(float(v) for v in values)
 
@@ -170,6 +189,21 @@ class ImageDataModule(LightningDataModule):
         )
 
     # --- data -------------------------------------------------------------------------------------
+
+    def resume_caveat(self) -> str | None:
+        """Why a resumed run may not continue bitwise like the uninterrupted one (None: it does); callbacks/
+        resume.py logs it when a run resumes. vitrain's own data is exact: the order is a function of (seed,
+        epoch), a per-sample transform's draws of (seed, epoch, index), and on-device augmentation draws from
+        the global generators the checkpoint restores."""
+        own = [name for name in SAMPLE_HOOKS if defined_outside_vitrain(type(self), name)]
+        if not own:
+            return None
+        return (
+            f"{type(self).__name__} defines {', '.join(own)} itself: the data order resumes exactly, its "
+            "augmentation only if each random draw comes from Python's `random` or numpy's or torch's global "
+            "generator (seeded per sample); a generator of its own (numpy.random.default_rng, random.Random) "
+            "draws other augmentations after a resume (docs/reliability.md)"
+        )
 
     def split_sizes(self) -> dict[str, int | None]:
         """Images per split after `setup` (None: not loaded)."""

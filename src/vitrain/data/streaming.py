@@ -350,6 +350,15 @@ class StreamingDataModule(ImageDataModule):
             generator=torch.Generator().manual_seed(self.hparams.shuffle_seed),
         )
 
+    def resume_caveat(self) -> str | None:
+        if self._gpu_decoder is not None:
+            return (
+                "datamodule.decode_device=cuda: the GPU decoder's crops and flips come from a per-rank generator "
+                "that checkpoints do not keep, so they differ after a resume (the order and all else resume "
+                "exactly; decode_device=cpu resumes bitwise)"
+            )
+        return super().resume_caveat()
+
     def _position(self) -> tuple[int, int]:
         """(epoch, batches of it already trained on) for the training pass about to start."""
         return self._epoch(), self._resume_offset()

@@ -1,0 +1,135 @@
+"""Data read per sample (an image folder from disk, streaming shards): a run killed with SIGKILL in the middle of
+an epoch and at an epoch boundary, resumed each time with ckpt_path=last, ends on the uninterrupted run's
+weights, bit for bit, with 0 and 2 loader workers (issue 33).
+
+Each run goes through the CLI as a user's does (the model asks for `estimated_stepping_batches`, which makes
+Lightning build the training loader before it restores the checkpoint: what hid the bug from loader-level
+tests). Augmentation draws from all three global generators (timm's RandomResizedCrop and RandAugment use
+Python's `random` and numpy's, flips and random erasing torch's) and drop-path from torch's in the training
+process. One uninterrupted reference per kind of data; the image folder's serves 0 and 2 workers, which must
+train alike."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from data_factory import make_noise_folder
+from helpers import ROOT, TINY_VIT, run_cli
+
+RUN_TIMEOUT = 300
+BATCH, N_TRAIN = 4, 3 * 8  # 6 steps an epoch
+STEPS, EPOCHS = N_TRAIN // BATCH, 2
+EVERY_3_STEPS = [
+    "+callbacks.last_checkpoint.every_n_train_steps=3",
+    "callbacks.last_checkpoint.every_n_epochs=null",
+]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The image folder and the shards `make shards` writes from it."""
+    from vitrain.data.shards import write_shards
+
+    root = tmp_path_factory.mktemp("resume_disk")
+    folder = make_noise_folder(root / "folder", seed=0)
+    shards = root / "shards"
+    write_shards(folder, str(shards), chunk_bytes="16KB", workers=1, cache_dir=root / "write_cache")
+    return {"folder": folder, "streaming": shards}
+
+
+def _overrides(folders: dict[str, Path], kind: str, workers: int, run_dir: Path) -> list[str]:
+    data = {
+        "folder": ["datamodule=image_folder", "datamodule.in_memory=false"],
+        "streaming": ["datamodule=streaming", "model.net.num_classes=3"],
+    }[kind]
+    return [
+        *TINY_VIT,
+        "model.net.drop_path_rate=0.1",
+        *data,
+        f"datamodule.data_dir={folders[kind]}",
+        f"datamodule.cache_dir={run_dir.parent / 'cache'}",
+        f"datamodule.batch_size={BATCH}",
+        f"datamodule.num_workers={workers}",
+        "datamodule.auto_augment=rand-m9-mstd0.5-inc1",
+        "datamodule.re_prob=0.25",
+        "trainer.accelerator=cpu",
+        "trainer.precision=32-true",
+        f"trainer.max_epochs={EPOCHS}",
+        "extras.print_config=false",
+        "logger=csv",
+        "test=false",
+        f"hydra.run.dir={run_dir}",
+    ]
+
+
+def _run(args: list[str]):
+    return run_cli("train.py", args, env={"PYTHONPATH": str(ROOT / "tests")}, timeout=RUN_TIMEOUT)
+
+
+def _last(run_dir: Path) -> dict:
+    return torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(folders: dict[str, Path], tmp_path_factory: pytest.TempPathFactory):
+    """The final weights of the run left alone, per kind of data (made once, when first asked for)."""
+    made: dict[str, dict[str, torch.Tensor]] = {}
+
+    def weights(kind: str) -> dict[str, torch.Tensor]:
+        if kind not in made:
+            run_dir = tmp_path_factory.mktemp(f"alone_{kind}") / "run"
+            done = _run(_overrides(folders, kind, {"folder": 0, "streaming": 2}[kind], run_dir))
+            assert done.returncode == 0, done.stderr[-3000:]
+            assert _last(run_dir)["global_step"] == EPOCHS * STEPS
+            made[kind] = _last(run_dir)["state_dict"]
+        return made[kind]
+
+    return weights
+
+
+# each kill: the extra overrides of the run that is killed, and where its last.ckpt is (global step, epoch)
+MID_EPOCH_0 = (
+    [*EVERY_3_STEPS, "+callbacks.fault._target_=fault_injection.KillAtStep", "+callbacks.fault.step=3"],
+    (3, 0),
+)
+BOUNDARY = (["+callbacks.fault._target_=fault_injection.KillAt", "+callbacks.fault.epoch=1"], (STEPS, 0))
+MID_EPOCH_1 = (
+    [*EVERY_3_STEPS, "+callbacks.fault._target_=fault_injection.KillAtStep", "+callbacks.fault.step=9"],
+    (9, 1),
+)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(4 * RUN_TIMEOUT)
+@pytest.mark.parametrize(
+    ("kind", "workers", "kills"),
+    [
+        ("folder", 0, (MID_EPOCH_0, BOUNDARY)),
+        ("folder", 2, (BOUNDARY, MID_EPOCH_1)),
+        ("streaming", 2, (MID_EPOCH_0, BOUNDARY)),
+    ],
+    ids=["folder-0-workers", "folder-2-workers", "streaming-2-workers"],
+)
+def test_sigkill_mid_epoch_and_at_epoch_boundary_then_resume_is_bitwise(
+    kind: str, workers: int, kills: tuple, folders: dict[str, Path], uninterrupted, tmp_path: Path
+):
+    run_dir = tmp_path / "run"
+    args = _overrides(folders, kind, workers, run_dir)
+    for i, (extra, (step, epoch)) in enumerate(kills):
+        killed = _run([*args, *extra, *(["ckpt_path=last"] if i else [])])
+        assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+        saved = _last(run_dir)
+        assert (saved["global_step"], saved["epoch"]) == (step, epoch)
+    resumed = _run([*args, "ckpt_path=last"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "not bitwise" not in resumed.stderr + resumed.stdout
+    final = _last(run_dir)
+    assert final["global_step"] == EPOCHS * STEPS
+    reference = uninterrupted(kind)
+    assert final["state_dict"].keys() == reference.keys()
+    different = [k for k, v in reference.items() if not torch.equal(final["state_dict"][k], v)]
+    assert not different, f"weights differ from the uninterrupted run's: {different[:5]}"
