@@ -133,3 +133,41 @@ def test_sigkill_mid_epoch_and_at_epoch_boundary_then_resume_is_bitwise(
     assert final["state_dict"].keys() == reference.keys()
     different = [k for k, v in reference.items() if not torch.equal(final["state_dict"][k], v)]
     assert not different, f"weights differ from the uninterrupted run's: {different[:5]}"
+
+
+def test_per_sample_seeding_leaves_the_training_process_generators_alone():
+    """num_workers=0: a sample's transform draws from generators seeded from its (seed, epoch, index), and
+    the training process's own states (drop-path, on-device augmentation) come back as they were."""
+    import random
+
+    import numpy as np
+
+    from vitrain.data.sampling import sample_seed, seeded_sample
+
+    def draws() -> tuple:
+        return random.random(), float(np.random.rand()), float(torch.rand(()))
+
+    torch.manual_seed(1), random.seed(1), np.random.seed(1)
+    expected = draws()
+    torch.manual_seed(1), random.seed(1), np.random.seed(1)
+    with seeded_sample(sample_seed(0, 2, 7)):
+        first = draws()
+    with seeded_sample(sample_seed(0, 2, 7)):
+        assert draws() == first, "the same sample, the same draws"
+    with seeded_sample(sample_seed(0, 3, 7)):
+        assert draws() != first, "another epoch, other draws"
+    assert draws() == expected
+
+
+def test_resume_log_names_a_transform_of_your_own(tmp_path: Path):
+    from vitrain.data.image_folder import ImageFolderDataModule
+    from vitrain.data.streaming import StreamingDataModule
+
+    class Mine(ImageFolderDataModule):
+        def build_transform(self, train: bool):
+            return super().build_transform(train)
+
+    assert ImageFolderDataModule(str(tmp_path), str(tmp_path)).resume_caveat() is None
+    assert StreamingDataModule(data_dir=str(tmp_path), cache_dir=str(tmp_path)).resume_caveat() is None
+    caveat = Mine(str(tmp_path), str(tmp_path)).resume_caveat()
+    assert caveat is not None and "Mine defines build_transform itself" in caveat
