@@ -41,7 +41,9 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {"folder": folder, "streaming": shards}
 
 
-def _overrides(folders: dict[str, Path], kind: str, workers: int, run_dir: Path) -> list[str]:
+def _overrides(
+    folders: dict[str, Path], kind: str, workers: int, run_dir: Path, ddp: bool = False
+) -> list[str]:
     data = {
         "folder": ["datamodule=image_folder", "datamodule.in_memory=false"],
         "streaming": ["datamodule=streaming", "model.net.num_classes=3"],
@@ -63,6 +65,8 @@ def _overrides(folders: dict[str, Path], kind: str, workers: int, run_dir: Path)
         "logger=csv",
         "test=false",
         f"hydra.run.dir={run_dir}",
+        # DDP: the global batch split over 2 processes, each its own share of the epoch and its own generators
+        *(["trainer=ddp", "trainer.devices=2"] if ddp else []),
     ]
 
 
@@ -77,16 +81,18 @@ def _last(run_dir: Path) -> dict:
 @pytest.fixture(scope="module")
 def uninterrupted(folders: dict[str, Path], tmp_path_factory: pytest.TempPathFactory):
     """The final weights of the run left alone, per kind of data (made once, when first asked for)."""
-    made: dict[str, dict[str, torch.Tensor]] = {}
+    made: dict[tuple, dict[str, torch.Tensor]] = {}
 
-    def weights(kind: str) -> dict[str, torch.Tensor]:
-        if kind not in made:
+    def weights(kind: str, workers: int, ddp: bool) -> dict[str, torch.Tensor]:
+        # the image folder trains alike with any number of workers; litdata deals each worker its own part
+        key = (kind, workers if kind == "streaming" else 0, ddp)
+        if key not in made:
             run_dir = tmp_path_factory.mktemp(f"alone_{kind}") / "run"
-            done = _run(_overrides(folders, kind, {"folder": 0, "streaming": 2}[kind], run_dir))
+            done = _run(_overrides(folders, *key[:2], run_dir, ddp=ddp))
             assert done.returncode == 0, done.stderr[-3000:]
             assert _last(run_dir)["global_step"] == EPOCHS * STEPS
-            made[kind] = _last(run_dir)["state_dict"]
-        return made[kind]
+            made[key] = _last(run_dir)["state_dict"]
+        return made[key]
 
     return weights
 
@@ -106,19 +112,21 @@ MID_EPOCH_1 = (
 @pytest.mark.slow
 @pytest.mark.timeout(4 * RUN_TIMEOUT)
 @pytest.mark.parametrize(
-    ("kind", "workers", "kills"),
+    ("kind", "workers", "kills", "ddp"),
     [
-        ("folder", 0, (MID_EPOCH_0, BOUNDARY)),
-        ("folder", 2, (BOUNDARY, MID_EPOCH_1)),
-        ("streaming", 2, (MID_EPOCH_0, BOUNDARY)),
+        ("folder", 0, (MID_EPOCH_0, BOUNDARY), False),
+        ("folder", 2, (BOUNDARY, MID_EPOCH_1), False),
+        ("streaming", 2, (MID_EPOCH_0, BOUNDARY), False),
+        pytest.param("streaming", 1, (MID_EPOCH_0,), True, marks=pytest.mark.distributed),
     ],
-    ids=["folder-0-workers", "folder-2-workers", "streaming-2-workers"],
+    ids=["folder-0-workers", "folder-2-workers", "streaming-2-workers", "streaming-ddp-mid-epoch"],
 )
 def test_sigkill_mid_epoch_and_at_epoch_boundary_then_resume_is_bitwise(
-    kind: str, workers: int, kills: tuple, folders: dict[str, Path], uninterrupted, tmp_path: Path
+    kind: str, workers: int, kills: tuple, ddp: bool, folders: dict[str, Path], uninterrupted, tmp_path: Path
 ):
+    """Under DDP every rank kills itself at the same step, after rank 0 saved `last`."""
     run_dir = tmp_path / "run"
-    args = _overrides(folders, kind, workers, run_dir)
+    args = _overrides(folders, kind, workers, run_dir, ddp=ddp)
     for i, (extra, (step, epoch)) in enumerate(kills):
         killed = _run([*args, *extra, *(["ckpt_path=last"] if i else [])])
         assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
@@ -129,7 +137,7 @@ def test_sigkill_mid_epoch_and_at_epoch_boundary_then_resume_is_bitwise(
     assert "not bitwise" not in resumed.stderr + resumed.stdout
     final = _last(run_dir)
     assert final["global_step"] == EPOCHS * STEPS
-    reference = uninterrupted(kind)
+    reference = uninterrupted(kind, workers, ddp)
     assert final["state_dict"].keys() == reference.keys()
     different = [k for k, v in reference.items() if not torch.equal(final["state_dict"][k], v)]
     assert not different, f"weights differ from the uninterrupted run's: {different[:5]}"

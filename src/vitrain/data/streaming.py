@@ -177,7 +177,7 @@ class ResumableStreamingLoader(StreamingDataLoader):
     batch is asked for, from (epoch, batches done) alone; the state litdata saves is left unused. It is also
     exact after a SIGTERM save, which happens after the loader already handed out the next batch."""
 
-    def __init__(self, position: Callable[[], tuple[int, int]], *args: Any, **kwargs: Any) -> None:
+    def __init__(self, position: Callable[[], tuple[int, int] | None], *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._position = position
 
@@ -185,7 +185,9 @@ class ResumableStreamingLoader(StreamingDataLoader):
         passes = super().__iter__  # a generator function: nothing runs before the first batch
 
         def batches() -> Any:
-            self.seek(*self._position())
+            position = self._position()
+            if position is not None:  # None: no trainer, litdata counts the passes itself
+                self.seek(*position)
             yield from passes()
 
         return batches()
@@ -359,8 +361,11 @@ class StreamingDataModule(ImageDataModule):
             )
         return super().resume_caveat()
 
-    def _position(self) -> tuple[int, int]:
-        """(epoch, batches of it already trained on) for the training pass about to start."""
+    def _position(self) -> tuple[int, int] | None:
+        """(epoch, batches of it already trained on) for the training pass about to start; None outside a
+        trainer."""
+        if self.trainer is None:
+            return None
         return self._epoch(), self._resume_offset()
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
