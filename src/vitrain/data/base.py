@@ -263,7 +263,8 @@ class ImageDataModule(LightningDataModule):
         return self.trainer.world_size, self.trainer.global_rank
 
     def _epoch(self) -> int:
-        """The epoch the fit loop is in (restored from a checkpoint before the loaders are requested)."""
+        """The epoch the fit loop is in. Read when a training pass starts: the loaders may be requested before
+        Lightning restores the epoch from a checkpoint."""
         if self.trainer is None:
             return 0
         return self.trainer.fit_loop.epoch_progress.current.processed
