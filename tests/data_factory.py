@@ -173,3 +173,22 @@ def make_cifar100_python(root: Path, n_train_per_class: int = 2, n_test_per_clas
         },
     )
     return out
+
+
+def make_noise_folder(
+    root: Path, seed: int, classes: Sequence[str] = ("ant", "bee", "cat"), n_train: int = 8, n_val: int = 2
+) -> Path:
+    """root/{train,val}/<class>/ of random-noise images of mixed sizes (20..48 px a side; PNG and JPEG in
+    turn): unlike flat colours, every random crop, flip, auto-augment op and erasure changes the pixels, so a
+    test sees an augmentation that differs."""
+    rng = np.random.default_rng(seed)
+    root = Path(root)
+    for split, n in (("train", n_train), ("val", n_val)):
+        for cls in classes:
+            d = root / split / cls
+            d.mkdir(parents=True, exist_ok=True)
+            for i in range(n):
+                h, w = (int(v) for v in rng.integers(20, 49, 2))
+                img = Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+                img.save(d / f"{i:03d}.{('png', 'jpg')[i % 2]}")
+    return root

@@ -83,3 +83,15 @@ class SlurmSignalAt(Callback):
         while not arrived.is_set() and time.monotonic() < deadline:
             time.sleep(0.05)
         signal.signal(signum, previous)
+
+
+class KillAtStep(Callback):
+    """SIGKILL (no clean-up at all) before training step `step`, i.e. right after a checkpoint saved every
+    `step` steps was written: a kill in the middle of an epoch."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGKILL)

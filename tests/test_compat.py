@@ -106,7 +106,9 @@ def test_throughput_monitor_internals():
     meter = monitor._throughputs[RunningStage.TRAINING]
     assert meter._time.maxlen == 5 and meter.available_flops == 10**12, f"{UPGRADE} Throughput's window"
     # Lightning's own _compute logs through the logger connector, as our override does
-    assert "_logger_connector.log_metrics" in inspect.getsource(ThroughputMonitor._compute), f"{UPGRADE} _compute"
+    assert "_logger_connector.log_metrics" in inspect.getsource(ThroughputMonitor._compute), (
+        f"{UPGRADE} _compute"
+    )
 
 
 def test_weight_averaging_internals():

@@ -82,8 +82,24 @@ class ExactResume(Callback):
             self._pending = None
             if offset:
                 offset_by_rank(trainer.global_rank)
+            if trainer.is_global_zero:
+                log_resume(trainer)
         else:
             offset_by_rank(trainer.global_rank)
+
+
+def log_resume(trainer: L.Trainer) -> None:
+    """One line when a run resumes: what continues bitwise, or, from the datamodule, what may not."""
+    caveat_of = getattr(trainer.datamodule, "resume_caveat", None)
+    caveat = caveat_of() if caveat_of is not None else "the data comes from loaders vitrain does not know"
+    where = f"epoch {trainer.current_epoch}, step {trainer.global_step}"
+    if caveat:
+        log.warning(f"resuming at {where}: random generators restored, but not bitwise: {caveat}")
+    else:
+        log.info(
+            f"resuming at {where}: random generators restored; the data continues with the next batch the "
+            "interrupted run had not trained on, with the same augmentation (bitwise as if never stopped)"
+        )
 
 
 def collect_rng_states() -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""In-memory data: a dataset of tensors that hands out whole batches, and the loader that resumes it.
+"""The training loader that resumes (in memory and from disk), and in-memory data: a dataset of tensors
+that hands out whole batches.
 
 A batch is a tensor slice, not a list of samples to collate, which is what makes in-memory training fast;
 and the order is a function of (seed, epoch), so a resumed loader need only skip what was trained on.
@@ -6,7 +7,7 @@ and the order is a function of (seed, epoch), so a resumed loader need only skip
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -15,25 +16,27 @@ from torch.utils.data import DataLoader, Dataset
 
 
 class ResumableLoader(DataLoader):
-    """In-memory data: a DataLoader that skips the batches a mid-epoch checkpoint had already trained on.
+    """The training loader of the shared base (in memory and from disk): a resumed epoch continues with the
+    next batch the interrupted run had not trained on, from the trainer's restored counters alone.
 
-    The training order is a function of (seed, epoch) alone and a batch is a tensor slice, so skipping the
-    batches the restored loop has completed continues exactly where the interrupted run stopped (bitwise,
-    tests/test_resume.py). Worker-process loaders use torchdata's StatefulDataLoader instead.
+    The order is a function of (seed, epoch) (`sampling.TrainSampler`) and a sample's augmentation of (seed,
+    epoch, index), so a loader needs no state of its own: when the first batch of a pass is asked for, the
+    sampler starts past the `batches_done()` batches the restored loop has completed (no sample of them is
+    read). Everything happens at that first batch, not at `iter()`: Lightning creates the iterator (when the
+    model asks for `estimated_stepping_batches`) before it restores its loop counters and sets the epoch, and
+    a worker-process iterator sends indices to its workers as soon as it exists.
     """
 
-    def __init__(self, *args: Any, batches_done: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, batches_done: Callable[[], int], **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._batches_done = batches_done
 
     def __iter__(self) -> Iterator:
-        iterator = super().__iter__()
-
         def batches() -> Iterator:
-            # decided at the first batch: Lightning creates the iterator before it restores its loop counters
-            for _ in range(self._batches_done()):
-                next(iterator, None)
-            yield from iterator
+            done = self._batches_done()
+            if done:
+                self.sampler.start_at(done * self.batch_size)
+            yield from DataLoader.__iter__(self)
 
         return batches()
 

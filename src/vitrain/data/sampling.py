@@ -7,26 +7,48 @@ every restart agrees: the same validation split, the same shuffled order, the sa
 from __future__ import annotations
 
 import hashlib
+import itertools
 import random
 from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import numpy as np
 import torch
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 from torch import Tensor
-from torch.utils.data import Dataset, DistributedSampler, Sampler, SequentialSampler
+from torch.utils.data import Dataset, DistributedSampler, Sampler, SequentialSampler, get_worker_info
 
 from vitrain.errors import DataError
 
 
-class EpochTaggedSampler(DistributedSampler):
-    """DistributedSampler that yields `(epoch, index)`: a dataset that augments per sample seeds its random ops
-    from (seed, epoch, index), so an image gets the same augmentation whatever the rank, the worker or a
-    resume, and worker processes need no seeding of their own (`sample_seed`)."""
+class TrainSampler(DistributedSampler):
+    """The training order: a DistributedSampler (shuffled by (seed, epoch), equal shards) that reads its epoch
+    and where to start when the first index is asked for, not when `iter()` is called (Lightning creates the
+    loader's iterator before it restores the epoch from a checkpoint), and can start a pass part-way
+    (`start_at`): a resumed epoch skips the indices already trained on without reading a sample.
 
-    def __iter__(self) -> Iterator[tuple[int, int]]:  # type: ignore[override]
-        epoch = self.epoch
-        return ((epoch, i) for i in super().__iter__())
+    `tag_epoch`: yield `(epoch, index)`, for a dataset that augments per sample and seeds its random ops from
+    (seed, epoch, index) (`sample_seed`), so an image gets the same augmentation whatever the rank, the
+    worker or a resume, and worker processes need no seeding of their own."""
+
+    def __init__(self, *args: Any, tag_epoch: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.tag_epoch = tag_epoch
+        self._start = 0
+
+    def start_at(self, position: int) -> None:
+        """The next pass begins at this process's `position`-th index of the epoch (once)."""
+        self._start = position
+
+    def __iter__(self) -> Iterator[int | tuple[int, int]]:  # type: ignore[override]
+        epoch, start = self.epoch, self._start
+        self._start = 0
+        indices = itertools.islice(super().__iter__(), start, None)
+        if self.tag_epoch:
+            yield from ((epoch, i) for i in indices)
+        else:
+            yield from indices
 
 
 def sample_seed(seed: int, epoch: int, index: int) -> int:
@@ -35,14 +57,32 @@ def sample_seed(seed: int, epoch: int, index: int) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
-def seed_sample(seed: int) -> None:
+@contextmanager
+def seeded_sample(seed: int) -> Iterator[None]:
     """Seed every RNG a per-sample transform may draw from (timm uses `random`, torchvision uses torch's CPU
-    generator). Called once per image in the loader workers, so `torch.default_generator` directly:
-    `torch.manual_seed` also queues a lazy seed for every accelerator and records the call's stack trace to
-    do it, ~0.2 ms an image here, 5-10 % of a 224 px decode-and-transform."""
+    generator, some transforms numpy's global one) for one sample's transform.
+
+    In a loader worker these generators are the worker's own and are left as seeded. In the training process
+    (num_workers=0) the caller's states are put back afterwards: otherwise every sample would re-seed the
+    generators that drop-path and on-device augmentation draw from, and a run's training randomness would
+    depend on num_workers. So 0 and N workers train alike, bitwise.
+
+    `torch.default_generator` directly: `torch.manual_seed` also queues a lazy seed for every accelerator
+    and records the call's stack trace to do it, ~0.2 ms an image here, 5-10 % of a 224 px
+    decode-and-transform (saving and restoring the three states costs ~20 us)."""
+    saved = None
+    if get_worker_info() is None:
+        saved = random.getstate(), torch.default_generator.get_state(), np.random.get_state()
     random.seed(seed)
     torch.default_generator.manual_seed(seed)
     np.random.seed(seed % 2**32)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            random.setstate(saved[0])
+            torch.default_generator.set_state(saved[1])
+            np.random.set_state(saved[2])
 
 
 def per_process_batch(batch_size: int, world_size: int, name: str = "batch_size") -> int:
@@ -65,12 +105,20 @@ def make_sampler(
     all ranks, no padding; ranks may then differ by one batch, which is safe because the model syncs its
     metrics only at epoch end.
 
-    Training always uses a DistributedSampler, also on one process: its order is a function of (seed, epoch)
-    alone, so a run resumed at an epoch boundary sees exactly the batches the uninterrupted run saw.
+    Training always uses a DistributedSampler (`TrainSampler`), also on one process: its order is a function
+    of (seed, epoch) alone, so a resumed run sees exactly the batches the uninterrupted run saw, at an epoch
+    boundary or, starting past the batches already trained on, in the middle of one.
     """
     if train:
-        cls = EpochTaggedSampler if tag_epoch else DistributedSampler
-        return cls(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=True)
+        return TrainSampler(
+            dataset,
+            num_replicas=num_replicas,
+            rank=rank,
+            shuffle=True,
+            seed=seed,
+            drop_last=True,
+            tag_epoch=tag_epoch,
+        )
     if num_replicas > 1:
         return UnrepeatedDistributedSampler(dataset, num_replicas=num_replicas, rank=rank, shuffle=False)
     return SequentialSampler(dataset)

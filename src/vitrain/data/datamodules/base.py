@@ -18,7 +18,6 @@ import torch
 from lightning.pytorch import LightningDataModule
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from torch.utils.data import DataLoader, Dataset
-from torchdata.stateful_dataloader import StatefulDataLoader
 
 from vitrain.data.augment import BatchTransform
 from vitrain.data.loaders import ResumableLoader, TensorImageDataset, passthrough_collate
@@ -41,6 +40,25 @@ def check_ints(**values: object) -> None:
     for name, value in values.items():
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             raise DataError(f"datamodule.{name}={value!r} must be a whole number")
+
+
+# methods that decide a training sample's random draws: one defined outside vitrain (datasets or a transform
+# of your own) may draw from a generator that the per-sample seeding does not cover
+SAMPLE_HOOKS = (
+    "load_splits",
+    "build_transform",
+    "batch_transform",
+    "device_transform",
+    "on_before_batch_transfer",
+    "on_after_batch_transfer",
+)
+
+
+def defined_outside_vitrain(cls: type, name: str) -> bool:
+    """Whether the `name` that `cls` uses comes from a class of neither vitrain nor Lightning (whose hooks
+    do nothing)."""
+    owner = next((k for k in cls.__mro__ if name in vars(k)), None)
+    return owner is not None and not owner.__module__.startswith(("vitrain.", "lightning."))
 
 
 def floats(values: Sequence[float] | None) -> tuple[float, ...] | None:
@@ -172,6 +190,21 @@ class ImageDataModule(LightningDataModule):
 
     # --- data -------------------------------------------------------------------------------------
 
+    def resume_caveat(self) -> str | None:
+        """Why a resumed run may not continue bitwise like the uninterrupted one (None: it does); callbacks/
+        resume.py logs it when a run resumes. vitrain's own data is exact: the order is a function of (seed,
+        epoch), a per-sample transform's draws of (seed, epoch, index), and on-device augmentation draws from
+        the global generators the checkpoint restores."""
+        own = [name for name in SAMPLE_HOOKS if defined_outside_vitrain(type(self), name)]
+        if not own:
+            return None
+        return (
+            f"{type(self).__name__} defines {', '.join(own)} itself: the data order resumes exactly, its "
+            "augmentation only if each random draw comes from Python's `random` or numpy's or torch's global "
+            "generator (seeded per sample); a generator of its own (numpy.random.default_rng, random.Random) "
+            "draws other augmentations after a resume (docs/reliability.md)"
+        )
+
     def split_sizes(self) -> dict[str, int | None]:
         """Images per split after `setup` (None: not loaded)."""
         sets = {"train": self.train_set, "val": self.val_set, "test": self.test_set}
@@ -230,7 +263,8 @@ class ImageDataModule(LightningDataModule):
         return self.trainer.world_size, self.trainer.global_rank
 
     def _epoch(self) -> int:
-        """The epoch the fit loop is in (restored from a checkpoint before the loaders are requested)."""
+        """The epoch the fit loop is in. Read when a training pass starts: the loaders may be requested before
+        Lightning restores the epoch from a checkpoint."""
         if self.trainer is None:
             return 0
         return self.trainer.fit_loop.epoch_progress.current.processed
@@ -258,19 +292,13 @@ class ImageDataModule(LightningDataModule):
         sampler = make_sampler(
             dataset, train=train, num_replicas=world, rank=rank, seed=hp.shuffle_seed, tag_epoch=not in_memory
         )
-        if train and not in_memory:
-            # Lightning sets the epoch only after it created the first iterator; with worker processes that
-            # iterator already drew indices, so a run resumed in epoch 3 would replay epoch 0's order
-            sampler.set_epoch(self._epoch())
         workers = self.num_workers()
-        # StatefulDataLoader for training: Lightning saves its state_dict() in every checkpoint and loads it
-        # back on resume, so a mid-epoch restart continues with the next unseen batch (workers included)
+        # training: a ResumableLoader, which continues a resumed epoch from the trainer's restored counters
+        # (epoch, batches completed) when its first batch is asked for; no loader state is needed
         extra: dict[str, Any] = {}
         loader_cls: type[DataLoader] = DataLoader
-        if train and in_memory:
+        if train:
             loader_cls, extra = ResumableLoader, {"batches_done": self._resume_offset}
-        elif train:
-            loader_cls = StatefulDataLoader
         return loader_cls(
             dataset,
             batch_size=self._batch if train else self._eval_batch,

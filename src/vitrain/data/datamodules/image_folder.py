@@ -2,9 +2,10 @@
 or a .tar/.tar.gz of one, read from disk per sample.
 
 DataLoader worker processes open, decode (JPEG, PNG, WebP; any mode converted to RGB) and transform each
-image with timm's transforms from the model's data config. Splits, samplers, the per-process batch, exact
-evaluation and the resumable training loader (torchdata's StatefulDataLoader, whose state Lightning keeps
-in every checkpoint) come from the shared base, vitrain/data/datamodules/base.py.
+image with timm's transforms from the model's data config, each image's random draws seeded from (seed,
+epoch, index). Splits, samplers, the per-process batch, exact evaluation and the resumable training loader
+(a resumed epoch continues from the trainer's restored counters: bitwise the uninterrupted run, with any
+number of workers) come from the shared base, vitrain/data/datamodules/base.py.
 
 Unreadable files are found before training, by PIL reading each file's header and structure without
 decoding every pixel (`verify_images`); `bad_images: stop` then names them in one error, `skip` leaves them
@@ -33,7 +34,7 @@ from vitrain.data.loaders import TensorImageDataset
 from vitrain.data.readers import decode as in_memory
 from vitrain.data.readers.cache import unpack_archive
 from vitrain.data.readers.image_folders import Source, carve_val, find_source, find_unreadable, scan
-from vitrain.data.sampling import sample_seed, seed_sample
+from vitrain.data.sampling import sample_seed, seeded_sample
 from vitrain.data.transforms import timm_transform
 from vitrain.errors import DataError
 
@@ -42,7 +43,7 @@ log = logging.getLogger(__name__)
 
 class ImageFileDataset(Dataset):
     """(path, label) pairs decoded on access. Training indices arrive as `(epoch, index)` from the base's
-    EpochTaggedSampler: the sample's random transform is seeded from (seed, epoch, index), so it is the same
+    TrainSampler: the sample's random transform is seeded from (seed, epoch, index), so it is the same
     whatever the rank, the worker or a resume."""
 
     def __init__(self, files: list[tuple[str, int]], transform: Any, seed: int) -> None:
@@ -62,8 +63,8 @@ class ImageFileDataset(Dataset):
                 f"cannot decode {path} ({type(e).__name__}: {e}): remove or replace it "
                 "(datamodule.verify_images=true finds such files before training)"
             ) from None
-        seed_sample(sample_seed(self.seed, epoch, index))
-        return self.transform(image), label
+        with seeded_sample(sample_seed(self.seed, epoch, index)):
+            return self.transform(image), label
 
 
 class ImageFolderDataModule(ImageDataModule):

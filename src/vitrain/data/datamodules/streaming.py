@@ -1,8 +1,9 @@
 """Shards written by `make shards` (vitrain/data/shards.py), read with litdata from a local folder or S3.
 
 Training streams with litdata's `StreamingDataset` + `StreamingDataLoader`: chunks are fetched into a local
-cache ahead of use and evicted after, each rank and worker reads its own part of the epoch, and the loader's
-`state_dict` (which Lightning stores in every checkpoint) resumes in the middle of an epoch. Validation and
+cache ahead of use and evicted after, each rank and worker reads its own part of the epoch, and a resumed run
+continues the interrupted epoch with its next batch, placed from the trainer's restored (epoch, batches
+done) (`ResumableStreamingLoader`); each sample's augmentation is seeded from (seed, epoch, index). Validation and
 test read the same shards by index through the shared base's samplers, because a streaming eval would have to
 drop or pad samples to give every rank whole batches; the base's `UnrepeatedDistributedSampler` counts every
 sample exactly once.
@@ -14,6 +15,7 @@ import io
 import json
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +26,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from vitrain.compat import litdata_allow_http, litdata_distributed_env
 from vitrain.data.datamodules.base import ImageDataModule, Splits
-from vitrain.data.sampling import sample_seed, seed_sample
+from vitrain.data.sampling import sample_seed, seeded_sample
 from vitrain.data.shards import FORMAT_NAME, FORMAT_VERSION, METADATA_FILE
 from vitrain.data.transforms import timm_transform
 from vitrain.errors import DataError
@@ -116,8 +118,8 @@ class SampleTransform:
     def __call__(self, item: dict[str, Any], epoch: int) -> tuple[Tensor, int]:
         if self.raw:
             return torch.frombuffer(bytearray(item["image"]), dtype=torch.uint8), item["label"]
-        seed_sample(sample_seed(self.seed, epoch, item["index"]))
-        return self.transform(decode_rgb(item["image"])), item["label"]
+        with seeded_sample(sample_seed(self.seed, epoch, item["index"])):
+            return self.transform(decode_rgb(item["image"])), item["label"]
 
 
 def collate(batch: list[tuple[Tensor, int]]) -> tuple[Tensor | list[Tensor], Tensor]:
@@ -161,6 +163,52 @@ class ShardIndexDataset(Dataset):
         return {**self.__dict__, "_stream": None}
 
     collate = staticmethod(collate)
+
+
+class ResumableStreamingLoader(StreamingDataLoader):
+    """litdata's loader, whose every pass starts where the trainer's restored counters say: epoch `e` of the
+    fit loop is litdata's epoch `e + 1` (its shuffle), and a resumed epoch starts after the batches the
+    restored loop has completed, as litdata's own resume does (each worker skips its share unread).
+
+    litdata counts epochs by the passes started and resumes from the state Lightning stores in the checkpoint;
+    but Lightning creates the training iterator (for `estimated_stepping_batches`) before it restores its
+    loop counters and then never hands that state to the loader, so a killed run replayed the start of the
+    interrupted epoch, or epoch 0's shuffle after an epoch boundary. Here the position is set when the first
+    batch is asked for, from (epoch, batches done) alone; the state litdata saves is left unused. It is also
+    exact after a SIGTERM save, which happens after the loader already handed out the next batch."""
+
+    def __init__(self, position: Callable[[], tuple[int, int] | None], *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._position = position
+
+    def __iter__(self) -> Any:
+        passes = super().__iter__  # a generator function: nothing runs before the first batch
+
+        def batches() -> Any:
+            position = self._position()
+            if position is not None:  # None: no trainer, litdata counts the passes itself
+                self.seek(*position)
+            yield from passes()
+
+        return batches()
+
+    def seek(self, epoch: int, batches_done: int) -> None:
+        """The next pass is fit-loop epoch `epoch`, `batches_done` batches in."""
+        if not batches_done:
+            self.current_epoch, self.restore = epoch, False  # litdata starts a fresh pass at epoch + 1
+            return
+        assert self.batch_size
+        yielded = batches_done * self.batch_size
+        self.dataset.set_epoch(epoch + 1)
+        self.load_state_dict(
+            {
+                "dataset": self.dataset.state_dict(yielded, self.num_workers, self.batch_size),
+                "current_epoch": epoch + 1,
+                "num_samples_yielded": yielded,
+                # batches come from the workers in turn, the first from worker 0
+                "latest_worker_idx": (batches_done - 1) % max(self.num_workers, 1),
+            }
+        )
 
 
 # --- the datamodule ---------------------------------------------------------------------------------------
@@ -288,9 +336,9 @@ class StreamingDataModule(ImageDataModule):
         if self.train_set is None:
             raise RuntimeError("call setup() before asking for a dataloader")
         workers = self.num_workers()
-        # StreamingDataLoader: litdata's state_dict (epoch, samples yielded per worker) lands in Lightning's
-        # checkpoint and resumes the epoch where it stopped
-        return StreamingDataLoader(
+        # litdata's loader, placed at each pass's start from the trainer's restored (epoch, batches done)
+        return ResumableStreamingLoader(
+            self._position,
             self.train_set,
             batch_size=self._batch,
             num_workers=workers,
@@ -298,7 +346,27 @@ class StreamingDataModule(ImageDataModule):
             persistent_workers=workers > 0,
             collate_fn=collate,
             drop_last=True,
+            # a private generator, as the base's loaders have: starting a pass draws the workers' base seed,
+            # which must not move the global RNG that drop-path draws from (an uninterrupted run starts more
+            # passes of its persistent workers than a resumed one)
+            generator=torch.Generator().manual_seed(self.hparams.shuffle_seed),
         )
+
+    def resume_caveat(self) -> str | None:
+        if self._gpu_decoder is not None:
+            return (
+                "datamodule.decode_device=cuda: the GPU decoder's crops and flips come from a per-rank generator "
+                "that checkpoints do not keep, so they differ after a resume (the order and all else resume "
+                "exactly; decode_device=cpu resumes bitwise)"
+            )
+        return super().resume_caveat()
+
+    def _position(self) -> tuple[int, int] | None:
+        """(epoch, batches of it already trained on) for the training pass about to start; None outside a
+        trainer."""
+        if self.trainer is None:
+            return None
+        return self._epoch(), self._resume_offset()
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """GPU decode: the encoded bytes of a training batch become augmented images on the GPU."""
