@@ -55,12 +55,26 @@ def build(cfg: DictConfig) -> RunObjects:
     loggers = instantiate_dict(cfg.get("logger"))
     # the run's own metric record (metrics.jsonl), beside any logger or none: what the report reads
     record = MetricRecord(cfg.paths.output_dir)
+    time_budget_wins(cfg.trainer)
     trainer: L.Trainer = hydra.utils.instantiate(
         cfg.trainer, callbacks=callbacks, logger=[*loggers, record], precision=resolve_precision(cfg.trainer)
     )
     if hasattr(model, "check_strategy"):  # options the strategy cannot honour stop before the ranks start
         model.check_strategy(trainer.strategy, fitting=bool(cfg.get("train")))
     return RunObjects(cfg, datamodule, model, callbacks, loggers, trainer)
+
+
+def time_budget_wins(trainer_cfg: DictConfig) -> None:
+    """Under `trainer.max_time`, drop `trainer.min_epochs` (with a warning): Lightning ignores every stop
+    request, its own time limit's included, until min_epochs have run, so on a slow machine the budget would
+    not hold inside the first epoch."""
+    if trainer_cfg.get("max_time") and trainer_cfg.get("min_epochs"):
+        log.warning(
+            f"trainer.min_epochs={trainer_cfg.min_epochs} is ignored under trainer.max_time="
+            f"{trainer_cfg.max_time}: the run stops at the time limit, also inside an epoch"
+        )
+        with open_dict(trainer_cfg):
+            trainer_cfg.min_epochs = None
 
 
 def build_model(cfg: DictConfig, datamodule: L.LightningDataModule) -> L.LightningModule:
