@@ -1,12 +1,21 @@
 """What a new user meets on the way (issue 31): time budgets that hold, honest messages, one-line errors."""
 
+import os
+import shlex
+import signal
 import time
 from pathlib import Path
 
 import lightning as L
+import pytest
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from omegaconf import open_dict
 
 from helpers import compose_cfg, tiny_overrides
-from vitrain.training import train
+from vitrain.reporting.report import write_report
+from vitrain.resume import checkpoint_to_resume, resume_hint
+from vitrain.training import build, train
+from vitrain.utils.run_id import RUN_ID_VARS
 
 
 class SlowStep(L.Callback):
@@ -39,3 +48,74 @@ def test_max_time_holds_inside_the_first_epoch(tmp_path: Path, tiny_cifar: Path,
     )
     assert "val/acc1" in metrics and "test/acc1" in metrics
     assert (tmp_path / "report.md").is_file()
+
+
+class SigtermSelfAt(L.Callback):
+    """SIGTERM this process (only: the test runs in-process) once training reaches `step`."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args) -> None:
+        if trainer.global_step == self.step and not trainer.received_sigterm:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_sigterm_tells_the_command_that_resumes_and_reports_interrupted(
+    tmp_path: Path, tiny_cifar: Path, data_cache: Path, monkeypatch, caplog, capfd
+):
+    """A plain run (named by its start time) stopped by SIGTERM: what it prints to resume is a command line
+    that does resume this run, and report.md says the run was interrupted and where."""
+    for var in RUN_ID_VARS:
+        monkeypatch.delenv(var, raising=False)
+    overrides = [
+        *tiny_overrides(tiny_cifar, data_cache),
+        "logger=none",
+        "trainer.num_sanity_val_steps=0",
+        "+callbacks.sigterm_at._target_=test_user_path.SigtermSelfAt",
+        "+callbacks.sigterm_at.step=5",
+    ]
+    with pytest.raises(SIGTERMException):
+        train(compose_cfg("train", overrides, tmp_path))
+    assert "SIGTERM received: stopping at the next step boundary" in capfd.readouterr().err
+    message = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("SIGTERM: saved"))
+    assert "relaunch the same command" not in message  # a relaunch would start a new, time-named run
+    command = shlex.split(message.split("resume with: ", 1)[1])
+    assert command[:2] == ["python", "src/train.py"] and "ckpt_path=last" in command
+
+    report = (tmp_path / "report.md").read_text()
+    assert "**Interrupted**: by SIGTERM at step 5" in report and "ckpt_path=last" in report
+    assert "| model | vit_tiny_patch16_224" in report
+
+    # the printed command resumes this run: its run dir, its last checkpoint
+    resumed = compose_cfg("train", command[2:], tmp_path / "unused")
+    run_dir = next(o.split("=", 1)[1] for o in command if o.startswith("hydra.run.dir="))
+    with open_dict(resumed):
+        resumed.paths.output_dir = run_dir
+    objects = build(resumed)
+    assert checkpoint_to_resume(resumed, objects.trainer) == str(tmp_path / "checkpoints" / "last.ckpt")
+
+
+def test_resume_hint_says_relaunch_only_where_a_relaunch_resumes(monkeypatch):
+    for var in RUN_ID_VARS:
+        monkeypatch.delenv(var, raising=False)
+    assert resume_hint({"resume": "auto"}, "logs/x").startswith("resume with: python src/train.py")
+    monkeypatch.setenv("VITRAIN_RUN_ID", "mine")
+    assert resume_hint({"resume": "auto"}, "logs/x").startswith("relaunch the same command")
+    # resume=never, or an explicit checkpoint to start from: a relaunch would start over
+    assert "ckpt_path=last" in resume_hint({"resume": "never"}, "logs/x")
+    assert "ckpt_path=last" in resume_hint({"resume": "auto", "ckpt_path": "/w/pre.ckpt"}, "logs/x")
+
+
+def test_report_of_a_run_killed_before_its_stats_is_truthful(tmp_path: Path):
+    """`make report` on a run that never wrote run_stats.json: no `None`, no false claim about MFU."""
+    (tmp_path / ".hydra").mkdir()
+    (tmp_path / ".hydra" / "config.yaml").write_text(
+        "model:\n  net:\n    model_name: vit_small_patch16_224\n"
+    )
+    (tmp_path / ".hydra" / "overrides.yaml").write_text("- experiment=smoke\n")
+    write_report(tmp_path)
+    report = (tmp_path / "report.md").read_text()
+    assert "None" not in report and "no ImageThroughputMonitor" not in report
+    assert "| model | vit_small_patch16_224 |" in report
+    assert "**Interrupted**" in report

@@ -11,6 +11,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import Logger
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, open_dict
 
 from vitrain.checkpoints import CheckpointError, state_dict_mismatch
@@ -140,6 +141,9 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], RunObjects]:
         os.environ[DECIDED_ENV] = ckpt_path or ""  # the local ranks Lightning starts follow this decision
         try:
             trainer.fit(model=model, datamodule=datamodule, ckpt_path=ckpt_path)
+        except SIGTERMException:
+            finish_run(objects)  # report.md of what ran, marked interrupted, and how to resume it
+            raise
         except RuntimeError as err:
             detail = state_dict_mismatch(err)
             if detail is None:

@@ -20,6 +20,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from vitrain.compat import replace_sigterm_broadcast
+from vitrain.resume import resume_hint
 
 log = logging.getLogger(__name__)
 
@@ -165,6 +166,15 @@ class CheckpointOnSigterm(Callback):
             if not self._requested and trainer.strategy.launcher is not None:
                 trainer.strategy.launcher.kill(signum)
             wanted = self._REQUEUE if signum == requeue_signal else self._STOP
+            if not self._requested and trainer.is_global_zero:
+                # at once, before a slow step ends; os.write, not logging: a handler may interrupt a log call
+                name = "SLURM requeue signal" if wanted == self._REQUEUE else signal.Signals(signum).name
+                every = self.check_every_n_steps if trainer.world_size > 1 else 1
+                os.write(
+                    2,
+                    f"{name} received: stopping at the next step boundary (within {every} step(s)) "
+                    "and saving last\n".encode(),
+                )
             self._requested = max(self._requested, wanted)
 
         requeue_signal = slurm_requeue_signal(trainer)
@@ -209,9 +219,10 @@ class CheckpointOnSigterm(Callback):
             log.warning(f"SLURM requeue signal: saved {path} at step {trainer.global_step}")
             requeue_slurm_job()
         else:
-            log.warning(
-                f"SIGTERM: saved {path} at step {trainer.global_step}; relaunch the same command to resume"
-            )
+            run_config = getattr(pl_module, "run_config", None) or {}
+            output_dir = (run_config.get("paths") or {}).get("output_dir") or Path(checkpoint.dirpath).parent
+            hint = resume_hint(run_config, output_dir)
+            log.warning(f"SIGTERM: saved {path} at step {trainer.global_step}; {hint}")
 
 
 def slurm_requeue_signal(trainer: L.Trainer) -> int | None:

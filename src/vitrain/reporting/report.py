@@ -118,7 +118,8 @@ def build_report(run_dir: Path, scalars: Scalars | None = None) -> dict[str, Any
         "generated": datetime.now().astimezone().isoformat(timespec="seconds"),
         "experiment": (hydra.get("choices") or {}).get("experiment"),
         "overrides": [mask_override(o) for o in hydra.get("overrides") or []],
-        "config": stats.get("config") or {},
+        "config": stats.get("config") or _config_from_hydra(run_dir),
+        "model": stats.get("model"),
         "strategy": stats.get("strategy"),
         "accelerator": stats.get("accelerator"),
         "world_size": world,
@@ -145,7 +146,11 @@ def build_report(run_dir: Path, scalars: Scalars | None = None) -> dict[str, Any
             f"no peak FLOPs known for {flops.get('device') or 'this device'}"
             if flops
             else "not measured (no ImageThroughputMonitor)"
+            if stats.get("fit")
+            else "not recorded (the run wrote no run_stats.json: it did not reach the end of fit)"
         ),
+        "stopped": stats.get("stopped")
+        or ({} if stats.get("fit") else {"by": "unknown", "interrupted": True}),
         "flops": flops or None,
         "metrics": metric_summary(scalars, stats),
         "memory": memory or None,
@@ -161,6 +166,23 @@ def build_report(run_dir: Path, scalars: Scalars | None = None) -> dict[str, Any
         "sources": {"metric_record": bool(scalars), "run_stats": bool(stats), "hydra": bool(hydra)},
     }
     return redact(report)
+
+
+def _config_from_hydra(run_dir: Path) -> dict[str, Any]:
+    """The report's config entries from the `.hydra/config.yaml` Hydra wrote at the start: for a run that
+    never wrote its run_stats.json (killed before the end of fit)."""
+    import yaml
+
+    from vitrain.reporting.run_stats import CONFIG_KEYS, _select
+
+    path = run_dir / ".hydra" / "config.yaml"
+    try:
+        config = yaml.safe_load(path.read_text()) if path.is_file() else None
+    except (OSError, yaml.YAMLError):
+        config = None
+    if not isinstance(config, dict):
+        return {}
+    return {key: _select(config, key) for key in CONFIG_KEYS}
 
 
 def _checkpoints_on_disk(run_dir: Path) -> dict[str, Any]:

@@ -18,11 +18,13 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, Timer
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from vitrain.callbacks.throughput import ImageThroughputMonitor, batch_size
 from vitrain.reporting.files import STATS_FILE, write_json
 from vitrain.reporting.measuring import UtilisationSampler, device_memory, metric_floats, reset_peak_memory
+from vitrain.resume import resume_hint
 from vitrain.utils.secrets import redact
 
 # resolved config entries worth repeating in the report (dotted paths)
@@ -140,6 +142,47 @@ class RunStats(Callback):
     # -- end of fit / test: gather from every rank, write on rank zero --
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._end_fit(trainer)
+        timer = next((c for c in trainer.callbacks if isinstance(c, Timer)), None)
+        if (
+            timer is not None
+            and timer.time_remaining("train") is not None
+            and timer.time_remaining("train") <= 0
+        ):
+            self.stats["stopped"] = {
+                "by": "trainer.max_time",
+                "step": trainer.global_step,
+                "epoch": trainer.current_epoch,
+            }
+
+    def on_exception(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
+    ) -> None:
+        """A run stopped by SIGTERM (every rank stops at the same step): what it did, marked interrupted,
+        for the report the training task writes before it exits."""
+        if (
+            not isinstance(exception, SIGTERMException)
+            or trainer.state.fn != "fit"
+            or "fit" not in self.stats
+        ):
+            return
+        self._close_stretch(trainer)
+        fit = self.stats["fit"]
+        fit["images"] += self._epoch["images"]  # the epoch it stopped in, so far
+        fit["train_time_s"] = round(fit["train_time_s"] + self._epoch["train_time"], 3)
+        self._epoch = {"train_time": 0.0, "images": 0}
+        self._end_fit(trainer)
+        self.stats["stopped"] = {
+            "by": "SIGTERM",
+            "interrupted": True,
+            "step": trainer.global_step,
+            "epoch": trainer.current_epoch,
+            "resume": resume_hint(getattr(pl_module, "run_config", None), self.run_dir),
+        }
+        if trainer.is_global_zero:
+            self.save()
+
+    def _end_fit(self, trainer: L.Trainer) -> None:
         fit = self.stats["fit"]
         fit["wall_time_s"] = round(time.perf_counter() - self._fit_t0, 3)
         fit["global_step"] = trainer.global_step
