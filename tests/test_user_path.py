@@ -11,10 +11,11 @@ import pytest
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import open_dict
 
-from helpers import compose_cfg, tiny_overrides
+from helpers import compose_cfg, fails_in_process, tiny_overrides
 from vitrain.reporting.report import write_report
 from vitrain.resume import checkpoint_to_resume, resume_hint
 from vitrain.training import build, train
+from vitrain.utils.cli import check_overrides
 from vitrain.utils.run_id import RUN_ID_VARS
 
 
@@ -119,3 +120,30 @@ def test_report_of_a_run_killed_before_its_stats_is_truthful(tmp_path: Path):
     assert "None" not in report and "no ImageThroughputMonitor" not in report
     assert "| model | vit_small_patch16_224 |" in report
     assert "**Interrupted**" in report
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("model.optimizer.lr=-1", "error: model.optimizer.lr=-1: must be a positive number"),
+        ("model.optimizer.lr=abc", "error: model.optimizer.lr=abc: must be a positive number"),
+        ("datamodule.batch_size=0", "error: datamodule.batch_size=0: must be a positive whole number"),
+    ],
+)
+def test_bad_values_stop_in_one_line_before_the_heavy_imports(override: str, expected: str, capsys):
+    with pytest.raises(SystemExit) as stop:
+        check_overrides("train", ["experiment=smoke", override])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.strip() == expected
+
+
+def test_library_argument_errors_name_the_config_key(tmp_path: Path, tiny_cifar: Path, data_cache: Path):
+    """What only the library can check (torch's optimizer, timm's model) still ends in one line, exit 2."""
+    base = [*tiny_overrides(tiny_cifar, data_cache), "logger=none", "trainer.num_sanity_val_steps=0"]
+    code, err = fails_in_process("train", [*base, "model.optimizer.betas=[0.9,1.5]"], tmp_path / "a")
+    assert code == 2 and err.startswith("error: model.optimizer.betas=[0.9, 1.5]: Invalid beta parameter"), (
+        err
+    )
+    assert len(err.strip().splitlines()) == 1
+    code, err = fails_in_process("train", [*base, "model.net.drop_path_rate=abc"], tmp_path / "b")
+    assert code == 2 and err.startswith("error: model.net.drop_path_rate=abc"), err

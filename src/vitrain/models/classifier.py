@@ -19,7 +19,7 @@ from torchmetrics.classification import MulticlassAccuracy
 from vitrain.checkpoints import CheckpointError
 from vitrain.compat import attached_trainer, should_update_logs
 from vitrain.distributed.parallelize import parallelize
-from vitrain.errors import ModelError
+from vitrain.errors import ModelError, argument_error
 from vitrain.models.resolution import make_resize
 from vitrain.models.timm_net import create_net, input_spec
 from vitrain.utils.config import plain
@@ -244,12 +244,16 @@ class ImageClassifier(L.LightningModule):
             base_lr = options["lr"]
             for group in groups:
                 group["lr"] = base_lr * group["lr_scale"]  # torch's schedulers scale each group's own lr
-        optimizer = hydra_partial(options)(params=groups)
+        optimizer = build_node("model.optimizer", options, params=groups)
         if self.hparams.scheduler is None:
             return {"optimizer": optimizer}
         # the trainer: its max_time is the schedule's time budget (vitrain/models/schedules.py)
-        scheduler = hydra_partial(self.hparams.scheduler)(
-            optimizer=optimizer, total_steps=self.trainer.estimated_stepping_batches, trainer=self.trainer
+        scheduler = build_node(
+            "model.scheduler",
+            self.hparams.scheduler,
+            optimizer=optimizer,
+            total_steps=self.trainer.estimated_stepping_batches,
+            trainer=self.trainer,
         )
         return {
             "optimizer": optimizer,
@@ -266,6 +270,14 @@ class ImageClassifier(L.LightningModule):
         """Refuse, in one line, a checkpoint trained on other classes than the data now given (runs before
         the weights are loaded, which would fail on the head's shape with a long message)."""
         check_classes(checkpoint.get("class_names"), self.class_names, "ckpt_path")
+
+
+def build_node(key: str, node: Mapping[str, Any], **objects: Any) -> Any:
+    """`hydra_partial(node)(**objects)`; the library's argument errors as one line naming `key.<keyword>`."""
+    try:
+        return hydra_partial(node)(**objects)
+    except (ValueError, TypeError) as err:
+        raise argument_error(key, node, err) from err
 
 
 def hydra_partial(node: Mapping[str, Any]) -> Any:

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from vitrain.checkpoints import state_dict_mismatch
-from vitrain.errors import ModelError
+from vitrain.errors import ModelError, argument_error
 
 
 def _check_model_name(name: str) -> None:
@@ -62,7 +62,7 @@ def create_net(net: Mapping[str, Any], weights_file: str | None = None) -> nn.Mo
         # timm passes every keyword to the family's constructor: `img_size` suits a ViT, not a ResNet
         bad = re.search(r"unexpected keyword argument '(\w+)'", str(err))
         if bad is None:
-            raise
+            raise argument_error("model.net", net, err) from err
         family = str(err).split(".", 1)[0]
         raise ModelError(
             f"model.net.{bad.group(1)} is not a keyword of {name} ({family}): remove it, or use a "
@@ -77,6 +77,8 @@ def create_net(net: Mapping[str, Any], weights_file: str | None = None) -> nn.Mo
             "Train from scratch with model.net.pretrained=false, or give a local file with "
             "model.weights_file=/path/to/weights.safetensors"
         ) from err
+    except ValueError as err:
+        raise argument_error("model.net", net, err) from err
     except RuntimeError as err:
         detail = state_dict_mismatch(err) if weights_file else None
         if detail is None:
