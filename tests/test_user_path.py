@@ -1,6 +1,8 @@
 """What a new user meets on the way (issue 31): time budgets that hold, honest messages, one-line errors."""
 
+import logging
 import os
+import re
 import shlex
 import signal
 import time
@@ -147,3 +149,45 @@ def test_library_argument_errors_name_the_config_key(tmp_path: Path, tiny_cifar:
     assert len(err.strip().splitlines()) == 1
     code, err = fails_in_process("train", [*base, "model.net.drop_path_rate=abc"], tmp_path / "b")
     assert code == 2 and err.startswith("error: model.net.drop_path_rate=abc"), err
+
+
+def test_progress_lines_without_a_terminal_and_one_line_per_epoch(
+    tmp_path: Path, tiny_cifar: Path, data_cache: Path, caplog
+):
+    """Piped to a file (pytest's capture: stdout is no terminal), plain progress lines with step, loss,
+    images/s and ETA; one summary line per epoch; no `v_num` on the bar."""
+    overrides = [
+        *tiny_overrides(tiny_cifar, data_cache),
+        "trainer.max_epochs=2",
+        "trainer.num_sanity_val_steps=0",
+        "callbacks.progress_log.interval_s=0",
+        "logger=csv",
+    ]
+    with caplog.at_level(logging.INFO, logger="vitrain.progress"):
+        _, objects = train(compose_cfg("train", overrides, tmp_path))
+    lines = [r.getMessage() for r in caplog.records if r.name == "vitrain.progress"]
+    steps = [ln for ln in lines if " step " in ln and "ETA" in ln]
+    assert len(steps) == 2 * 28, lines[:3]
+    assert re.fullmatch(
+        r"epoch 1/2 batch 1/28 step 1/56 \| loss [\d.]+ \| [\d.]+ images/s \| ETA [\d:]+", steps[0]
+    )
+    epochs = [ln for ln in lines if " done in " in ln]
+    assert len(epochs) == 2 and "val/acc1" in epochs[0] and "train loss" in epochs[0], epochs
+    bar = objects.trainer.progress_bar_callback
+    assert "v_num" not in bar.get_metrics(objects.trainer, objects.model)
+
+
+def test_model_summary_shows_no_zero_flops(capsys):
+    from vitrain.callbacks.progress import ModelSummary
+
+    data = [
+        (" ", ["0"]),
+        ("Name", ["net"]),
+        ("Type", ["VisionTransformer"]),
+        ("Params", ["1.7 M"]),
+        ("Mode", ["train"]),
+        ("FLOPs", ["0"]),
+    ]
+    ModelSummary.summarize(data, 1_700_000, 1_700_000, 6.8, {"train": 10, "eval": 0}, 0)
+    out = capsys.readouterr().out
+    assert "FLOPs" not in out and "Total params" in out and "VisionTransformer" in out
