@@ -14,10 +14,11 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import open_dict
 
 from helpers import compose_cfg, fails_in_process, tiny_overrides
+from vitrain.evaluation import evaluate
 from vitrain.reporting.report import write_report
 from vitrain.resume import checkpoint_to_resume, resume_hint
 from vitrain.training import build, train
-from vitrain.utils.cli import check_overrides
+from vitrain.utils.cli import EVAL_ADDED_ENV, check_overrides, checkpoint_overrides
 from vitrain.utils.run_id import RUN_ID_VARS
 
 
@@ -191,3 +192,60 @@ def test_model_summary_shows_no_zero_flops(capsys):
     ModelSummary.summarize(data, 1_700_000, 1_700_000, 6.8, {"train": 10, "eval": 0}, 0)
     out = capsys.readouterr().out
     assert "FLOPs" not in out and "Total params" in out and "VisionTransformer" in out
+
+
+@pytest.fixture(scope="module")
+def folder_checkpoint(tmp_path_factory, tiny_cifar: Path, data_cache: Path) -> Path:
+    """A checkpoint of a short image-folder run (datamodule=image_folder: keys CIFAR-10's datamodule lacks)."""
+    run_dir = tmp_path_factory.mktemp("folder_run")
+    overrides = [
+        *tiny_overrides(tiny_cifar, data_cache),
+        "datamodule=image_folder",
+        "datamodule.img_size=32",
+        "datamodule.val_size=16",
+        "trainer.limit_train_batches=2",
+        "trainer.num_sanity_val_steps=0",
+        "logger=none",
+        "test=false",
+    ]
+    train(compose_cfg("train", overrides, run_dir))
+    return run_dir / "checkpoints" / "last.ckpt"
+
+
+def _eval_overrides(ckpt: Path, *extra: str) -> list[str]:
+    return checkpoint_overrides([f"ckpt_path={ckpt}", "trainer.accelerator=cpu", *extra])
+
+
+def test_eval_prints_and_checks_against_the_checkpoints_config(
+    folder_checkpoint: Path, tmp_path: Path, capsys, monkeypatch
+):
+    """eval.py's `datamodule.*` overrides apply to (and are checked against) the checkpoint's config; the
+    tree it prints is that config; the per-class table has image counts."""
+    monkeypatch.delenv(EVAL_ADDED_ENV, raising=False)
+    overrides = _eval_overrides(folder_checkpoint, "datamodule.in_memory=false", "datamodule.batch_size=4")
+    check_overrides("eval", overrides)  # composes: no exit
+    metrics, objects = evaluate(compose_cfg("eval", overrides, tmp_path))
+    assert "test/acc1" in metrics
+    assert type(objects["datamodule"]).__name__ == "ImageFolderDataModule"
+    assert objects["datamodule"].hparams.in_memory is False
+    out = capsys.readouterr().out
+    assert "ImageFolderDataModule" in out and "CIFAR10DataModule" not in out
+    assert "images" in out and sum(objects["per_class_images"].values()) == 40  # 4 test images x 10 classes
+
+
+def test_eval_refuses_another_model_name_and_unknown_keys(
+    folder_checkpoint: Path, tmp_path: Path, monkeypatch
+):
+    monkeypatch.delenv(EVAL_ADDED_ENV, raising=False)
+    code, err = fails_in_process(
+        "eval",
+        _eval_overrides(folder_checkpoint, "model.net.model_name=vit_small_patch16_224"),
+        tmp_path / "a",
+    )
+    assert code == 2 and "is a vit_tiny_patch16_224" in err and len(err.strip().splitlines()) == 1, err
+    code, err = fails_in_process(
+        "eval", _eval_overrides(folder_checkpoint, "datamodule.in_memry=false"), tmp_path
+    )
+    assert code == 2 and "unknown config key datamodule.in_memry" in err and "datamodule.in_memory?" in err, (
+        err
+    )

@@ -25,7 +25,7 @@ from vitrain.reporting.report import write_report
 from vitrain.reporting.run_stats import checkpoint_paths
 from vitrain.resume import DECIDED_ENV, checkpoint_to_resume
 from vitrain.tuning import search_batch_size
-from vitrain.utils.config import instantiate_dict, to_container
+from vitrain.utils.config import instantiate_dict, print_run_config, to_container
 from vitrain.utils.secrets import redact
 
 log = logging.getLogger(__name__)
@@ -128,6 +128,8 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], RunObjects]:
         # the same seed on every rank: identical initial weights everywhere
         L.seed_everything(cfg.seed, workers=True)
     objects = build(cfg)
+    if (cfg.get("extras") or {}).get("print_config"):
+        print_run_config(cfg, Path(cfg.paths.output_dir) / "config_tree.log")
     trainer, model, datamodule = objects.trainer, objects.model, objects.datamodule
     if isinstance(datamodule, ImageDataModule):  # before Lightning starts the other local ranks
         datamodule.split_batches(trainer.world_size)

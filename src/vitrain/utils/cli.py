@@ -6,6 +6,7 @@ suggest the closest existing one and exit 2.
 """
 
 import difflib
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -170,3 +171,33 @@ def _check_run_dir(config_name: str, overrides: list[str]) -> None:
             raise
         print(f"error: {cause}", file=sys.stderr, flush=True)
         sys.exit(2)
+
+
+# keys typed `+model.x=...` / `+datamodule.x=...` for eval: new keys, not checked against the checkpoint's
+EVAL_ADDED_ENV = "VITRAIN_EVAL_ADDED_KEYS"
+
+
+def checkpoint_overrides(args: Sequence[str]) -> list[str]:
+    """`src/eval.py`'s `model.*` / `datamodule.*` overrides apply to the checkpoint's config, not to eval.yaml's
+    defaults (an image-folder checkpoint takes `datamodule.in_memory`, CIFAR-10's datamodule does not): written
+    `++key=value` so eval.yaml composes with them; evaluation checks them against the checkpoint's config
+    (vitrain.evaluation.saved_config). Keys typed with `+` are recorded as meant to be new."""
+    out, added = [], []
+    for arg in args:
+        key = arg.split("=", 1)[0]
+        bare = key.lstrip("+~")
+        if "=" in arg and bare.startswith(("model.", "datamodule.")) and not key.startswith(("~", "++")):
+            if key.startswith("+"):
+                added.append(bare)
+            arg = "++" + arg.lstrip("+")
+        out.append(arg)
+    if added:
+        os.environ[EVAL_ADDED_ENV] = ",".join(added)
+    return out
+
+
+def closest_key(key: str, node: Any) -> str:
+    """` (did you mean x?)` for the key of `node` closest to `key`, else ''."""
+    known = _keys(OmegaConf.to_container(node, resolve=False)) if OmegaConf.is_config(node) else []
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.75)
+    return f" (did you mean {close[0]}?)" if close else ""

@@ -17,7 +17,6 @@ from omegaconf import DictConfig
 from vitrain.distributed.ranks import check_launch_env, setup_rank
 from vitrain.errors import UserError
 from vitrain.loggers import finish_runs
-from vitrain.utils.config import print_config_tree
 from vitrain.utils.host_memory import retain_freed_memory
 from vitrain.utils.secrets import install_secret_filter
 
@@ -74,8 +73,8 @@ def run_task(task: Task, cfg: DictConfig) -> tuple[dict[str, float], Any]:
     if extras.get("retain_freed_memory", True):
         retain_freed_memory()
     output_dir = Path(cfg.paths.output_dir)
-    if extras.get("print_config"):
-        print_config_tree(cfg, save_to=output_dir / "config_tree.log")
+    # the config tree (extras.print_config) is printed by the task once its set-up has succeeded: the
+    # config it runs (eval: the checkpoint's), and none before a one-line error
     failed = True
     try:
         check_launch_env(cfg.get("trainer"))
