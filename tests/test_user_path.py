@@ -14,6 +14,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import open_dict
 
 from helpers import compose_cfg, fails_in_process, tiny_overrides
+from vitrain.errors import UserError
 from vitrain.evaluation import evaluate
 from vitrain.reporting.report import write_report
 from vitrain.resume import checkpoint_to_resume, resume_hint
@@ -249,3 +250,29 @@ def test_eval_refuses_another_model_name_and_unknown_keys(
     assert code == 2 and "unknown config key datamodule.in_memry" in err and "datamodule.in_memory?" in err, (
         err
     )
+
+
+@pytest.mark.parametrize("offline", ["HF_HUB_OFFLINE", "no network"])
+def test_pretrained_weights_offline_fail_before_the_data(offline: str, tmp_path: Path, monkeypatch):
+    """Pretrained weights that cannot be had fail in seconds, before the data (here: absent) is looked at."""
+    import socket
+
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda *args, **kwargs: None)
+    if offline == "HF_HUB_OFFLINE":
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    else:
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+
+        def unreachable(*args, **kwargs):
+            raise OSError("Network is unreachable")
+
+        monkeypatch.setattr(socket, "create_connection", unreachable)
+    overrides = ["experiment=finetune_folder", f"datamodule.data_dir={tmp_path}/absent", "logger=none"]
+    started = time.perf_counter()
+    with pytest.raises(UserError) as err:
+        build(compose_cfg("train", overrides, tmp_path))
+    assert time.perf_counter() - started < 10
+    message = str(err.value)
+    assert "model.weights_file=" in message and "HF_HUB_OFFLINE=1" in message, message

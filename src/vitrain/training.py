@@ -18,6 +18,7 @@ from vitrain.checkpoints import CheckpointError, state_dict_mismatch
 from vitrain.data.base import ImageDataModule
 from vitrain.errors import DataError
 from vitrain.loggers import MetricRecord, finish_runs, log_run_config
+from vitrain.models.timm_net import check_pretrained_available
 from vitrain.precision import resolve_precision
 from vitrain.reporting.files import STATS_FILE, read_json, write_json
 from vitrain.reporting.measuring import metric_floats
@@ -49,6 +50,8 @@ class RunObjects:
 
 def build(cfg: DictConfig) -> RunObjects:
     """Datamodule, model, callbacks, loggers and trainer, exactly as the config says."""
+    # weights that cannot be had fail in seconds, before any data is decoded
+    check_pretrained_available(cfg.model.net, cfg.model.get("weights_file"))
     datamodule: L.LightningDataModule = hydra.utils.instantiate(cfg.datamodule)
     model: L.LightningModule = build_model(cfg, datamodule)
     model.run_config = to_container(cfg)

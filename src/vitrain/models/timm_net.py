@@ -114,3 +114,50 @@ def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
     if state_dict and all(k.startswith(prefix) for k in state_dict):
         state_dict = {k.removeprefix(prefix): v for k, v in state_dict.items()}
     return state_dict
+
+
+HF_HOST = ("huggingface.co", 443)
+# what timm reads from a Hugging Face repo, in the order it tries them
+HF_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "open_clip_pytorch_model.bin")
+
+
+def check_pretrained_available(
+    net: Mapping[str, Any], weights_file: str | None = None, timeout_s: float = 3.0
+) -> None:
+    """Before any data is decoded: pretrained weights must be in the local cache, or the hub reachable.
+
+    Offline (HF_HUB_OFFLINE=1, or no connection to huggingface.co within `timeout_s`) and not cached, the run
+    would otherwise decode its data first and then spend ~45 s in the hub client's retries before failing."""
+    if not net.get("pretrained") or weights_file:
+        return
+    name = str(net.get("model_name"))
+    _check_model_name(name)
+    try:
+        repo = timm.models.get_pretrained_cfg(name).hf_hub_id
+    except Exception:  # no pretrained config for this name: timm says so itself
+        return
+    if not repo:
+        return  # weights behind a plain URL (torch hub's cache): timm handles those
+    from huggingface_hub import try_to_load_from_cache
+
+    if any(isinstance(try_to_load_from_cache(repo, f), str) for f in HF_WEIGHT_FILES):
+        return
+    fix = (
+        "give a local file with model.weights_file=/path/to/weights.safetensors, or train from scratch with "
+        "model.net.pretrained=false"
+    )
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        raise ModelError(
+            f"could not download pretrained weights for {name} ({repo}): HF_HUB_OFFLINE=1 is set and they are "
+            f"not in the local cache; {fix}"
+        )
+    import socket
+
+    try:
+        socket.create_connection(HF_HOST, timeout=timeout_s).close()
+    except OSError as err:
+        raise ModelError(
+            f"could not download pretrained weights for {name} ({repo}): {HF_HOST[0]} cannot be reached "
+            f"({type(err).__name__}) and they are not in the local cache; {fix} (offline with a filled cache: "
+            "HF_HUB_OFFLINE=1)"
+        ) from err
