@@ -11,10 +11,10 @@ from pathlib import Path
 import lightning as L
 import pytest
 from lightning.pytorch.utilities.exceptions import SIGTERMException
-from omegaconf import open_dict
+from omegaconf import OmegaConf, open_dict
 
 from helpers import compose_cfg, fails_in_process, tiny_overrides
-from vitrain.errors import UserError
+from vitrain.errors import DataError, UserError
 from vitrain.evaluation import evaluate
 from vitrain.reporting.report import write_report
 from vitrain.resume import checkpoint_to_resume, resume_hint
@@ -276,3 +276,63 @@ def test_pretrained_weights_offline_fail_before_the_data(offline: str, tmp_path:
     assert time.perf_counter() - started < 10
     message = str(err.value)
     assert "model.weights_file=" in message and "HF_HUB_OFFLINE=1" in message, message
+
+
+def test_smoke_tests_on_a_small_subset(tmp_path: Path):
+    cfg = compose_cfg("train", ["experiment=smoke"], tmp_path)
+    assert cfg.trainer.limit_test_batches * cfg.datamodule.batch_size <= 500
+
+
+def test_failed_download_leaves_no_empty_data_dir(tmp_path: Path, monkeypatch):
+    import torchvision.datasets
+
+    from vitrain.data.cifar_spec import CIFAR10
+    from vitrain.data.sources import download_cifar, load_cifar
+
+    def offline(*args, **kwargs):
+        raise OSError("Network is unreachable")
+
+    monkeypatch.setattr(torchvision.datasets, "CIFAR10", offline)
+    target = tmp_path / "data" / "cifar10"
+    with pytest.raises(DataError, match="downloading CIFAR-10 into"):
+        download_cifar(target, CIFAR10)
+    assert not target.exists()
+    target.mkdir(parents=True)  # an empty folder (from an older failure, or made by hand)
+    with pytest.raises(DataError, match="not found at"):
+        load_cifar(target, tmp_path / "cache", CIFAR10)
+
+
+def test_a_failed_start_is_one_line_and_leaves_no_run_dir(tmp_path: Path, data_cache: Path, capsys, caplog):
+    """No config tree before the error, no "Output dir" after, no run directory left behind."""
+    run_dir = tmp_path / "run"
+    (run_dir / ".hydra").mkdir(parents=True)  # what Hydra writes before the task starts
+    (run_dir / "train.log").write_text("")
+    overrides = [*tiny_overrides(tmp_path / "nowhere", data_cache), "extras.print_config=true"]
+    with caplog.at_level(logging.INFO):
+        code, err = fails_in_process("train", overrides, run_dir)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "not found" in err, err
+    assert "CONFIG" not in capsys.readouterr().out
+    assert not any("Output dir" in r.getMessage() for r in caplog.records)
+    assert not run_dir.exists()
+
+
+def test_a_checkpoint_dir_outside_the_run_dir_is_warned_about(
+    tmp_path: Path, tiny_cifar: Path, data_cache: Path, caplog
+):
+    overrides = [
+        *tiny_overrides(tiny_cifar, data_cache),
+        f"callbacks.model_checkpoint.dirpath={tmp_path}/runs",
+    ]
+    build(compose_cfg("train", overrides, tmp_path / "runs" / "one"))
+    assert any(
+        "shares one last.ckpt" in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING
+    )
+
+
+def test_the_report_names_cifar_cpus_hybrid_as_built(tmp_path: Path):
+    from vitrain.reporting.run_stats import describe_net
+
+    cfg = compose_cfg("train", ["experiment=cifar_cpu"], tmp_path)
+    text = describe_net(OmegaConf.to_container(cfg.model.net), 1_700_000)
+    assert text.startswith("vit_tiny_patch16_224 architecture with patch embedding ConvStem")
+    assert "depth=4" in text and "embed_dim=192" in text and "1.70 M parameters" in text

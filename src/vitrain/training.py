@@ -60,12 +60,29 @@ def build(cfg: DictConfig) -> RunObjects:
     # the run's own metric record (metrics.jsonl), beside any logger or none: what the report reads
     record = MetricRecord(cfg.paths.output_dir)
     time_budget_wins(cfg.trainer)
+    warn_shared_checkpoint_dir(cfg)
     trainer: L.Trainer = hydra.utils.instantiate(
         cfg.trainer, callbacks=callbacks, logger=[*loggers, record], precision=resolve_precision(cfg.trainer)
     )
     if hasattr(model, "check_strategy"):  # options the strategy cannot honour stop before the ranks start
         model.check_strategy(trainer.strategy, fitting=bool(cfg.get("train")))
     return RunObjects(cfg, datamodule, model, callbacks, loggers, trainer)
+
+
+def warn_shared_checkpoint_dir(cfg: DictConfig) -> None:
+    """Checkpoints written outside the run's own directory are shared by every run that writes there: one
+    run's `last.ckpt` replaces another's, and `ckpt_path=last` / `resume=auto` read whichever came last."""
+    node = (cfg.get("callbacks") or {}).get("model_checkpoint") or {}
+    dirpath = node.get("dirpath") if hasattr(node, "get") else None
+    if not dirpath:
+        return
+    run_dir = Path(str(cfg.paths.output_dir)).resolve()
+    if not Path(str(dirpath)).resolve().is_relative_to(run_dir):
+        log.warning(
+            f"callbacks.model_checkpoint.dirpath={dirpath} is outside this run's directory ({run_dir}): every "
+            "run writing there shares one last.ckpt, and ckpt_path=last resumes whichever wrote it last. "
+            "Leave dirpath at its default (<run dir>/checkpoints) to keep runs apart"
+        )
 
 
 def time_budget_wins(trainer_cfg: DictConfig) -> None:

@@ -321,7 +321,39 @@ def _run_info(trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any
     run_config = getattr(pl_module, "run_config", None)
     if run_config:
         info["config"] = {key: _select(run_config, key) for key in CONFIG_KEYS}
+        net = _select(run_config, "model.net")
+        if isinstance(net, dict):
+            info["model"] = describe_net(net, sum(p.numel() for p in pl_module.parameters()))
     return info
+
+
+# keywords that change a timm architecture's shape from the one its name describes
+ARCHITECTURE_KEYS = (
+    "img_size",
+    "patch_size",
+    "embed_dim",
+    "depth",
+    "num_heads",
+    "mlp_ratio",
+    "class_token",
+    "global_pool",
+)
+
+
+def describe_net(net: dict[str, Any], parameters: int | None = None) -> str:
+    """The model as built: the timm name, and what the config changed in its architecture (a conv-stem
+    hybrid built from `vit_tiny_patch16_224` is not a ViT-Tiny/16), with its parameter count."""
+    changes = [f"{key}={net[key]}" for key in ARCHITECTURE_KEYS if net.get(key) is not None]
+    layer = net.get("embed_layer")
+    if isinstance(layer, dict):
+        target = (layer.get("backbone") or {}).get("_target_") or layer.get("_target_") or "custom"
+        changes.insert(0, f"patch embedding {str(target).rsplit('.', 1)[-1]}")
+    text = str(net.get("model_name"))
+    if changes:
+        text += f" architecture with {', '.join(changes)}"
+    if parameters:
+        text += f" ({parameters / 1e6:.2f} M parameters)"
+    return text
 
 
 def _hydra_info() -> dict[str, Any] | None:
