@@ -266,7 +266,8 @@ def test_pretrained_weights_offline_fail_before_the_data(offline: str, tmp_path:
     if offline == "HF_HUB_OFFLINE":
         monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     else:
-        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+        for var in ("HF_HUB_OFFLINE", "HF_ENDPOINT", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+            monkeypatch.delenv(var, raising=False)
 
         def unreachable(*args, **kwargs):
             raise OSError("Network is unreachable")

@@ -151,13 +151,18 @@ def check_pretrained_available(
             f"could not download pretrained weights for {name} ({repo}): HF_HUB_OFFLINE=1 is set and they are "
             f"not in the local cache; {fix}"
         )
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return  # through a proxy a direct connection says nothing: the hub client tries itself
     import socket
+    from urllib.parse import urlparse
 
+    endpoint = urlparse(os.environ.get("HF_ENDPOINT") or f"https://{HF_HOST[0]}")
+    host = (endpoint.hostname or HF_HOST[0], endpoint.port or (80 if endpoint.scheme == "http" else 443))
     try:
-        socket.create_connection(HF_HOST, timeout=timeout_s).close()
+        socket.create_connection(host, timeout=timeout_s).close()
     except OSError as err:
         raise ModelError(
-            f"could not download pretrained weights for {name} ({repo}): {HF_HOST[0]} cannot be reached "
+            f"could not download pretrained weights for {name} ({repo}): {host[0]} cannot be reached "
             f"({type(err).__name__}) and they are not in the local cache; {fix} (offline with a filled cache: "
             "HF_HUB_OFFLINE=1)"
         ) from err
