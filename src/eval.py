@@ -1,9 +1,11 @@
 """Evaluate a checkpoint: `python src/eval.py ckpt_path=<file | FSDP folder | s3://bucket/key>`."""
 
+import sys
+
 import hydra
 from omegaconf import DictConfig
 
-from vitrain.tasks.cli import check_overrides
+from vitrain.tasks.cli import check_overrides, checkpoint_overrides
 from vitrain.tasks.runs import register_resolvers
 
 register_resolvers()
@@ -15,6 +17,7 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    sys.argv[1:] = checkpoint_overrides(sys.argv[1:])  # model.*/datamodule.* apply to the checkpoint's config
     check_overrides("eval")
     # loaded after the config check, before Hydra's logging set-up (src/train.py says why)
     from vitrain.tasks.evaluation import evaluate

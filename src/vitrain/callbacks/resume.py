@@ -6,6 +6,7 @@ import random
 import signal
 import subprocess
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -172,6 +173,8 @@ class CheckpointOnSigterm(Callback):
         self._requested = self._NONE
         self._agreed = self._NONE
         self._replaced_lightning_check = False
+        #: the task's words for how to resume this run (vitrain/tasks/runs.resume_hint), set when it is built
+        self.resume_hint: Callable[[], str] | None = None
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -181,6 +184,15 @@ class CheckpointOnSigterm(Callback):
             if not self._requested and trainer.strategy.launcher is not None:
                 trainer.strategy.launcher.kill(signum)
             wanted = self._REQUEUE if signum == requeue_signal else self._STOP
+            if not self._requested and trainer.is_global_zero:
+                # at once, before a slow step ends; os.write, not logging: a handler may interrupt a log call
+                name = "SLURM requeue signal" if wanted == self._REQUEUE else signal.Signals(signum).name
+                every = self.check_every_n_steps if trainer.world_size > 1 else 1
+                os.write(
+                    2,
+                    f"{name} received: stopping at the next step boundary (within {every} step(s)) "
+                    "and saving last\n".encode(),
+                )
             self._requested = max(self._requested, wanted)
 
         requeue_signal = slurm_requeue_signal(trainer)
@@ -225,9 +237,8 @@ class CheckpointOnSigterm(Callback):
             log.warning(f"SLURM requeue signal: saved {path} at step {trainer.global_step}")
             requeue_slurm_job()
         else:
-            log.warning(
-                f"SIGTERM: saved {path} at step {trainer.global_step}; relaunch the same command to resume"
-            )
+            hint = self.resume_hint() if self.resume_hint else "resume it with ckpt_path=last"
+            log.warning(f"SIGTERM: saved {path} at step {trainer.global_step}; {hint}")
 
 
 def slurm_requeue_signal(trainer: L.Trainer) -> int | None:

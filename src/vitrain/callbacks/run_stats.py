@@ -12,36 +12,20 @@ from __future__ import annotations
 
 import socket
 import time
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, Timer
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from vitrain.callbacks.throughput import ImageThroughputMonitor, batch_size
 from vitrain.utils.measuring import UtilisationSampler, device_memory, metric_floats, reset_peak_memory
-from vitrain.utils.run_files import STATS_FILE, write_json
+from vitrain.utils.run_files import CONFIG_KEYS, STATS_FILE, select_key, write_json
 from vitrain.utils.secrets import redact
-
-# resolved config entries worth repeating in the report (dotted paths)
-CONFIG_KEYS = (
-    "model.net.model_name",
-    "model.net.pretrained",
-    "model.net.img_size",
-    "model.net.patch_size",
-    "model.optimizer.lr",
-    "model.optimizer.weight_decay",
-    "model.label_smoothing",
-    "datamodule.batch_size",
-    "datamodule.train_subset",
-    "trainer.max_epochs",
-    "trainer.max_time",
-    "trainer.precision",  # as asked (`auto`); the top-level `precision` is what it resolved to
-    "seed",
-    "tags",
-)
 
 
 class RunStats(Callback):
@@ -56,6 +40,8 @@ class RunStats(Callback):
         self._epoch_t0 = 0.0
         self._epoch = {"train_time": 0.0, "images": 0}
         self._memory_reset = False
+        #: the task's words for how to resume this run (vitrain/tasks/runs.resume_hint), set when it is built
+        self.resume_hint: Callable[[], str] | None = None
 
     # -- set-up --
 
@@ -146,6 +132,47 @@ class RunStats(Callback):
     # -- end of fit / test: gather from every rank, write on rank zero --
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._end_fit(trainer)
+        timer = next((c for c in trainer.callbacks if isinstance(c, Timer)), None)
+        if (
+            timer is not None
+            and timer.time_remaining("train") is not None
+            and timer.time_remaining("train") <= 0
+        ):
+            self.stats["stopped"] = {
+                "by": "trainer.max_time",
+                "step": trainer.global_step,
+                "epoch": trainer.current_epoch,
+            }
+
+    def on_exception(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
+    ) -> None:
+        """A run stopped by SIGTERM (every rank stops at the same step): what it did, marked interrupted,
+        for the report the training task writes before it exits."""
+        if (
+            not isinstance(exception, SIGTERMException)
+            or trainer.state.fn != "fit"
+            or "fit" not in self.stats
+        ):
+            return
+        self._close_stretch(trainer)
+        fit = self.stats["fit"]
+        fit["images"] += self._epoch["images"]  # the epoch it stopped in, so far
+        fit["train_time_s"] = round(fit["train_time_s"] + self._epoch["train_time"], 3)
+        self._epoch = {"train_time": 0.0, "images": 0}
+        self._end_fit(trainer)
+        self.stats["stopped"] = {
+            "by": "SIGTERM",
+            "interrupted": True,
+            "step": trainer.global_step,
+            "epoch": trainer.current_epoch,
+            "resume": self.resume_hint() if self.resume_hint else None,
+        }
+        if trainer.is_global_zero:
+            self.save()
+
+    def _end_fit(self, trainer: L.Trainer) -> None:
         fit = self.stats["fit"]
         fit["wall_time_s"] = round(time.perf_counter() - self._fit_t0, 3)
         fit["global_step"] = trainer.global_step
@@ -293,8 +320,40 @@ def _run_info(trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any
         info["data"] = facts()  # classes, images per split, unreadable files skipped
     run_config = getattr(pl_module, "run_config", None)
     if run_config:
-        info["config"] = {key: _select(run_config, key) for key in CONFIG_KEYS}
+        info["config"] = {key: select_key(run_config, key) for key in CONFIG_KEYS}
+        net = select_key(run_config, "model.net")
+        if isinstance(net, dict):
+            info["model"] = describe_net(net, sum(p.numel() for p in pl_module.parameters()))
     return info
+
+
+# keywords that change a timm architecture's shape from the one its name describes
+ARCHITECTURE_KEYS = (
+    "img_size",
+    "patch_size",
+    "embed_dim",
+    "depth",
+    "num_heads",
+    "mlp_ratio",
+    "class_token",
+    "global_pool",
+)
+
+
+def describe_net(net: dict[str, Any], parameters: int | None = None) -> str:
+    """The model as built: the timm name, and what the config changed in its architecture (a conv-stem
+    hybrid built from `vit_tiny_patch16_224` is not a ViT-Tiny/16), with its parameter count."""
+    changes = [f"{key}={net[key]}" for key in ARCHITECTURE_KEYS if net.get(key) is not None]
+    layer = net.get("embed_layer")
+    if isinstance(layer, dict):
+        target = (layer.get("backbone") or {}).get("_target_") or layer.get("_target_") or "custom"
+        changes.insert(0, f"patch embedding {str(target).rsplit('.', 1)[-1]}")
+    text = str(net.get("model_name"))
+    if changes:
+        text += f" architecture with {', '.join(changes)}"
+    if parameters:
+        text += f" ({parameters / 1e6:.2f} M parameters)"
+    return text
 
 
 def _hydra_info() -> dict[str, Any] | None:
@@ -311,15 +370,6 @@ def _hydra_info() -> dict[str, Any] | None:
         "mode": str(hydra_cfg.mode),
         "job_num": hydra_cfg.job.get("num"),
     }
-
-
-def _select(config: dict[str, Any], dotted: str) -> Any:
-    node: Any = config
-    for part in dotted.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return None
-        node = node[part]
-    return node
 
 
 def _now() -> str:

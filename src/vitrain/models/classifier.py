@@ -20,7 +20,7 @@ from torchmetrics.classification import MulticlassAccuracy
 from vitrain.checkpoints import CheckpointError
 from vitrain.compat import attached_trainer, should_update_logs
 from vitrain.distributed.parallelize import parallelize
-from vitrain.errors import ModelError
+from vitrain.errors import ModelError, argument_error
 from vitrain.models.resolution import make_resize
 from vitrain.models.timm_net import create_net, input_spec, patch_convs_as_matmuls
 from vitrain.utils.config import plain
@@ -269,12 +269,16 @@ class ImageClassifier(L.LightningModule):
             base_lr = options["lr"]
             for group in groups:
                 group["lr"] = base_lr * group["lr_scale"]  # torch's schedulers scale each group's own lr
-        optimizer = hydra_partial(options)(params=groups, **fused_default(options, self.net))
+        optimizer = build_node("model.optimizer", options, params=groups, **fused_default(options, self.net))
         if self.hparams.scheduler is None:
             return {"optimizer": optimizer}
         # the trainer: its max_time is the schedule's time budget (vitrain/models/schedules.py)
-        scheduler = hydra_partial(self.hparams.scheduler)(
-            optimizer=optimizer, total_steps=self.trainer.estimated_stepping_batches, trainer=self.trainer
+        scheduler = build_node(
+            "model.scheduler",
+            self.hparams.scheduler,
+            optimizer=optimizer,
+            total_steps=self.trainer.estimated_stepping_batches,
+            trainer=self.trainer,
         )
         return {
             "optimizer": optimizer,
@@ -322,6 +326,14 @@ def fused_default(options: Mapping[str, Any], net: nn.Module) -> dict[str, Any]:
     if plain_cuda and "fused" in inspect.signature(cls.__init__).parameters:
         return {"fused": True}
     return {}
+
+
+def build_node(key: str, node: Mapping[str, Any], **objects: Any) -> Any:
+    """`hydra_partial(node)(**objects)`; the library's argument errors as one line naming `key.<keyword>`."""
+    try:
+        return hydra_partial(node)(**objects)
+    except (ValueError, TypeError) as err:
+        raise argument_error(key, node, err) from err
 
 
 def hydra_partial(node: Mapping[str, Any]) -> Any:

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from vitrain.checkpoints import state_dict_mismatch
-from vitrain.errors import ModelError
+from vitrain.errors import ModelError, argument_error
 
 
 def _check_model_name(name: str) -> None:
@@ -62,7 +62,7 @@ def create_net(net: Mapping[str, Any], weights_file: str | None = None) -> nn.Mo
         # timm passes every keyword to the family's constructor: `img_size` suits a ViT, not a ResNet
         bad = re.search(r"unexpected keyword argument '(\w+)'", str(err))
         if bad is None:
-            raise
+            raise argument_error("model.net", net, err) from err
         family = str(err).split(".", 1)[0]
         raise ModelError(
             f"model.net.{bad.group(1)} is not a keyword of {name} ({family}): remove it, or use a "
@@ -77,6 +77,8 @@ def create_net(net: Mapping[str, Any], weights_file: str | None = None) -> nn.Mo
             "Train from scratch with model.net.pretrained=false, or give a local file with "
             "model.weights_file=/path/to/weights.safetensors"
         ) from err
+    except ValueError as err:
+        raise argument_error("model.net", net, err) from err
     except RuntimeError as err:
         detail = state_dict_mismatch(err) if weights_file else None
         if detail is None:
@@ -112,6 +114,58 @@ def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
     if state_dict and all(k.startswith(prefix) for k in state_dict):
         state_dict = {k.removeprefix(prefix): v for k, v in state_dict.items()}
     return state_dict
+
+
+HF_HOST = ("huggingface.co", 443)
+# what timm reads from a Hugging Face repo, in the order it tries them
+HF_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "open_clip_pytorch_model.bin")
+
+
+def check_pretrained_available(
+    net: Mapping[str, Any], weights_file: str | None = None, timeout_s: float = 3.0
+) -> None:
+    """Before any data is decoded: pretrained weights must be in the local cache, or the hub reachable.
+
+    Offline (HF_HUB_OFFLINE=1, or no connection to huggingface.co within `timeout_s`) and not cached, the run
+    would otherwise decode its data first and then spend ~45 s in the hub client's retries before failing."""
+    if not net.get("pretrained") or weights_file:
+        return
+    name = str(net.get("model_name"))
+    _check_model_name(name)
+    try:
+        repo = timm.models.get_pretrained_cfg(name).hf_hub_id
+    except Exception:  # no pretrained config for this name: timm says so itself
+        return
+    if not repo:
+        return  # weights behind a plain URL (torch hub's cache): timm handles those
+    from huggingface_hub import try_to_load_from_cache
+
+    if any(isinstance(try_to_load_from_cache(repo, f), str) for f in HF_WEIGHT_FILES):
+        return
+    fix = (
+        "give a local file with model.weights_file=/path/to/weights.safetensors, or train from scratch with "
+        "model.net.pretrained=false"
+    )
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        raise ModelError(
+            f"could not download pretrained weights for {name} ({repo}): HF_HUB_OFFLINE=1 is set and they are "
+            f"not in the local cache; {fix}"
+        )
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return  # through a proxy a direct connection says nothing: the hub client tries itself
+    import socket
+    from urllib.parse import urlparse
+
+    endpoint = urlparse(os.environ.get("HF_ENDPOINT") or f"https://{HF_HOST[0]}")
+    host = (endpoint.hostname or HF_HOST[0], endpoint.port or (80 if endpoint.scheme == "http" else 443))
+    try:
+        socket.create_connection(host, timeout=timeout_s).close()
+    except OSError as err:
+        raise ModelError(
+            f"could not download pretrained weights for {name} ({repo}): {host[0]} cannot be reached "
+            f"({type(err).__name__}) and they are not in the local cache; {fix} (offline with a filled cache: "
+            "HF_HUB_OFFLINE=1)"
+        ) from err
 
 
 class PatchConv2d(nn.Conv2d):

@@ -45,6 +45,23 @@ def _skipped(data: dict[str, Any] | None) -> str:
     return f"{count} (unreadable, left out: {', '.join(f'`{n}`' for n in names)}{more})"
 
 
+def _stopped(stopped: dict[str, Any] | None, with_resume: bool = False) -> str:
+    """How the run ended: completed, at the time limit, or interrupted (with what resumes it)."""
+    if not stopped:
+        return "completed"
+    by = stopped.get("by")
+    if by == "unknown":
+        return "before the end of fit (no run_stats.json: killed, or still running)"
+    where = f"at step {fmt(stopped.get('step'))} (epoch {fmt(stopped.get('epoch'))})"
+    if by == "trainer.max_time":
+        return f"by trainer.max_time {where}"
+    hint = str(stopped.get("resume") or "")
+    if hint.startswith("resume with: "):
+        hint = f"resume with `{hint.removeprefix('resume with: ')}`"
+    resume = f"; {hint}" if hint and with_resume else ""
+    return f"by {by} {where}{resume}"
+
+
 def table(
     header: Iterable[str], rows: Iterable[Iterable[Any]], cell: Callable[[Any], str] = fmt
 ) -> list[str]:
@@ -67,9 +84,18 @@ def render_markdown(report: dict[str, Any]) -> str:
     )
     search = report["max_batch_size"]
     mfu = fmt(report["mfu"]) if report["mfu"] is not None else f"n/a: {report['mfu_note']}"
+    stopped = report.get("stopped") or {}
     lines = [
         f"# Run report: `{Path(report['run_dir']).name}`",
         "",
+        *(
+            [
+                f"**Interrupted**: {_stopped(stopped, with_resume=True)}. Figures cover what ran until then.",
+                "",
+            ]
+            if stopped.get("interrupted")
+            else []
+        ),
         f"Run dir `{report['run_dir']}`; generated {report['generated']}. "
         "Rebuild with `python -m vitrain.reporting <run dir>`.",
         "",
@@ -78,7 +104,8 @@ def render_markdown(report: dict[str, Any]) -> str:
             [
                 ["experiment", report["experiment"]],
                 ["overrides", " ".join(f"`{o}`" for o in report["overrides"]) or "-"],
-                ["model", report["config"].get("model.net.model_name")],
+                ["model", report.get("model") or report["config"].get("model.net.model_name")],
+                ["stopped", _stopped(report.get("stopped"))],
                 ["strategy", f"{fmt(report['strategy'])} on {fmt(report['accelerator'])}, {layout}"],
                 ["precision", _precision(report)],
                 [
@@ -178,14 +205,14 @@ def render_markdown(report: dict[str, Any]) -> str:
     ckpts = report["checkpoints"] or {}
     lines += ["", "## Checkpoints", ""]
     lines.append(
-        f"- best: `{ckpts.get('best')}`"
+        (f"- best: `{ckpts['best']}`" if ckpts.get("best") else "- best: none saved")
         + (
             f" ({ckpts.get('monitor')} = {fmt(ckpts.get('best_score'))})"
             if ckpts.get("best_score") is not None
             else ""
         )
     )
-    lines.append(f"- last: `{ckpts.get('last')}`")
+    lines.append(f"- last: `{ckpts['last']}`" if ckpts.get("last") else "- last: none saved")
     s3 = report["s3"]
     if s3:
         lines += [f"- S3: `{uri}`" for uri in s3.get("uploaded", []) if "/checkpoints/" in uri]

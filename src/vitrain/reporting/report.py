@@ -2,7 +2,7 @@
 
 Inputs, all inside the run dir: the metric record `metrics.jsonl` (curves, best/final/test values; written
 with any logger or none),
-`run_stats.json` (timings, memory, world size... written by `reporting.run_stats.RunStats`),
+`run_stats.json` (timings, memory, world size... written by `callbacks.run_stats.RunStats`),
 `batch_size_search.json` (`+tune=batch_size`) and `.hydra/` (overrides, choices).
 """
 
@@ -17,6 +17,7 @@ from vitrain.reporting.markdown import render_markdown
 from vitrain.reporting.plots import plot_curves
 from vitrain.utils.atomic import write_atomic
 from vitrain.utils.run_files import (
+    CONFIG_KEYS,
     PLOTS_DIR,
     REPORT_JSON,
     REPORT_MD,
@@ -26,6 +27,7 @@ from vitrain.utils.run_files import (
     read_hydra,
     read_json,
     read_scalars,
+    select_key,
     to_json,
 )
 from vitrain.utils.secrets import REDACTED, is_secret_key, redact, scrub
@@ -118,7 +120,8 @@ def build_report(run_dir: Path, scalars: Scalars | None = None) -> dict[str, Any
         "generated": datetime.now().astimezone().isoformat(timespec="seconds"),
         "experiment": (hydra.get("choices") or {}).get("experiment"),
         "overrides": [mask_override(o) for o in hydra.get("overrides") or []],
-        "config": stats.get("config") or {},
+        "config": stats.get("config") or _config_from_hydra(run_dir),
+        "model": stats.get("model"),
         "strategy": stats.get("strategy"),
         "accelerator": stats.get("accelerator"),
         "world_size": world,
@@ -142,6 +145,8 @@ def build_report(run_dir: Path, scalars: Scalars | None = None) -> dict[str, Any
         "first_step_s": fit.get("first_step_s"),
         "images_per_s_after_first_step": fit.get("images_per_s_after_first_step"),
         "mfu_note": None if mfu is not None else mfu_note(flops, stats),
+        "stopped": stats.get("stopped")
+        or ({} if stats.get("fit") else {"by": "unknown", "interrupted": True}),
         "flops": flops or None,
         "metrics": metric_summary(scalars, stats),
         "memory": memory or None,
@@ -173,6 +178,21 @@ def mfu_note(flops: dict[str, Any], stats: dict[str, Any]) -> str:
     window = flops.get("window_batches")
     steps = (stats.get("fit") or {}).get("global_step")
     return f"the run trained {steps} steps, fewer than the throughput window ({window} batches)"
+
+
+def _config_from_hydra(run_dir: Path) -> dict[str, Any]:
+    """The report's config entries from the `.hydra/config.yaml` Hydra wrote at the start: for a run that
+    never wrote its run_stats.json (killed before the end of fit)."""
+    import yaml
+
+    path = run_dir / ".hydra" / "config.yaml"
+    try:
+        config = yaml.safe_load(path.read_text()) if path.is_file() else None
+    except (OSError, yaml.YAMLError):
+        config = None
+    if not isinstance(config, dict):
+        return {}
+    return {key: select_key(config, key) for key in CONFIG_KEYS}
 
 
 def _checkpoints_on_disk(run_dir: Path) -> dict[str, Any]:

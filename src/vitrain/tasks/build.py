@@ -3,7 +3,9 @@ the datamodule, the model (its head sized to the data's classes), callbacks, log
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -14,11 +16,16 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import Logger
 from omegaconf import DictConfig, open_dict
 
+from vitrain.callbacks.resume import CheckpointOnSigterm
+from vitrain.callbacks.run_stats import RunStats
 from vitrain.errors import DataError
 from vitrain.loggers import MetricRecord
+from vitrain.models.timm_net import check_pretrained_available
 from vitrain.tasks.precision import resolve_precision
-from vitrain.tasks.runs import RemoteCopy
+from vitrain.tasks.runs import RemoteCopy, resume_hint
 from vitrain.utils.config import instantiate_dict, to_container
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -40,21 +47,60 @@ class RunObjects:
     #: evaluation: the checkpoint evaluated (a local path) and the accuracy per class
     checkpoint_path: Path | None = None
     per_class_acc: dict[str, float] = field(default_factory=dict)
+    #: images of each class evaluated (eval.py)
+    per_class_images: dict[str, int] = field(default_factory=dict)
 
 
 def build(cfg: DictConfig) -> RunObjects:
     """Datamodule, model, callbacks, loggers and trainer, exactly as the config says."""
+    # weights that cannot be had fail in seconds, before any data is decoded
+    check_pretrained_available(cfg.model.net, cfg.model.get("weights_file"))
     datamodule: L.LightningDataModule = hydra.utils.instantiate(cfg.datamodule)
     model: L.LightningModule = build_model(cfg, datamodule)
-    model.describe_run(to_container(cfg), list(datamodule.classes))
+    run_config = to_container(cfg)
+    model.describe_run(run_config, list(datamodule.classes))
     callbacks = instantiate_dict(cfg.get("callbacks"))
+    for callback in callbacks:
+        if isinstance(callback, RunStats | CheckpointOnSigterm):  # an interrupted run says how to resume it
+            callback.resume_hint = partial(resume_hint, run_config, cfg.paths.output_dir)
     loggers = instantiate_dict(cfg.get("logger"))
+    time_budget_wins(cfg.trainer)
+    warn_shared_checkpoint_dir(cfg)
     # the run's own metric record (metrics.jsonl), beside any logger or none: what the report reads
     trainer = build_trainer(cfg, callbacks, [*loggers, MetricRecord(cfg.paths.output_dir)])
     if hasattr(model, "check_strategy"):  # options the strategy cannot honour stop before the ranks start
         model.check_strategy(trainer.strategy, fitting=bool(cfg.get("train")))
     remote = next((c for c in callbacks if isinstance(c, RemoteCopy)), None)
     return RunObjects(cfg, datamodule, model, callbacks, loggers, trainer, remote=remote)
+
+
+def warn_shared_checkpoint_dir(cfg: DictConfig) -> None:
+    """Checkpoints written outside the run's own directory are shared by every run that writes there: one
+    run's `last.ckpt` replaces another's, and `ckpt_path=last` / `resume=auto` read whichever came last."""
+    node = (cfg.get("callbacks") or {}).get("model_checkpoint") or {}
+    dirpath = node.get("dirpath") if hasattr(node, "get") else None
+    if not dirpath:
+        return
+    run_dir = Path(str(cfg.paths.output_dir)).resolve()
+    if not Path(str(dirpath)).resolve().is_relative_to(run_dir):
+        log.warning(
+            f"callbacks.model_checkpoint.dirpath={dirpath} is outside this run's directory ({run_dir}): every "
+            "run writing there shares one last.ckpt, and ckpt_path=last resumes whichever wrote it last. "
+            "Leave dirpath at its default (<run dir>/checkpoints) to keep runs apart"
+        )
+
+
+def time_budget_wins(trainer_cfg: DictConfig) -> None:
+    """Under `trainer.max_time`, drop `trainer.min_epochs` (with a warning): Lightning ignores every stop
+    request, its own time limit's included, until min_epochs have run, so on a slow machine the budget would
+    not hold inside the first epoch."""
+    if trainer_cfg.get("max_time") and trainer_cfg.get("min_epochs"):
+        log.warning(
+            f"trainer.min_epochs={trainer_cfg.min_epochs} is ignored under trainer.max_time="
+            f"{trainer_cfg.max_time}: the run stops at the time limit, also inside an epoch"
+        )
+        with open_dict(trainer_cfg):
+            trainer_cfg.min_epochs = None
 
 
 def build_trainer(cfg: DictConfig, callbacks: list[Callback], loggers: list[Logger] | bool) -> L.Trainer:

@@ -6,9 +6,11 @@ suggest the closest existing one and exit 2.
 """
 
 import difflib
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
@@ -90,6 +92,51 @@ def describe(err: Exception, config_name: str, overrides: Sequence[str]) -> str:
     return first
 
 
+# values checked before torch and Lightning load: key -> (what it must be, test)
+VALUE_CHECKS: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    "model.optimizer.lr": ("a positive number", lambda v: _number(v) and v > 0),
+    "model.optimizer.weight_decay": ("a number >= 0", lambda v: _number(v) and v >= 0),
+    "model.label_smoothing": ("a number in [0, 1)", lambda v: _number(v) and 0 <= v < 1),
+    "datamodule.batch_size": ("a positive whole number", lambda v: _whole(v) and v > 0),
+    "datamodule.eval_batch_size": (
+        "a positive whole number or null",
+        lambda v: v is None or (_whole(v) and v > 0),
+    ),
+    "trainer.max_epochs": (
+        "a whole number (-1: no limit) or null",
+        lambda v: v is None or (_whole(v) and v >= -1),
+    ),
+    "trainer.devices": (
+        "a positive whole number, a list of device ids, -1 or auto",
+        lambda v: not _number(v) or v != 0,
+    ),
+}
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def bad_value(cfg: Any) -> str | None:
+    """The first value of VALUE_CHECKS that cannot work (`model.optimizer.lr=-1: must be a positive
+    number`), or None. Values that need the run (interpolations of Hydra's runtime) are left to it."""
+    absent = object()
+    for key, (wanted, ok) in VALUE_CHECKS.items():
+        try:
+            value = OmegaConf.select(cfg, key, default=absent, throw_on_missing=False)
+        except Exception:  # an interpolation that needs the run
+            continue
+        if value is absent or (OmegaConf.is_config(value) and key == "trainer.devices"):
+            continue
+        if OmegaConf.is_config(value) or not ok(value):
+            return f"{key}={value}: must be {wanted}"
+    return None
+
+
 def check_overrides(config_name: str, argv: Sequence[str] | None = None) -> None:
     """Compose the config from the command line; on a mistake print one line and exit 2."""
     args = list(sys.argv[1:] if argv is None else argv)
@@ -98,9 +145,13 @@ def check_overrides(config_name: str, argv: Sequence[str] | None = None) -> None
     overrides = [a for a in args if not a.startswith("-")]
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         try:
-            compose(config_name=config_name, overrides=overrides)
+            cfg = compose(config_name=config_name, overrides=overrides)
         except (ConfigCompositionException, MissingConfigException, OverrideParseException) as err:
             print(f"error: {describe(err, config_name, overrides)}", file=sys.stderr, flush=True)
+            sys.exit(2)
+        problem = bad_value(cfg)
+        if problem:
+            print(f"error: {problem}", file=sys.stderr, flush=True)
             sys.exit(2)
         if "ckpt_path=last" in overrides:
             _check_run_dir(config_name, overrides)
@@ -120,3 +171,33 @@ def _check_run_dir(config_name: str, overrides: list[str]) -> None:
             raise
         print(f"error: {cause}", file=sys.stderr, flush=True)
         sys.exit(2)
+
+
+# keys typed `+model.x=...` / `+datamodule.x=...` for eval: new keys, not checked against the checkpoint's
+EVAL_ADDED_ENV = "VITRAIN_EVAL_ADDED_KEYS"
+
+
+def checkpoint_overrides(args: Sequence[str]) -> list[str]:
+    """`src/eval.py`'s `model.*` / `datamodule.*` overrides apply to the checkpoint's config, not to eval.yaml's
+    defaults (an image-folder checkpoint takes `datamodule.in_memory`, CIFAR-10's datamodule does not): written
+    `++key=value` so eval.yaml composes with them; evaluation checks them against the checkpoint's config
+    (vitrain.tasks.evaluation.saved_config). Keys typed with `+` are recorded as meant to be new."""
+    out, added = [], []
+    for arg in args:
+        key = arg.split("=", 1)[0]
+        bare = key.lstrip("+~")
+        if "=" in arg and bare.startswith(("model.", "datamodule.")) and not key.startswith(("~", "++")):
+            if key.startswith("+"):
+                added.append(bare)
+            arg = "++" + arg.lstrip("+")
+        out.append(arg)
+    if added:
+        os.environ[EVAL_ADDED_ENV] = ",".join(added)
+    return out
+
+
+def closest_key(key: str, node: Any) -> str:
+    """` (did you mean x?)` for the key of `node` closest to `key`, else ''."""
+    known = _keys(OmegaConf.to_container(node, resolve=False)) if OmegaConf.is_config(node) else []
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.75)
+    return f" (did you mean {close[0]}?)" if close else ""

@@ -2,6 +2,7 @@
 
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -14,10 +15,12 @@ from rich.table import Table
 
 from vitrain import checkpoints
 from vitrain.checkpoints import CheckpointError, state_dict_mismatch
+from vitrain.errors import ModelError, UserError
 from vitrain.models.classifier import check_classes
 from vitrain.tasks.build import RunObjects, build_trainer
+from vitrain.tasks.cli import EVAL_ADDED_ENV, closest_key
 from vitrain.tasks.runs import resolve_checkpoint
-from vitrain.utils.config import instantiate_dict
+from vitrain.utils.config import instantiate_dict, print_run_config
 
 log = logging.getLogger(__name__)
 
@@ -39,11 +42,37 @@ def saved_config(checkpoint: dict[str, Any], path: Path) -> DictConfig:
         {"model": run_config["model"], "datamodule": run_config["datamodule"]}
     )
     cfg = OmegaConf.create(saved)
-    cfg.merge_with_dotlist([o.lstrip("+") for o in _command_line_overrides(("model.", "datamodule."))])
+    overrides = [o.lstrip("+") for o in _command_line_overrides(("model.", "datamodule."))]
+    check_against_checkpoint(cfg, overrides, path)
+    cfg.merge_with_dotlist(overrides)
     # the weights come from the checkpoint: never download or read pretrained weights again
     cfg.model.net.pretrained = False
     cfg.model.weights_file = None
     return cfg
+
+
+def check_against_checkpoint(cfg: DictConfig, overrides: list[str], path: Path) -> None:
+    """Each `model.*` / `datamodule.*` override must name a key of the checkpoint's config (unless typed with
+    `+`), and the model is the checkpoint's: another `model.net.model_name` is refused, not evaluated."""
+    added = set(filter(None, os.environ.get(EVAL_ADDED_ENV, "").split(",")))
+    for override in overrides:
+        key, _, value = override.partition("=")
+        if key in added:
+            continue
+        if OmegaConf.select(cfg, key, default=_ABSENT) is _ABSENT:
+            target = OmegaConf.select(cfg, key.split(".")[0] + "._target_") or "its config"
+            raise UserError(
+                f"unknown config key {key} for this checkpoint's {key.split('.')[0]} ({target})"
+                f"{closest_key(key, cfg)}; to add a key use +{key}=..."
+            )
+        if key == "model.net.model_name" and value != str(cfg.model.net.model_name):
+            raise ModelError(
+                f"model.net.model_name={value}: {path} is a {cfg.model.net.model_name}; eval.py evaluates the "
+                "checkpoint's model (leave model.net.model_name out)"
+            )
+
+
+_ABSENT = object()
 
 
 def print_table(metrics: dict[str, float], title: str) -> None:
@@ -55,6 +84,16 @@ def print_table(metrics: dict[str, float], title: str) -> None:
     Console().print(table)
 
 
+def print_per_class(accuracy: dict[str, float], images: dict[str, int], title: str) -> None:
+    table = Table(title=title)
+    table.add_column("class")
+    table.add_column("accuracy", justify="right")
+    table.add_column("images", justify="right")
+    for name in accuracy:
+        table.add_row(name, f"{accuracy[name]:.4f}", str(images[name]))
+    Console().print(table)
+
+
 def evaluate(cfg: DictConfig) -> tuple[dict[str, float], RunObjects]:
     """Evaluate `cfg.ckpt_path` on `cfg.split` (test or val); writes metrics.json in the run dir."""
     if cfg.split not in ("test", "val"):
@@ -62,6 +101,13 @@ def evaluate(cfg: DictConfig) -> tuple[dict[str, float], RunObjects]:
     path = resolve_checkpoint(str(cfg.ckpt_path), cfg.paths.cache_dir)
     checkpoint = checkpoints.load(path)
     run_cfg = saved_config(checkpoint, path)
+    if (cfg.get("extras") or {}).get("print_config"):
+        # what is evaluated: the checkpoint's model and data with the overrides, not eval.yaml's defaults
+        shown = OmegaConf.create(
+            {"ckpt_path": str(cfg.ckpt_path), "split": cfg.split, **OmegaConf.to_container(run_cfg)}
+        )
+        shown.trainer = OmegaConf.to_container(cfg.trainer, resolve=True)
+        print_run_config(shown, Path(cfg.paths.output_dir) / "config_tree.log")
     if cfg.get("seed") is not None:
         L.seed_everything(cfg.seed, workers=True)
 
@@ -92,21 +138,32 @@ def evaluate(cfg: DictConfig) -> tuple[dict[str, float], RunObjects]:
     run(model=model, datamodule=datamodule, verbose=False)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     objects.per_class_acc = dict(zip(classes, per_class_acc.compute().tolist(), strict=True))
+    # images of each class evaluated (true positives + false negatives: the class's support)
+    support = (per_class_acc.tp + per_class_acc.fn).tolist()
+    objects.per_class_images = dict(zip(classes, (int(n) for n in support), strict=True))
 
     if trainer.is_global_zero:
-        write_metrics(cfg, metrics, objects.per_class_acc)
+        write_metrics(cfg, metrics, objects.per_class_acc, objects.per_class_images)
     return metrics, objects
 
 
-def write_metrics(cfg: DictConfig, metrics: dict[str, float], per_class: dict[str, float]) -> Path:
+def write_metrics(
+    cfg: DictConfig, metrics: dict[str, float], per_class: dict[str, float], images: dict[str, int]
+) -> Path:
     """The tables on the console, and metrics.json in the run dir."""
     print_table(metrics, f"{cfg.split} metrics of {cfg.ckpt_path}")
-    print_table(per_class, f"{cfg.split} accuracy per class")
+    print_per_class(per_class, images, f"{cfg.split} accuracy per class")
     out = Path(cfg.paths.output_dir) / "metrics.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(
         json.dumps(
-            {"ckpt_path": str(cfg.ckpt_path), "split": cfg.split, **metrics, "per_class_acc": per_class},
+            {
+                "ckpt_path": str(cfg.ckpt_path),
+                "split": cfg.split,
+                **metrics,
+                "per_class_acc": per_class,
+                "per_class_images": images,
+            },
             indent=2,
         )
     )

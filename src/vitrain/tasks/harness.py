@@ -2,6 +2,7 @@
 
 import logging
 import os
+import shutil
 import sys
 import warnings
 from collections.abc import Callable
@@ -17,7 +18,6 @@ from omegaconf import DictConfig
 from vitrain.distributed.ranks import check_launch_env, setup_rank
 from vitrain.errors import UserError
 from vitrain.loggers import finish_runs
-from vitrain.utils.config import print_config_tree
 from vitrain.utils.host_memory import retain_freed_memory
 from vitrain.utils.secrets import install_secret_filter
 
@@ -74,13 +74,14 @@ def run_task(task: Task, cfg: DictConfig) -> tuple[dict[str, float], Any]:
     if extras.get("retain_freed_memory", True):
         retain_freed_memory()
     output_dir = Path(cfg.paths.output_dir)
-    if extras.get("print_config"):
-        print_config_tree(cfg, save_to=output_dir / "config_tree.log")
+    # the config tree (extras.print_config) is printed by the task once its set-up has succeeded: the
+    # config it runs (eval: the checkpoint's), and none before a one-line error
     failed = True
     try:
         check_launch_env(cfg.get("trainer"))
         result = task(cfg)
         failed = False
+        _log_output_dir(output_dir)
         return result
     except SIGTERMException:
         # stopped on request after saving `last` (CheckpointOnSigterm); 128 + SIGTERM, as a shell reports it
@@ -100,10 +101,38 @@ def run_task(task: Task, cfg: DictConfig) -> tuple[dict[str, float], Any]:
             raise
         print(f"error: {problem}", file=sys.stderr, flush=True)
         log.debug("user error", exc_info=err)
+        remove_unstarted_run_dir(output_dir)
         sys.exit(2)
     finally:
         finish_runs(failed)  # a failed job of a sweep must not leave its W&B run open for the next one
-        _log_output_dir(output_dir)
+
+
+# what Hydra and the task write into a run dir before anything runs
+_START_FILES = {".hydra", "config_tree.log", "train.log", "eval.log", "debug.log"}
+
+
+@rank_zero_only
+def remove_unstarted_run_dir(output_dir: Path) -> None:
+    """A run that stopped at a one-line error before it did anything leaves no run directory behind: only
+    Hydra's `.hydra/` and the log (which holds nothing the error line did not say) would be in it. A run
+    dir with anything else (checkpoints of a run to resume, metrics) is kept; so is a sweep's job dir."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    try:
+        if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+            return
+        if not (output_dir / ".hydra").is_dir():  # Hydra made no run dir here (a test's, a given folder)
+            return
+        if any(p.name not in _START_FILES for p in output_dir.iterdir()):
+            return
+        for handler in logging.getLogger().handlers:  # Hydra's file handler holds the log open
+            if isinstance(handler, logging.FileHandler) and Path(handler.baseFilename).parent == output_dir:
+                handler.close()
+                logging.getLogger().removeHandler(handler)
+        shutil.rmtree(output_dir)
+    except OSError:
+        pass
 
 
 @rank_zero_only

@@ -44,6 +44,7 @@ import hashlib
 import logging
 import os
 import re
+import shlex
 import sys
 from collections.abc import Mapping, Sequence
 from datetime import datetime
@@ -278,3 +279,30 @@ def _checkpoint_dirs(trainer: L.Trainer) -> list[Path]:
 def _local_last(trainer: L.Trainer) -> Path | None:
     found = [last for folder in _checkpoint_dirs(trainer) if (last := last_in(folder))]
     return max(found, key=lambda p: p.stat().st_mtime, default=None)
+
+
+def resume_hint(run_config: Mapping | None, output_dir: str | Path, script: str = "src/train.py") -> str:
+    """What resumes this run, exactly: "relaunch the same command" only where that is true (a stable run id
+    with resume=auto and no explicit checkpoint to start from), else the command line with
+    `ckpt_path=last` and this run's directory."""
+    run_config = run_config or {}
+    ckpt_path = run_config.get("ckpt_path")
+    name = stable_run_id()
+    if name is not None and str(run_config.get("resume") or "auto") == "auto" and ckpt_path in (None, "last"):
+        return f"relaunch the same command to resume (run id {name}; resume=auto continues from its last)"
+    kept = [
+        o
+        for o in _task_overrides()
+        if not o.split("=", 1)[0].lstrip("+~").startswith(("ckpt_path", "hydra."))
+    ]
+    command = ["python", script, *kept, "ckpt_path=last", f"hydra.run.dir={output_dir}"]
+    return "resume with: " + " ".join(shlex.quote(part) for part in command)
+
+
+def _task_overrides() -> list[str]:
+    """The command line's overrides of this run (Hydra's `overrides.task`); none outside a Hydra app."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return []
+    return [str(o) for o in HydraConfig.get().overrides.task]

@@ -15,6 +15,7 @@ from typing import Any
 
 import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig
 
 from vitrain.checkpoints import CheckpointError, state_dict_mismatch
@@ -26,6 +27,7 @@ from vitrain.tasks import tuning
 from vitrain.tasks.build import RunObjects, build, use_tensor_cores_for_fp32
 from vitrain.tasks.decisions import RESUME_FROM, decisions
 from vitrain.tasks.runs import checkpoint_to_resume
+from vitrain.utils.config import print_run_config
 from vitrain.utils.measuring import metric_floats
 
 log = logging.getLogger(__name__)
@@ -50,6 +52,8 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], RunObjects]:
     search = tuning.search_batch_size(cfg)  # only with `+tune=batch_size`; applied to cfg
     seed(cfg)
     objects = build(cfg)
+    if (cfg.get("extras") or {}).get("print_config"):  # once the run is built: a failed start prints one line
+        print_run_config(cfg, Path(cfg.paths.output_dir) / "config_tree.log")
     objects.batch_size_search = search
     prepare(objects)
     if cfg.get("train"):
@@ -96,6 +100,9 @@ def fit(objects: RunObjects, carried: dict[str, str]) -> None:
     with decisions.holding({RESUME_FROM: ckpt_path or "", **carried}):
         try:
             trainer.fit(model=objects.model, datamodule=objects.datamodule, ckpt_path=ckpt_path)
+        except SIGTERMException:
+            finish_run(objects)  # report.md of what ran, marked interrupted, and how to resume it
+            raise
         except RuntimeError as err:
             detail = state_dict_mismatch(err)
             if detail is None:

@@ -35,6 +35,13 @@ def print_config_tree(
             rich.print(tree, file=f)
 
 
+@rank_zero_only
+def print_run_config(cfg: DictConfig, save_to: Path | None = None) -> None:
+    """The config tree on global rank zero, printed by a task once its set-up has succeeded: an error in
+    the config or the data is then one line, not one line after the whole tree."""
+    print_config_tree(cfg, save_to=save_to)
+
+
 def instantiate_dict(cfg: DictConfig | None) -> list[Any]:
     """Instantiate every `_target_` node of a group such as `callbacks` or `logger` (None-valued: skipped)."""
     if not cfg:

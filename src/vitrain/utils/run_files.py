@@ -10,7 +10,7 @@ import yaml
 
 from vitrain.utils.atomic import write_atomic
 
-STATS_FILE = "run_stats.json"  # written by reporting.run_stats.RunStats
+STATS_FILE = "run_stats.json"  # written by callbacks.run_stats.RunStats
 METRICS_FILE = "metrics.jsonl"  # written by vitrain.loggers.MetricRecord
 SEARCH_FILE = "batch_size_search.json"  # written by vitrain.tasks.tuning (`+tune=batch_size`)
 REPORT_JSON = "report.json"
@@ -18,6 +18,33 @@ REPORT_MD = "report.md"
 PLOTS_DIR = "plots"
 
 Scalars = dict[str, list[tuple[int, float]]]
+
+# resolved config entries worth repeating in the report (dotted paths)
+CONFIG_KEYS = (
+    "model.net.model_name",
+    "model.net.pretrained",
+    "model.net.img_size",
+    "model.net.patch_size",
+    "model.optimizer.lr",
+    "model.optimizer.weight_decay",
+    "model.label_smoothing",
+    "datamodule.batch_size",
+    "datamodule.train_subset",
+    "trainer.max_epochs",
+    "trainer.max_time",
+    "trainer.precision",  # as asked (`auto`); the top-level `precision` is what it resolved to
+    "seed",
+    "tags",
+)
+
+
+def select_key(config: dict[str, Any], dotted: str) -> Any:
+    node: Any = config
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
 
 
 def read_json(path: Path) -> dict[str, Any] | None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import socket
 from pathlib import Path
 
@@ -66,7 +67,8 @@ def load_cifar(
         download_cifar(src, spec)
         layout = find_layout(src, spec)
     if layout is None:
-        what = "not found at" if not src.exists() else "layout not recognised in"
+        empty = src.is_dir() and not any(src.iterdir())
+        what = "not found at" if not src.exists() or empty else "layout not recognised in"
         raise DataError(f"{spec.name} {what} {src}: {spec.layout_hint}")
     files = _source_files(layout, spec)
     listing = "\n".join(f"{p.relative_to(layout.root)}|{stat_key(p)}" for p in files)
@@ -102,12 +104,15 @@ def download_cifar(root: Path, spec: CifarSpec = CIFAR10) -> None:
     import torchvision.datasets
 
     log.info("downloading %s into %s", spec.name, root)
+    made = not root.exists()  # a failed download leaves no folder behind that it created
     old_timeout = socket.getdefaulttimeout()
     socket.setdefaulttimeout(DOWNLOAD_TIMEOUT_S)  # torchvision's urlopen has no timeout of its own
     try:
         getattr(torchvision.datasets, spec.torchvision_class)(str(root), train=True, download=True)
     except Exception as e:
         why = " ".join(f"{type(e).__name__}: {e}".split())  # one line, whatever urllib put in it
+        if made:
+            shutil.rmtree(root, ignore_errors=True)
         raise DataError(
             f"downloading {spec.name} into {root} failed ({why}): without internet, copy "
             f"{spec.archive} or an unpacked {spec.batches_dir} folder there (or point datamodule.data_dir "

@@ -1,0 +1,100 @@
+"""Every `src/train.py` / `src/eval.py` command in README.md and docs/*.md composes as written.
+
+The commands are taken from the fenced shell blocks (line continuations joined, comments dropped) and
+composed with Hydra's compose API, as `check_overrides` does before a run: an unknown key, a config option
+that does not exist or a value that cannot work fails here in milliseconds. Placeholders (`<run>`, `...`,
+`$(date ...)`, `$SLURM_*`) stand for values; a sweep (`-m a=1,2`) composes with its first value; overrides
+of Hydra itself (`hydra/launcher=...`, `hydra.sweeper.*`) are the launcher's and left out.
+"""
+
+import re
+import shlex
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.override_parser.overrides_parser import OverridesParser
+
+from helpers import CONFIGS, ROOT
+from vitrain.tasks.cli import bad_value
+from vitrain.tasks.runs import register_resolvers
+
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+SHELL_FENCES = {"", "bash", "sh", "shell", "console"}
+
+
+def documented_commands() -> list[tuple[str, str, list[str]]]:
+    """(where, script, arguments) of every entry-point command in a fenced shell block of the docs."""
+    found = []
+    for path in DOCS:
+        text = path.read_text()
+        for block in re.finditer(r"^```(\w*)\n(.*?)^```", text, re.S | re.M):
+            if block.group(1) not in SHELL_FENCES:
+                continue
+            first_line = text[: block.start()].count("\n") + 2
+            command, start = "", 0
+            for offset, line in enumerate(block.group(2).split("\n")):
+                start = start if command else offset
+                if line.rstrip().endswith("\\"):  # continued on the next line
+                    command += line.rstrip()[:-1] + " "
+                    continue
+                command, line = "", command + line
+                match = re.search(r"(?:^|\s)(?:\S*/)?src/(train|eval)\.py(\s|$)", line)
+                if match is None or line.lstrip().startswith("#"):
+                    continue
+                if not re.search(
+                    r"python|torchrun|srun", line[: match.start() + 1]
+                ):  # a file list, not a command
+                    continue
+                words = shlex.split(_placeholders(line[match.end() :]), comments=True)
+                found.append((f"{path.relative_to(ROOT)}:{first_line + start}", match.group(1), words))
+    return found
+
+
+def _placeholders(text: str) -> str:
+    text = re.sub(r"\$\(date [^)]*\)", "2026-01-01_00-00-00", text)
+    text = text.replace('"$@"', "")
+    text = re.sub(r"\$\{?[A-Z_]+\}?", "1", text)
+    text = re.sub(r"\[(split=\w+)\]", r"\1", text)  # an optional argument, shown in brackets
+    text = re.sub(r"<(\w+)>", r"\1", text)  # logs/train/runs/<run>/...: a name of the reader's
+    return text.replace("=...", "=/data/x").replace("/.../", "/x/")
+
+
+def overrides_of(words: list[str]) -> list[str]:
+    parser = OverridesParser.create()
+    kept = []
+    for word in words:
+        if word.startswith("-"):
+            continue
+        key = word.split("=", 1)[0].lstrip("+~")
+        if key.startswith(("hydra.", "hydra/")):
+            continue
+        override = parser.parse_override(word)
+        if override.is_sweep_override():
+            value = next(iter(override.sweep_string_iterator()))
+            word = f"{word.split('=', 1)[0]}={value}"
+        kept.append(word)
+    return kept
+
+
+COMMANDS = documented_commands()
+
+
+def test_the_docs_have_commands():
+    scripts = {script for _, script, _ in COMMANDS}
+    assert len(COMMANDS) > 40 and scripts == {"train", "eval"}, COMMANDS
+
+
+@pytest.fixture(scope="module")
+def hydra_configs():
+    register_resolvers()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        yield
+    GlobalHydra.instance().clear()
+
+
+@pytest.mark.parametrize(("where", "script", "words"), COMMANDS, ids=[c[0] for c in COMMANDS])
+def test_documented_command_composes(where: str, script: str, words: list[str], hydra_configs):
+    cfg = compose(config_name=script, overrides=overrides_of(words))
+    assert bad_value(cfg) is None, f"{where}: {bad_value(cfg)}"

@@ -1,0 +1,342 @@
+"""What a new user meets on the way (issue 31): time budgets that hold, honest messages, one-line errors."""
+
+import logging
+import os
+import re
+import shlex
+import signal
+import time
+from pathlib import Path
+
+import lightning as L
+import pytest
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from omegaconf import OmegaConf, open_dict
+
+from helpers import compose_cfg, fails_in_process, tiny_overrides
+from vitrain.errors import DataError, UserError
+from vitrain.reporting.report import write_report
+from vitrain.tasks.build import build
+from vitrain.tasks.cli import EVAL_ADDED_ENV, check_overrides, checkpoint_overrides
+from vitrain.tasks.evaluation import evaluate
+from vitrain.tasks.runs import RUN_ID_VARS, checkpoint_to_resume, resume_hint
+from vitrain.tasks.training import train
+
+
+class SlowStep(L.Callback):
+    """Makes every training step take at least `seconds`: a slow machine, in a test."""
+
+    def __init__(self, seconds: float = 0.05) -> None:
+        self.seconds = seconds
+
+    def on_train_batch_end(self, *args) -> None:
+        time.sleep(self.seconds)
+
+
+def test_max_time_holds_inside_the_first_epoch(tmp_path: Path, tiny_cifar: Path, data_cache: Path):
+    """`trainer.max_time` stops a run whose first epoch cannot fit the budget, even with `min_epochs=1` (the
+    seed's command line): mid-epoch, then the final weights are validated, tested and reported once."""
+    overrides = [
+        *tiny_overrides(tiny_cifar, data_cache, batch_size=2),  # 112 steps an epoch
+        "trainer.max_epochs=1000",
+        "trainer.min_epochs=1",
+        "trainer.max_time=00:00:00:01",
+        "trainer.num_sanity_val_steps=0",
+        "logger=none",
+        "+callbacks.slow_step._target_=test_user_path.SlowStep",
+    ]
+    metrics, objects = train(compose_cfg("train", overrides, tmp_path))
+    steps_per_epoch = objects.trainer.num_training_batches
+    assert 0 < objects.trainer.global_step < steps_per_epoch / 2, (
+        objects.trainer.global_step,
+        steps_per_epoch,
+    )
+    assert "val/acc1" in metrics and "test/acc1" in metrics
+    assert (tmp_path / "report.md").is_file()
+
+
+class SigtermSelfAt(L.Callback):
+    """SIGTERM this process (only: the test runs in-process) once training reaches `step`."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args) -> None:
+        if trainer.global_step == self.step and not trainer.received_sigterm:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_sigterm_tells_the_command_that_resumes_and_reports_interrupted(
+    tmp_path: Path, tiny_cifar: Path, data_cache: Path, monkeypatch, caplog, capfd
+):
+    """A plain run (named by its start time) stopped by SIGTERM: what it prints to resume is a command line
+    that does resume this run, and report.md says the run was interrupted and where."""
+    for var in RUN_ID_VARS:
+        monkeypatch.delenv(var, raising=False)
+    overrides = [
+        *tiny_overrides(tiny_cifar, data_cache),
+        "logger=none",
+        "trainer.num_sanity_val_steps=0",
+        "+callbacks.sigterm_at._target_=test_user_path.SigtermSelfAt",
+        "+callbacks.sigterm_at.step=5",
+    ]
+    with pytest.raises(SIGTERMException):
+        train(compose_cfg("train", overrides, tmp_path))
+    assert "SIGTERM received: stopping at the next step boundary" in capfd.readouterr().err
+    message = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("SIGTERM: saved"))
+    assert "relaunch the same command" not in message  # a relaunch would start a new, time-named run
+    command = shlex.split(message.split("resume with: ", 1)[1])
+    assert command[:2] == ["python", "src/train.py"] and "ckpt_path=last" in command
+
+    report = (tmp_path / "report.md").read_text()
+    assert "**Interrupted**: by SIGTERM at step 5" in report and "ckpt_path=last" in report
+    assert "| model | vit_tiny_patch16_224" in report
+
+    # the printed command resumes this run: its run dir, its last checkpoint
+    resumed = compose_cfg("train", command[2:], tmp_path / "unused")
+    run_dir = next(o.split("=", 1)[1] for o in command if o.startswith("hydra.run.dir="))
+    with open_dict(resumed):
+        resumed.paths.output_dir = run_dir
+    objects = build(resumed)
+    assert checkpoint_to_resume(resumed, objects.trainer) == str(tmp_path / "checkpoints" / "last.ckpt")
+
+
+def test_resume_hint_says_relaunch_only_where_a_relaunch_resumes(monkeypatch):
+    for var in RUN_ID_VARS:
+        monkeypatch.delenv(var, raising=False)
+    assert resume_hint({"resume": "auto"}, "logs/x").startswith("resume with: python src/train.py")
+    monkeypatch.setenv("VITRAIN_RUN_ID", "mine")
+    assert resume_hint({"resume": "auto"}, "logs/x").startswith("relaunch the same command")
+    # resume=never, or an explicit checkpoint to start from: a relaunch would start over
+    assert "ckpt_path=last" in resume_hint({"resume": "never"}, "logs/x")
+    assert "ckpt_path=last" in resume_hint({"resume": "auto", "ckpt_path": "/w/pre.ckpt"}, "logs/x")
+
+
+def test_report_of_a_run_killed_before_its_stats_is_truthful(tmp_path: Path):
+    """`make report` on a run that never wrote run_stats.json: no `None`, no false claim about MFU."""
+    (tmp_path / ".hydra").mkdir()
+    (tmp_path / ".hydra" / "config.yaml").write_text(
+        "model:\n  net:\n    model_name: vit_small_patch16_224\n"
+    )
+    (tmp_path / ".hydra" / "overrides.yaml").write_text("- experiment=smoke\n")
+    write_report(tmp_path)
+    report = (tmp_path / "report.md").read_text()
+    assert "None" not in report and "no ImageThroughputMonitor" not in report
+    assert "| model | vit_small_patch16_224 |" in report
+    assert "**Interrupted**" in report
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("model.optimizer.lr=-1", "error: model.optimizer.lr=-1: must be a positive number"),
+        ("model.optimizer.lr=abc", "error: model.optimizer.lr=abc: must be a positive number"),
+        ("datamodule.batch_size=0", "error: datamodule.batch_size=0: must be a positive whole number"),
+    ],
+)
+def test_bad_values_stop_in_one_line_before_the_heavy_imports(override: str, expected: str, capsys):
+    with pytest.raises(SystemExit) as stop:
+        check_overrides("train", ["experiment=smoke", override])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.strip() == expected
+
+
+def test_library_argument_errors_name_the_config_key(tmp_path: Path, tiny_cifar: Path, data_cache: Path):
+    """What only the library can check (torch's optimizer, timm's model) still ends in one line, exit 2."""
+    base = [*tiny_overrides(tiny_cifar, data_cache), "logger=none", "trainer.num_sanity_val_steps=0"]
+    code, err = fails_in_process("train", [*base, "model.optimizer.betas=[0.9,1.5]"], tmp_path / "a")
+    assert code == 2 and err.startswith("error: model.optimizer.betas=[0.9, 1.5]: Invalid beta parameter"), (
+        err
+    )
+    assert len(err.strip().splitlines()) == 1
+    code, err = fails_in_process("train", [*base, "model.net.drop_path_rate=abc"], tmp_path / "b")
+    assert code == 2 and err.startswith("error: model.net.drop_path_rate=abc"), err
+
+
+def test_progress_lines_without_a_terminal_and_one_line_per_epoch(
+    tmp_path: Path, tiny_cifar: Path, data_cache: Path, caplog
+):
+    """Piped to a file (pytest's capture: stdout is no terminal), plain progress lines with step, loss,
+    images/s and ETA; one summary line per epoch; no `v_num` on the bar."""
+    overrides = [
+        *tiny_overrides(tiny_cifar, data_cache),
+        "trainer.max_epochs=2",
+        "trainer.limit_train_batches=5",
+        "trainer.limit_val_batches=1",
+        "test=false",
+        "trainer.num_sanity_val_steps=0",
+        "callbacks.progress_log.interval_s=0",
+        "logger=csv",
+    ]
+    with caplog.at_level(logging.INFO, logger="vitrain.progress"):
+        _, objects = train(compose_cfg("train", overrides, tmp_path))
+    lines = [r.getMessage() for r in caplog.records if r.name == "vitrain.progress"]
+    steps = [ln for ln in lines if " step " in ln and "ETA" in ln]
+    assert len(steps) == 2 * 5, lines[:3]
+    assert re.fullmatch(
+        r"epoch 1/2 batch 1/5 step 1/10 \| loss [\d.]+ \| [\d.]+ images/s \| ETA [\d:]+", steps[0]
+    )
+    epochs = [ln for ln in lines if " done in " in ln]
+    assert len(epochs) == 2 and "val/acc1" in epochs[0] and "train loss" in epochs[0], epochs
+    bar = objects.trainer.progress_bar_callback
+    assert "v_num" not in bar.get_metrics(objects.trainer, objects.model)
+
+
+def test_model_summary_shows_no_zero_flops(capsys):
+    from vitrain.callbacks.progress import ModelSummary
+
+    data = [
+        (" ", ["0"]),
+        ("Name", ["net"]),
+        ("Type", ["VisionTransformer"]),
+        ("Params", ["1.7 M"]),
+        ("Mode", ["train"]),
+        ("FLOPs", ["0"]),
+    ]
+    ModelSummary.summarize(data, 1_700_000, 1_700_000, 6.8, {"train": 10, "eval": 0}, 0)
+    out = capsys.readouterr().out
+    assert "FLOPs" not in out and "Total params" in out and "VisionTransformer" in out
+
+
+@pytest.fixture(scope="module")
+def folder_checkpoint(tmp_path_factory, tiny_cifar: Path, data_cache: Path) -> Path:
+    """A checkpoint of a short image-folder run (datamodule=image_folder: keys CIFAR-10's datamodule lacks)."""
+    run_dir = tmp_path_factory.mktemp("folder_run")
+    overrides = [
+        *tiny_overrides(tiny_cifar, data_cache),
+        "datamodule=image_folder",
+        "datamodule.img_size=32",
+        "datamodule.val_size=16",
+        "trainer.limit_train_batches=2",
+        "trainer.num_sanity_val_steps=0",
+        "logger=none",
+        "test=false",
+    ]
+    train(compose_cfg("train", overrides, run_dir))
+    return run_dir / "checkpoints" / "last.ckpt"
+
+
+def _eval_overrides(ckpt: Path, *extra: str) -> list[str]:
+    return checkpoint_overrides([f"ckpt_path={ckpt}", "trainer.accelerator=cpu", *extra])
+
+
+def test_eval_prints_and_checks_against_the_checkpoints_config(
+    folder_checkpoint: Path, tmp_path: Path, capsys, monkeypatch
+):
+    """eval.py's `datamodule.*` overrides apply to (and are checked against) the checkpoint's config; the
+    tree it prints is that config; the per-class table has image counts."""
+    monkeypatch.delenv(EVAL_ADDED_ENV, raising=False)
+    overrides = _eval_overrides(folder_checkpoint, "datamodule.in_memory=false", "datamodule.batch_size=4")
+    check_overrides("eval", overrides)  # composes: no exit
+    metrics, objects = evaluate(compose_cfg("eval", overrides, tmp_path))
+    assert "test/acc1" in metrics
+    assert type(objects.datamodule).__name__ == "ImageFolderDataModule"
+    assert objects.datamodule.hparams.in_memory is False
+    out = capsys.readouterr().out
+    assert "ImageFolderDataModule" in out and "CIFAR10DataModule" not in out
+    assert "images" in out and sum(objects.per_class_images.values()) == 40  # 4 test images x 10 classes
+
+
+def test_eval_refuses_another_model_name_and_unknown_keys(
+    folder_checkpoint: Path, tmp_path: Path, monkeypatch
+):
+    monkeypatch.delenv(EVAL_ADDED_ENV, raising=False)
+    code, err = fails_in_process(
+        "eval",
+        _eval_overrides(folder_checkpoint, "model.net.model_name=vit_small_patch16_224"),
+        tmp_path / "a",
+    )
+    assert code == 2 and "is a vit_tiny_patch16_224" in err and len(err.strip().splitlines()) == 1, err
+    code, err = fails_in_process(
+        "eval", _eval_overrides(folder_checkpoint, "datamodule.in_memry=false"), tmp_path
+    )
+    assert code == 2 and "unknown config key datamodule.in_memry" in err and "datamodule.in_memory?" in err, (
+        err
+    )
+
+
+@pytest.mark.parametrize("offline", ["HF_HUB_OFFLINE", "no network"])
+def test_pretrained_weights_offline_fail_before_the_data(offline: str, tmp_path: Path, monkeypatch):
+    """Pretrained weights that cannot be had fail in seconds, before the data (here: absent) is looked at."""
+    import socket
+
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda *args, **kwargs: None)
+    if offline == "HF_HUB_OFFLINE":
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    else:
+        for var in ("HF_HUB_OFFLINE", "HF_ENDPOINT", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+            monkeypatch.delenv(var, raising=False)
+
+        def unreachable(*args, **kwargs):
+            raise OSError("Network is unreachable")
+
+        monkeypatch.setattr(socket, "create_connection", unreachable)
+    overrides = ["experiment=finetune_folder", f"datamodule.data_dir={tmp_path}/absent", "logger=none"]
+    started = time.perf_counter()
+    with pytest.raises(UserError) as err:
+        build(compose_cfg("train", overrides, tmp_path))
+    assert time.perf_counter() - started < 10
+    message = str(err.value)
+    assert "model.weights_file=" in message and "HF_HUB_OFFLINE=1" in message, message
+
+
+def test_smoke_tests_on_a_small_subset(tmp_path: Path):
+    cfg = compose_cfg("train", ["experiment=smoke"], tmp_path)
+    assert cfg.trainer.limit_test_batches * cfg.datamodule.batch_size <= 500
+
+
+def test_failed_download_leaves_no_empty_data_dir(tmp_path: Path, monkeypatch):
+    import torchvision.datasets
+
+    from vitrain.data.readers.cifar import download_cifar, load_cifar
+    from vitrain.data.readers.cifar_spec import CIFAR10
+
+    def offline(*args, **kwargs):
+        raise OSError("Network is unreachable")
+
+    monkeypatch.setattr(torchvision.datasets, "CIFAR10", offline)
+    target = tmp_path / "data" / "cifar10"
+    with pytest.raises(DataError, match="downloading CIFAR-10 into"):
+        download_cifar(target, CIFAR10)
+    assert not target.exists()
+    target.mkdir(parents=True)  # an empty folder (from an older failure, or made by hand)
+    with pytest.raises(DataError, match="not found at"):
+        load_cifar(target, tmp_path / "cache", CIFAR10)
+
+
+def test_a_failed_start_is_one_line_and_leaves_no_run_dir(tmp_path: Path, data_cache: Path, capsys, caplog):
+    """No config tree before the error, no "Output dir" after, no run directory left behind."""
+    run_dir = tmp_path / "run"
+    (run_dir / ".hydra").mkdir(parents=True)  # what Hydra writes before the task starts
+    (run_dir / "train.log").write_text("")
+    overrides = [*tiny_overrides(tmp_path / "nowhere", data_cache), "extras.print_config=true"]
+    with caplog.at_level(logging.INFO):
+        code, err = fails_in_process("train", overrides, run_dir)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "not found" in err, err
+    assert "CONFIG" not in capsys.readouterr().out
+    assert not any("Output dir" in r.getMessage() for r in caplog.records)
+    assert not run_dir.exists()
+
+
+def test_a_checkpoint_dir_outside_the_run_dir_is_warned_about(
+    tmp_path: Path, tiny_cifar: Path, data_cache: Path, caplog
+):
+    overrides = [
+        *tiny_overrides(tiny_cifar, data_cache),
+        f"callbacks.model_checkpoint.dirpath={tmp_path}/runs",
+    ]
+    build(compose_cfg("train", overrides, tmp_path / "runs" / "one"))
+    assert any(
+        "shares one last.ckpt" in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING
+    )
+
+
+def test_the_report_names_cifar_cpus_hybrid_as_built(tmp_path: Path):
+    from vitrain.callbacks.run_stats import describe_net
+
+    cfg = compose_cfg("train", ["experiment=cifar_cpu"], tmp_path)
+    text = describe_net(OmegaConf.to_container(cfg.model.net), 1_700_000)
+    assert text.startswith("vit_tiny_patch16_224 architecture with patch embedding ConvStem")
+    assert "depth=4" in text and "embed_dim=192" in text and "1.70 M parameters" in text
