@@ -134,8 +134,8 @@ def test_parent_folder_with_single_unpacked_tree(tmp_path: Path, folders: Path):
 def test_missing_and_empty_data_dir(tmp_path: Path):
     with pytest.raises(DataError, match=r"not found at .*nope: point datamodule.data_dir"):
         load_cifar10(tmp_path / "nope", tmp_path / "cache")
-    (tmp_path / "empty").mkdir()
-    with pytest.raises(DataError, match=r"not recognised in .*empty: .*download=true"):
+    (tmp_path / "empty").mkdir()  # e.g. left by a failed download: the data is not found, not malformed
+    with pytest.raises(DataError, match=r"not found at .*empty: point datamodule.data_dir.*download=true"):
         load_cifar10(tmp_path / "empty", tmp_path / "cache")
     with pytest.raises(DataError, match=r"archive .*nope.tar.gz not found"):
         load_cifar10(tmp_path / "nope.tar.gz", tmp_path / "cache")
