@@ -10,14 +10,13 @@ RandAugment, random erasing, EMA, progressive resizing and flip TTA), FSDP2 on o
 after the warm-up steps), MFU (Lightning's FLOP count of the model x images/s / the GPU's dense bf16 peak),
 the host's wait for data as a share of the window, GPU utilisation sampled during the window (NVML), the
 first step (compile + warm-up) apart, peak memory. Sections run in priority order within `--budget` seconds:
-what does not fit is listed as skipped, with the reason.
-
-    python bench/gpu.py                     # ~8 minutes on one H100 (data generation included)
-    python bench/gpu.py --only hand,seed    # a subset
-    python bench/gpu.py --smoke             # a tiny model on the CPU: checks the script, measures nothing
-
-Without CUDA it runs the same code with a tiny model on the CPU and marks every figure "not measured".
+what does not fit is listed as skipped, with the reason. Without CUDA it runs the same code with a tiny
+model on the CPU and marks every figure "not measured".
 """
+
+# python bench/gpu.py                     # ~8 minutes on one H100 (data generation included)
+# python bench/gpu.py --only hand,seed    # a subset
+# python bench/gpu.py --smoke             # a tiny model on the CPU: checks the script, measures nothing
 
 from __future__ import annotations
 
@@ -455,6 +454,8 @@ def table(results: dict[str, Any]) -> list[str]:
     ref = max((f.get("images_per_s") or 0 for v, f in hand.items() if v.startswith("compiled")), default=0)
     ref = ref or None
     seed = ((results.get("seed") or {}).get("figures") or {}).get("images_per_s")
+    peaks = [(r.get("figures") or {}).get("peak_flops") for r in results.values() if isinstance(r, dict)]
+    peak = next((p for p in peaks if p), None)
     rows = [
         "| path | images/s | MFU | x hand compiled | x seed | data wait | GPU util | first step (compile) | peak GB |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
@@ -464,22 +465,32 @@ def table(results: dict[str, Any]) -> list[str]:
         if res is None:
             continue
         if res.get("error"):
-            error = " ".join(res["error"].replace("|", "/").split())
-            rows.append(f"| {WHAT[name]} | {error[-200:]} | | | | | | | |")
+            rows.append(f"| {WHAT[name]} | {error_text(res)} | | | | | | | |")
             continue
         figs = res["figures"]
         entries = figs.items() if name.startswith("hand") else [("", figs)]
         for variant, f in entries:
             ips = f.get("images_per_s")
             label = f"{WHAT[name]}{': ' + variant if variant else ''}"
+            mfu = f.get("mfu")
+            if mfu is None and ips and f.get("flops_per_image") and peak:  # a hand-written row: same GPU
+                mfu = f["flops_per_image"] * ips / peak
             rows.append(
-                f"| {label} | {fmt(ips, ',.0f')} | {fmt(f.get('mfu'), '.1%')} "
+                f"| {label} | {fmt(ips, ',.0f')} | {fmt(mfu, '.1%')} "
                 f"| {fmt(ips / ref if ips and ref else None, '.2f')} "
                 f"| {fmt(ips / seed if ips and seed else None, '.2f')} "
                 f"| {fmt(f.get('data_wait_share'), '.1%')} | {fmt(f.get('gpu_util_pct'), '.0f')} "
                 f"| {fmt(f.get('first_step_s'), '.1f')} s | {fmt(f.get('peak_memory_gb'), '.1f')} |"
             )
     return rows
+
+
+def error_text(res: dict[str, Any]) -> str:
+    """A failed section in one table cell: a time-out as such, else the error's last words."""
+    error = " ".join(res["error"].replace("|", "/").split())
+    if error.startswith("TimeoutExpired"):
+        return f"did not finish within its {res.get('seconds', 0):.0f} s (not measured)"
+    return error[-200:]
 
 
 def gpu_facts() -> dict[str, Any]:

@@ -23,6 +23,7 @@ ORDER = [
     "accuracy",
     "levers",
     "gpu",
+    "gpu_first_call",
 ]
 TITLES = {
     "overhead": "1. Framework overhead",
@@ -33,7 +34,8 @@ TITLES = {
     "startup": "5. Start-up",
     "accuracy": "6. Accuracy under a 10-minute budget",
     "levers": "Levers (what each speed option is worth here)",
-    "gpu": "7. GPU figures",
+    "gpu": "7. GPU: every path next to a hand-written loop",
+    "gpu_first_call": "7b. GPU: the first call of the day (before the patch-embedding rewrite)",
 }
 
 
@@ -132,7 +134,7 @@ def render(run: dict[str, Any] | None, results: list[dict[str, Any]]) -> str:
         ]
         for note in r.get("notes") or []:
             out += [f"> {note}", ""]
-        if r["name"] == "gpu" and (r.get("details") or {}).get("table_md"):
+        if r["name"].startswith("gpu") and (r.get("details") or {}).get("table_md"):
             facts = r["details"].get("gpu_facts") or {}
             out += [
                 f"{facts.get('gpu', 'no GPU')}, driver {facts.get('driver', '—')}, torch {facts.get('torch')} "

@@ -1,0 +1,143 @@
+"""The GPU speed levers (issue 30), checked where a CPU can show them: which levers `auto` turns on for which
+device and strategy, the patch convolution rewritten as a matmul computing the same function, and the
+throughput figures of a short run (a window that fits, the first step apart, the real reason for a missing
+MFU). The speed itself is measured by `bench/gpu.py` on a GPU (docs/benchmarks.md), never asserted here."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import timm
+import torch
+from torch import nn
+
+from helpers import compose_cfg, tiny_overrides
+from vitrain.data.datamodules.base import ImageDataModule
+from vitrain.errors import DataError, ModelError
+from vitrain.models.classifier import compile_choice, fused_default
+from vitrain.models.timm_net import PatchConv2d, patch_convs_as_matmuls
+from vitrain.reporting.report import mfu_note
+from vitrain.tasks.training import keep_compiled_kernels, train
+
+
+def _strategy(device: str, sharded: bool = False) -> SimpleNamespace:
+    return SimpleNamespace(root_device=torch.device(device), fsdp_options={} if sharded else None)
+
+
+def test_compile_auto_is_on_for_static_shapes_on_one_gpu_or_ddp_only():
+    assert compile_choice("auto", _strategy("cuda")) is True
+    assert compile_choice("auto", _strategy("cpu")) is False
+    assert compile_choice("auto", None) is False
+    assert compile_choice("auto", _strategy("cuda", sharded=True)) is False  # FSDP: not measured to pay
+    assert compile_choice("auto", _strategy("cuda"), resizes=True) is False  # every new size recompiles
+    assert (
+        compile_choice(True, _strategy("cpu")) is True and compile_choice(False, _strategy("cuda")) is False
+    )
+    with pytest.raises(ModelError, match=r"model\.compile='yes' must be true, false or auto"):
+        compile_choice("yes", _strategy("cuda"))
+
+
+def test_fused_optimizer_only_where_asked_for_or_on_plain_gpu_parameters():
+    net = nn.Linear(4, 2)
+    adamw = {"_target_": "torch.optim.AdamW", "lr": 1e-3}
+    assert fused_default(adamw, net) == {}  # CPU parameters: torch's own default
+    assert fused_default({**adamw, "fused": False}, net) == {}  # the config's word stands
+    with torch.device("meta"):
+        meta = nn.Linear(4, 2)
+    assert fused_default(adamw, meta) == {}  # not CUDA
+
+
+def test_pin_memory_auto_follows_the_trainer_device():
+    dm = ImageDataModule(data_dir="x", cache_dir="y")
+    assert dm.pin_memory() is False  # no trainer yet
+    dm.trainer = SimpleNamespace(strategy=_strategy("cuda"))
+    assert dm.pin_memory() is True
+    dm.trainer = SimpleNamespace(strategy=_strategy("cpu"))
+    assert dm.pin_memory() is False
+    dm.hparams.pin_memory = "sometimes"
+    with pytest.raises(DataError, match=r"datamodule\.pin_memory='sometimes' must be true, false or auto"):
+        dm.pin_memory()
+
+
+@pytest.mark.parametrize("name", ["vit_tiny_patch16_224", "vit_base_patch32_224", "deit_tiny_patch16_224"])
+def test_patch_conv_as_matmul_computes_the_same_function(name: str):
+    torch.manual_seed(0)
+    net = timm.create_model(name, num_classes=10)
+    plain = timm.create_model(name, num_classes=10)
+    plain.load_state_dict(net.state_dict())
+    keys = list(net.state_dict())
+    assert patch_convs_as_matmuls(net) == 1 and isinstance(net.patch_embed.proj, PatchConv2d)
+    assert list(net.state_dict()) == keys  # checkpoints are unchanged
+    x = torch.randn(2, 3, 224, 224)
+    out, ref = net(x), plain(x)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    out.square().sum().backward()
+    ref.square().sum().backward()
+    torch.testing.assert_close(
+        net.patch_embed.proj.weight.grad, plain.patch_embed.proj.weight.grad, rtol=1e-3, atol=1e-4
+    )
+    # overlapping or small-kernel convolutions (a ConvNeXt stem of 4x4/4, a ResNet) stay convolutions
+    assert patch_convs_as_matmuls(timm.create_model("convnext_atto")) == 0
+    assert patch_convs_as_matmuls(timm.create_model("resnet18")) == 0
+
+
+def test_patch_conv_falls_back_on_sizes_that_do_not_divide():
+    conv = nn.Conv2d(3, 8, kernel_size=8, stride=8)
+    ref = nn.Conv2d(3, 8, kernel_size=8, stride=8)
+    ref.load_state_dict(conv.state_dict())
+    patch_convs_as_matmuls(conv)
+    for size in (32, 36):  # 36 is no multiple of 8: the convolution drops the remainder
+        x = torch.randn(1, 3, size, size)
+        torch.testing.assert_close(conv(x), ref(x), rtol=1e-4, atol=1e-5)
+
+
+def test_compiled_kernels_are_kept_in_the_cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    keep_compiled_kernels(compose_cfg("train", [f"paths.cache_dir={tmp_path}"], tmp_path / "run"))
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "torch_compile")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/elsewhere")  # the environment's word wins
+    keep_compiled_kernels(compose_cfg("train", [f"paths.cache_dir={tmp_path}"], tmp_path / "run"))
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/elsewhere"
+
+
+def test_mfu_note_names_the_real_reason():
+    assert "no run_stats.json" in mfu_note({}, {})
+    assert "no ImageThroughputMonitor" in mfu_note({}, {"fit": {}})
+    flops = {
+        "device": "NVIDIA H100 80GB HBM3",
+        "train_flops_per_image": 2.6e10,
+        "peak_flops_per_device": 989e12,
+    }
+    assert "could not be counted" in mfu_note({**flops, "train_flops_per_image": None}, {"fit": {}})
+    assert "no peak FLOPs known for NVIDIA H100" in mfu_note({**flops, "peak_flops_per_device": None}, {})
+    # the case the H100 report got wrong (issue 30): the peak was known, the window had not filled
+    short = mfu_note({**flops, "window_batches": 50}, {"fit": {"global_step": 43}})
+    assert short == "the run trained 43 steps, fewer than the throughput window (50 batches)"
+
+
+def test_a_short_run_reports_images_per_s_and_mfu_with_its_first_step_apart(
+    tmp_path: Path, tiny_cifar: Path, data_cache: Path
+):
+    """7 steps with the default 50-batch window: the window shrinks to half the epoch, the figures are computed
+    at the epoch's last batch, and the first step (compile, warm-up) is reported apart."""
+    overrides = [
+        *tiny_overrides(tiny_cifar, data_cache),
+        "trainer.limit_train_batches=7",
+        "trainer.limit_val_batches=1",
+        "trainer.log_every_n_steps=50",
+        "test=false",
+        "callbacks.throughput.peak_flops=1e12",  # a CPU has no known peak: give one, as a user may
+        "logger=none",
+    ]
+    train(compose_cfg("train", overrides, tmp_path))
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["flops"]["window_batches"] == 3
+    assert report["throughput_monitor_images_per_s"] > 0
+    assert 0 < report["mfu"] < 1 and report["mfu_note"] is None
+    assert report["first_step_s"] > 0 and report["images_per_s_after_first_step"] > 0
+    text = (tmp_path / "report.md").read_text()
+    assert "steady state" in text and "first step" in text
