@@ -43,6 +43,7 @@ from common import (  # noqa: E402
     DATA_DIR,
     PYTHON,
     RESULTS,
+    TINY_VIT_NET,
     Result,
     probe_overrides,
     train_command,
@@ -53,14 +54,6 @@ MODEL = "vit_base_patch32_224"
 # the seed's network at CPU-smoke size
 TINY = {"model_name": "vit_tiny_patch16_224", "img_size": 32, "patch_size": 8, "embed_dim": 32, "depth": 2,
         "num_heads": 2}  # fmt: skip
-TINY_OVERRIDES = [
-    "model.net.model_name=vit_tiny_patch16_224",
-    "model.net.img_size=32",
-    "model.net.patch_size=8",
-    "+model.net.embed_dim=32",
-    "+model.net.depth=2",
-    "+model.net.num_heads=2",
-]
 # priority order, and the most seconds each may take on one H100 (data preparation included)
 SECTIONS: dict[str, int] = {
     "hand": 150,
@@ -290,7 +283,7 @@ class Ctx:
         return [
             "experiment=cifar",
             "model.net.pretrained=false",
-            *(TINY_OVERRIDES if self.cpu else []),
+            *(TINY_VIT_NET if self.cpu else []),
             f"datamodule.batch_size={batch or a.batch}",
             f"datamodule.cache_dir={self.work / 'cache'}",
             f"paths.cache_dir={self.work / 'cache'}",
