@@ -43,6 +43,7 @@ from common import (
     short_run,
 )
 
+from vitrain.models.classifier import compile_choice
 from vitrain.tasks.precision import resolve_precision
 
 SMOKE = [
@@ -154,7 +155,8 @@ def main() -> None:
         # `auto`: as the shipped run resolves it on this machine
         "bf16": str(resolve_precision(cfg.trainer)).startswith("bf16"),
         "fused_adamw": bool(cfg.model.optimizer.get("fused")),
-        "compile": bool(cfg.model.get("compile")),
+        # `auto` is off on a CPU (vitrain/models/classifier.py: compile_choice without a GPU strategy)
+        "compile": compile_choice(cfg.model.get("compile"), None),
         "channels_last": bool(cfg.model.get("channels_last")),
     }
     batch, size = int(cfg.datamodule.batch_size), int(cfg.model.net.img_size)

@@ -106,9 +106,14 @@ def test_a_checkpoint_with_python_objects_is_refused_in_one_line(tmp_path: Path)
         ),
     ],
 )
-def test_a_checkpoint_written_before_the_move_rebuilds_its_run(saved: str, now: str):
+def test_a_checkpoint_written_before_the_move_rebuilds_its_run(saved: str, now: str, monkeypatch):
     """Issue 32 moved the datamodules: eval.py finds a checkpoint's saved `_target_` where the class is now."""
+    from hydra.core.hydra_config import HydraConfig
+
     from vitrain.tasks.evaluation import saved_config
+
+    # no command line here: another test's Hydra run (same worker process) must not lend its overrides
+    monkeypatch.setattr(HydraConfig.instance(), "cfg", None)
 
     run_config = {
         "model": {"_target_": "vitrain.models.classifier.ImageClassifier", "net": {"model_name": "resnet18"}},

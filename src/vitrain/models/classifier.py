@@ -176,8 +176,11 @@ class ImageClassifier(L.LightningModule):
             self.check_strategy(strategy, fitting=trainer.state.fn == TrainerFn.FITTING)
         if strategy is not None and strategy.root_device.type == "cuda":
             patch_convs_as_matmuls(self.net)
-        compile = compile_choice(self.hparams.compile, strategy, resizes=self.resize is not None)
-        parallelize(self.net, strategy, compile=compile)
+        parallelize(self.net, strategy, compile=self.compiles(strategy))
+
+    def compiles(self, strategy: Strategy | None) -> bool:
+        """Whether the network is compiled for training under `strategy` (`model.compile`, `compile_choice`)."""
+        return compile_choice(self.hparams.compile, strategy, resizes=self.resize is not None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.hparams.channels_last:

@@ -80,7 +80,11 @@ def prepare(objects: RunObjects) -> None:
         datamodule.split_batches(trainer.world_size)
     log_run_config(objects.loggers, objects.model.run_config)  # rank zero: W&B / MLflow start their run here
     use_tensor_cores_for_fp32(trainer)
-    keep_compiled_kernels(objects.cfg)
+    compiles = getattr(objects.model, "compiles", None)
+    if compiles is not None and compiles(trainer.strategy):
+        # only then: the variable is inherited by every process the run starts (and tests/warm.py treats
+        # TORCH* variables as import-time, so a CPU run's ranks stay warm)
+        keep_compiled_kernels(objects.cfg)
 
 
 def keep_compiled_kernels(cfg: DictConfig) -> None:
