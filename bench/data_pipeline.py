@@ -109,7 +109,7 @@ def pipeline_rates(args: Any, workdir: Path, device: torch.device) -> dict[str, 
     out: dict[str, Any] = {}
     for size in args.sizes:
         datamodule.hparams.img_size = size
-        transform = datamodule.transform
+        transform = datamodule.device_transform()
         ours = datamodule.train_dataloader()
         theirs = torchvision_loader(train.x, train.y, size, args.batch_size, args.workers)
         count = args.batches if size <= 64 else max(args.batches // 3, 2)

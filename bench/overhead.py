@@ -71,7 +71,7 @@ class PlainLoop:
         datamodule.prepare_data()
         datamodule.setup("fit")
         self.x, self.y = datamodule.train_set.x.to(device), datamodule.train_set.y.to(device)
-        self.transform: BatchTransform = datamodule.transform
+        self.transform: BatchTransform = datamodule.device_transform()
         self.batch = int(cfg.datamodule.batch_size)
         opt_factory = hydra_partial(cfg.model.optimizer)
         wd = opt_factory.keywords.get("weight_decay", 0.0)

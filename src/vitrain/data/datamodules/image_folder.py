@@ -30,6 +30,7 @@ from torch.utils.data import Dataset
 
 from vitrain.data.augment import BatchTransform
 from vitrain.data.datamodules.base import ImageDataModule, Splits, check_ints
+from vitrain.data.datamodules.in_memory import device_augmentation, tensor_splits
 from vitrain.data.loaders import TensorImageDataset
 from vitrain.data.readers import decode as in_memory
 from vitrain.data.readers.cache import unpack_archive
@@ -234,7 +235,7 @@ class ImageFolderDataModule(ImageDataModule):
         if not self.memory_plan().in_memory:
             return None
         hp = self.hparams
-        return self.batch_transform(self._batch_padding(), hp.hflip, hp.auto_augment, hp.re_prob)
+        return device_augmentation(self, self._batch_padding(), hp.hflip, hp.auto_augment, hp.re_prob)
 
     def memory_splits(self, splits: dict[str, list[tuple[str, int]]]) -> Splits:
         from timm.data.transforms import str_to_pil_interp
@@ -260,7 +261,7 @@ class ImageFolderDataModule(ImageDataModule):
         else:
             self.trainer.strategy.barrier("image_folder_in_memory")
             data = load()
-        return Splits(*(TensorImageDataset(*data[name]) for name in ("train", "val", "test")))
+        return tensor_splits(data)
 
     def load_splits(self) -> Splits:
         hp, splits = self.hparams, self.source.splits

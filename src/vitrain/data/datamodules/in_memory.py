@@ -1,14 +1,39 @@
-"""The in-memory datamodule: a data set decoded once into uint8 [N,3,H,W] tensors, batches as tensor slices
-augmented on the training device. CIFAR-10/100 (datamodules/cifar.py) are its subclasses; an image folder
-held in memory (`datamodule.in_memory`) takes the same loaders and device transform from the base."""
+"""The in-memory path: a data set decoded once into uint8 [N,3,H,W] tensors (`tensor_splits`), batches as
+tensor slices (the base's loaders), augmented on the training device (`device_augmentation`). CIFAR-10/100
+(datamodules/cifar.py) are `InMemoryDataModule`s; an image folder held in memory (`datamodule.in_memory`,
+datamodules/image_folder.py) takes the same two functions, its decode and memory plan being its own."""
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+
+from torch import Tensor
 
 from vitrain.data.augment import BatchTransform
 from vitrain.data.datamodules.base import ImageDataModule, Splits, check_ints
 from vitrain.data.loaders import TensorImageDataset
 from vitrain.data.readers.cifar_spec import Decoded
 from vitrain.data.sampling import split_indices
+
+
+def tensor_splits(data: Mapping[str, tuple[Tensor, Tensor]]) -> Splits:
+    """Decoded (images uint8 [N,3,H,W], labels) per split as datasets whose batches are tensor slices."""
+    return Splits(*(TensorImageDataset(*data[name]) for name in ("train", "val", "test")))
+
+
+def device_augmentation(
+    datamodule: ImageDataModule,
+    crop_padding: int,
+    hflip: bool | float,
+    auto_augment: str | None,
+    re_prob: float,
+    augment: bool = True,
+) -> BatchTransform:
+    """The on-device transform of in-memory batches: random crop of the padded image, flip, auto-augment,
+    random erasing (training only), then resize and normalise; `augment=false` resizes and normalises only."""
+    if not augment:
+        return datamodule.batch_transform(crop_padding=0, hflip=False)
+    return datamodule.batch_transform(crop_padding, hflip, auto_augment, re_prob)
 
 
 class InMemoryDataModule(ImageDataModule):
@@ -50,18 +75,14 @@ class InMemoryDataModule(ImageDataModule):
         data = self._data()
         self._decoded = None  # the splits below hold what is needed
         train_idx, val_idx = split_indices(len(data.train_y), self.hparams.val_size, self.hparams.split_seed)
-        return Splits(
-            train=TensorImageDataset(data.train_x[train_idx], data.train_y[train_idx]),
-            val=TensorImageDataset(data.train_x[val_idx], data.train_y[val_idx]),
-            test=TensorImageDataset(data.test_x, data.test_y),
+        return tensor_splits(
+            {
+                "train": (data.train_x[train_idx], data.train_y[train_idx]),
+                "val": (data.train_x[val_idx], data.train_y[val_idx]),
+                "test": (data.test_x, data.test_y),
+            }
         )
 
-    @property
-    def transform(self) -> BatchTransform:
-        hp = self.hparams
-        return self.batch_transform(hp.crop_padding, hp.hflip, hp.auto_augment, hp.re_prob)
-
     def device_transform(self) -> BatchTransform | None:
-        if not self.hparams.augment:
-            return self.batch_transform(crop_padding=0, hflip=False)
-        return self.transform
+        hp = self.hparams
+        return device_augmentation(self, hp.crop_padding, hp.hflip, hp.auto_augment, hp.re_prob, hp.augment)
