@@ -83,7 +83,9 @@ def step_anatomy(record: dict[str, Any], warmup: int) -> dict[str, float]:
     return {
         "rank": record["rank"],
         "cpu_ms": 1000 * busy / (len(ends) - 1),
-        "wait": 1 - busy / wall,
+        # the two clocks are read one after the other: a step spent wholly on the CPU can measure a hair more
+        # CPU than wall time, which is no negative wait
+        "wait": max(0.0, 1 - busy / wall),
         "grad_mb": record["param_bytes"] / 1e6,  # fp32 parameters: the bytes all-reduced per step
     }
 

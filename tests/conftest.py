@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from data_factory import make_class_folders
+from vitrain.tasks.decisions import BATCH_SIZE_SEARCH, CPU_BF16_SPEEDUP, RESUME_FROM, RankZeroDecisions
 
 # pytest-xdist runs several test processes at once (pyproject addopts): one compute thread each, here and in
 # the processes a test starts (they inherit OMP_NUM_THREADS), so the tests share the cores instead of
@@ -79,6 +80,25 @@ def xdist_groups_in_effect(request: pytest.FixtureRequest) -> None:
             "pytest-xdist version that breaks it (requirements.txt pins a working pair)",
             pytrace=False,
         )
+
+
+# the rank-zero decisions (vitrain/tasks/decisions.py) live in the environment for the rest of a launch, and a
+# test process is one launch for many tests
+DECISIONS = [RankZeroDecisions.variable(name) for name in (RESUME_FROM, CPU_BF16_SPEEDUP, BATCH_SIZE_SEARCH)]
+
+
+@pytest.fixture(autouse=True)
+def decisions_stay_in_their_test():  # -> Iterator[None]
+    """What a test leaves in a decision variable goes with it. Else a CPU bf16 speed-up that one test fed
+    (0.5, 2.4) or that this CPU measured would decide `trainer.precision=auto` for every later test in the
+    same xdist process and for every run those start: an outcome of the test order and of the CPU."""
+    before = {name: os.environ.get(name) for name in DECISIONS}
+    yield
+    for name, value in before.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 @pytest.fixture(scope="session")

@@ -47,6 +47,9 @@ def main(strategy: str, data: str, cache: str, out: str, *extra: str) -> None:
             *model,
             f"trainer={strategy}",
             "trainer.devices=2",
+            # not `auto`: each torchrun worker would measure the CPU's bf16 speed on its own (FSDP's bf16 is the
+            # strategy's mixed_precision, which a family's override sets)
+            "trainer.precision=32-true",
             "trainer.max_epochs=1",
             "+trainer.limit_train_batches=2",
             "trainer.log_every_n_steps=1",

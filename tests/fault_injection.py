@@ -45,13 +45,19 @@ class SigtermAt(Callback):
 
 class SignalRankAt(Callback):
     """Send `signal_name` (KILL: a dead peer, STOP: a hung one) to this process if it is global rank `rank`
-    when it reaches `step`."""
+    when it reaches `step`; with `stamp_file`, first write the time (`time.monotonic()`, one clock for all
+    processes of the machine) there, so a test can time what follows from the fault itself."""
 
-    def __init__(self, rank: int, step: int, signal_name: str = "KILL") -> None:
+    def __init__(
+        self, rank: int, step: int, signal_name: str = "KILL", stamp_file: str | None = None
+    ) -> None:
         self.rank, self.step, self.signum = rank, step, getattr(signal, f"SIG{signal_name}")
+        self.stamp_file = Path(stamp_file) if stamp_file else None
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
         if trainer.global_rank == self.rank and trainer.global_step == self.step:
+            if self.stamp_file is not None:
+                self.stamp_file.write_text(repr(time.monotonic()))
             os.kill(os.getpid(), self.signum)
 
 

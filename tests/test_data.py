@@ -3,8 +3,9 @@ generated data."""
 
 from __future__ import annotations
 
+import errno
 import json
-import time
+import socket
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,7 @@ from data_factory import (
 )
 from vitrain.data.augment import BatchTransform, random_crop_flip, to_model_input
 from vitrain.data.datamodules.cifar import CIFAR10_MEAN, CIFAR10_STD, CIFAR10DataModule
-from vitrain.data.readers.cifar import load_cifar, load_cifar10
+from vitrain.data.readers.cifar import DOWNLOAD_TIMEOUT_S, load_cifar, load_cifar10
 from vitrain.data.readers.cifar_spec import CIFAR100
 from vitrain.data.sampling import make_sampler, per_process_batch, split_indices
 from vitrain.errors import DataError
@@ -194,11 +195,30 @@ def test_corrupted_python_batch(tmp_path: Path):
         load_cifar10(batches, tmp_path / "cache")
 
 
-def test_download_without_internet_is_a_data_error(tmp_path: Path):
-    start = time.monotonic()
+@pytest.fixture
+def offline(monkeypatch: pytest.MonkeyPatch) -> list[float | None]:
+    """No internet, whatever this machine has: every connection fails at once, as an offline one does (with
+    internet the download tests would fetch the data set; behind a firewall that drops packets they would
+    wait). Yields the timeout each connection was given."""
+    tried: list[float | None] = []
+
+    def unreachable(address, timeout=socket._GLOBAL_DEFAULT_TIMEOUT, *args, **kwargs):  # http.client's call
+        tried.append(socket.getdefaulttimeout() if timeout is socket._GLOBAL_DEFAULT_TIMEOUT else timeout)
+        raise OSError(errno.ENETUNREACH, "Network is unreachable")
+
+    monkeypatch.setattr(socket, "create_connection", unreachable)
+    return tried
+
+
+def test_download_without_internet_is_a_data_error(tmp_path: Path, offline: list[float | None]):
+    """The error says what to do, and no connection could have waited for ever (torchvision's urlopen sets
+    no timeout of its own)."""
+    before = socket.getdefaulttimeout()
     with pytest.raises(DataError, match=r"downloading CIFAR-10 into .*failed .*download=false"):
         load_cifar10(tmp_path / "dl", tmp_path / "cache", download=True)
-    assert time.monotonic() - start < 120
+    assert offline and all(t == DOWNLOAD_TIMEOUT_S for t in offline), offline  # each try bounded
+    assert socket.getdefaulttimeout() == before  # the process's default is left as it was
+    assert not (tmp_path / "dl").exists()  # the failed download leaves no folder behind
 
 
 # --- datamodule ------------------------------------------------------------------------------------
@@ -472,13 +492,13 @@ def test_cifar100_python_format_and_class_folders(tmp_path: Path):
     assert cifar100_image(99, 0)[0, 0, 0] == 218
 
 
-def test_cifar100_download_without_internet_is_one_line(tmp_path: Path):
+def test_cifar100_download_without_internet_is_one_line(tmp_path: Path, offline: list[float | None]):
     """download=true keeps torchvision's real CIFAR100 download; without a network it fails in one line."""
     with pytest.raises(
         DataError, match=r"downloading CIFAR-100 into .*failed .*cifar-100-python.tar.gz"
     ) as e:
         load_cifar(tmp_path / "dl", tmp_path / "cache", CIFAR100, download=True)
-    assert "\n" not in str(e.value)
+    assert "\n" not in str(e.value) and offline  # it did try to download
 
 
 def test_cifar100_trains_with_a_100_class_head(tmp_path: Path):

@@ -305,6 +305,8 @@ def test_two_nodes_by_env_vars_share_one_run(tmp_path: Path, tiny_cifar: Path, d
         "datamodule.batch_size=16",
         "datamodule.val_size=16",
         "trainer.accelerator=cpu",
+        # experiment=cifar's `auto`: each node would measure the CPU's bf16 speed on its own
+        "trainer.precision=32-true",
         "trainer.max_epochs=1",
         f"+trainer.limit_train_batches={STEPS}",
     ]

@@ -86,9 +86,11 @@ def test_auto_trains_in_memory_with_exact_eval(
         logits = model(dm.device_transform()(dm.val_set.x, train=False))
     by_hand = (logits.argmax(1) == dm.val_set.y).float().mean().item()
     assert metrics["val/acc1"] == pytest.approx(by_hand, abs=1e-6)
-    # src/eval.py on the checkpoint: the same images (from the decode cache), the same accuracy
+    # src/eval.py on the checkpoint: the same images (from the decode cache), the same accuracy (in fp32, as
+    # above: eval's default `auto` picks bf16 on a CPU whose native bf16 measures faster)
     last = tmp_path / "checkpoints" / "last.ckpt"
-    evaluated, _ = evaluate(compose_cfg("eval", [f"ckpt_path={last}", "split=val"], tmp_path / "eval"))
+    overrides = [f"ckpt_path={last}", "split=val", "trainer.precision=32-true"]
+    evaluated, _ = evaluate(compose_cfg("eval", overrides, tmp_path / "eval"))
     assert evaluated["val/acc1"] == pytest.approx(by_hand, abs=1e-6)
 
 

@@ -34,7 +34,9 @@ def test_decision_on_injected_capabilities():
     assert choose_precision("mps") == "32-true"
 
 
-def test_explicit_value_wins_and_auto_follows_torch(tmp_path):
+def test_explicit_value_wins_and_auto_follows_torch(tmp_path, monkeypatch):
+    """`auto` on this machine: the expectation is this CPU's own measurement, taken once here; every later
+    decision reads that kept value back, so none can fall on the other side of the threshold."""
     assert resolve_precision({"precision": "16-mixed", "accelerator": "cpu"}) == "16-mixed"
     assert resolve_precision({"precision": 32, "accelerator": "cpu"}) == 32
     native, why = cpu_bf16_support()
@@ -42,14 +44,21 @@ def test_explicit_value_wins_and_auto_follows_torch(tmp_path):
     if native:  # hardware bf16 instructions that oneDNN may use
         assert caps.get("avx512_bf16") or caps.get("amx_bf16") or caps.get("bf16") or caps.get("sve_bf16")
         assert mkldnn_bf16_supported()
+    monkeypatch.delenv(SPEEDUP_ENV, raising=False)  # measured here, not taken from elsewhere
     faster, why = cpu_bf16_choice()
     assert faster <= native, why  # never bf16 where it is emulated
+    kept = os.environ.get(SPEEDUP_ENV)
+    if native:  # the decision is the kept value's, and so is every later one (no second probe)
+        assert faster == (float(kept) >= precision.MIN_CPU_BF16_SPEEDUP) and f" {kept}x fp32" in why
+    else:
+        assert kept is None  # no probe where bf16 is emulated
     expected = "bf16-mixed" if faster else "32-true"
     cfg = compose_cfg("train", ["trainer=cpu"], tmp_path)
     assert cfg.trainer.precision == "auto"  # the default trainer's
     assert resolve_precision(cfg.trainer) == expected, why
     fsdp = compose_cfg("train", ["trainer=fsdp", "trainer.accelerator=cpu"], tmp_path)
     assert resolve_precision(fsdp.trainer) == expected
+    assert os.environ.get(SPEEDUP_ENV) == kept
     shipped = compose_cfg("train", ["experiment=cifar_cpu"], tmp_path)
     assert shipped.trainer.precision == "auto" and shipped.model.scheduler.follow_max_time
 

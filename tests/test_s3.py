@@ -17,11 +17,13 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 from moto.server import ThreadedMotoServer
 from omegaconf import OmegaConf
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from vitrain.callbacks.s3_upload import S3CheckpointUpload
 from vitrain.callbacks.upload_queue import sharded_complete
 from vitrain.errors import UserError
-from vitrain.s3.client import MiB, S3Options, S3Uri, parse_s3_uri
+from vitrain.s3 import store as store_module
+from vitrain.s3.client import MiB, S3Options, S3Uri, make_client, parse_s3_uri
 from vitrain.s3.digest import file_digest
 from vitrain.s3.errors import (
     S3BucketNotFound,
@@ -302,12 +304,24 @@ def test_preflight_errors_are_classified(
     elif case == "unreachable":
         monkeypatch.setenv("AWS_ENDPOINT_URL", _free_port_endpoint())
         expected = S3EndpointError
-    started = time.monotonic()
+    # "fails in seconds" on any machine, counted rather than timed: the limits of each client made, and the
+    # requests sent (retries included)
+    limits, sent = [], []
+
+    def counted(options: S3Options):
+        client = make_client(options)
+        limits.append((options.max_attempts, options.connect_timeout, options.read_timeout))
+        client.meta.events.register("before-send.s3", lambda request, **_: sent.append(request.url))
+        return client
+
+    monkeypatch.setattr(store_module, "make_client", counted)
     with moto_auth(s3_env) if case == "bad_credentials" else _nothing(), pytest.raises(expected) as info:
         S3Store().preflight(S3Uri(bucket, "runs/r"))
     if case == "bad_credentials":
         assert isinstance(info.value, S3CredentialsError) and "InvalidAccessKeyId" in str(info.value)
-    assert time.monotonic() - started < 15
+    # the preflight's own client (the last made): the request and at most 2 retries (botocore's max_attempts
+    # counts the retries), each bounded: 5 s to connect, 20 s to read
+    assert limits[-1] == (2, 5.0, 20.0) and len(sent) <= 1 + 2, (limits, sent)
     assert "\n" not in str(info.value) and find_secrets(str(info.value)) == []
 
 
@@ -345,7 +359,8 @@ class _Tiny(L.LightningModule):
 
 
 def _wait_for_failure(upload: S3CheckpointUpload) -> None:
-    deadline = time.monotonic() + 30
+    # a guard, not a timing: it returns at the first failure (seconds, also on a loaded machine)
+    deadline = time.monotonic() + 120
     while not upload.failures and time.monotonic() < deadline:
         time.sleep(0.05)
     assert upload.failures, "no upload failed while the server was down"
@@ -650,10 +665,17 @@ def test_train_fails_before_training_with_one_line(
 
     monkeypatch.setenv("S3_BUCKET", "vitrain-no-such-bucket" if case == "no_bucket" else s3_bucket)
     cfg = compose_cfg("train", _train_overrides(tiny_cifar, data_cache), tmp_path / "run")
-    started = time.monotonic()
-    with moto_auth(s3_env) if case == "bad_credentials" else _nothing(), pytest.raises(SystemExit) as info:
-        run_task(train, cfg)
-    assert info.value.code == 2 and time.monotonic() - started < 60
+    steps = []  # optimizer steps: none may run (counted, not timed: the same on a slow machine)
+    hook = register_optimizer_step_pre_hook(lambda *_: steps.append(1))
+    try:
+        with (
+            moto_auth(s3_env) if case == "bad_credentials" else _nothing(),
+            pytest.raises(SystemExit) as info,
+        ):
+            run_task(train, cfg)
+    finally:
+        hook.remove()
+    assert info.value.code == 2 and steps == []
     error = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     expected = (
         "bucket does not exist" if case == "no_bucket" else "rejected the credentials (InvalidAccessKeyId)"

@@ -90,7 +90,11 @@ def test_train_and_eval_cli(tmp_path: Path, tiny_cifar: Path, data_cache: Path):
     score = next(v["best_model_score"] for k, v in best_score.items() if k.startswith("ModelCheckpoint"))
 
     eval_dir = tmp_path / "eval"
-    done = run_cli("eval.py", [f"ckpt_path={best}", "split=val", f"hydra.run.dir={eval_dir}"])
+    # the run validated in fp32: eval's default `auto` picks bf16 on a CPU whose native bf16 measures faster
+    done = run_cli(
+        "eval.py",
+        [f"ckpt_path={best}", "split=val", "trainer.precision=32-true", f"hydra.run.dir={eval_dir}"],
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     metrics = json.loads((eval_dir / "metrics.json").read_text())
     assert metrics["val/acc1"] == pytest.approx(float(score), abs=1e-6)
