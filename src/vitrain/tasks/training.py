@@ -82,8 +82,8 @@ def prepare(objects: RunObjects) -> None:
     use_tensor_cores_for_fp32(trainer)
     compiles = getattr(objects.model, "compiles", None)
     if compiles is not None and compiles(trainer.strategy):
-        # only then: the variable is inherited by every process the run starts (and tests/warm.py treats
-        # TORCH* variables as import-time, so a CPU run's ranks stay warm)
+        # only then: every process the run starts inherits the variable, and a run that compiles nothing
+        # leaves the environment as it found it
         keep_compiled_kernels(objects.cfg)
 
 
