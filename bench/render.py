@@ -84,6 +84,11 @@ def render(run: dict[str, Any] | None, results: list[dict[str, Any]]) -> str:
             f"1-minute load average {run['load_before']} before the run, {run['load_after']} after it.",
             "",
         ]
+        if run.get("kept"):
+            out += [
+                f"Kept from their own runs, since this machine has no GPU: {', '.join(run['kept'])} (dates below).",
+                "",
+            ]
         for rerun in run.get("reruns", []):
             out += [
                 f"Re-run afterwards: {', '.join(rerun['benchmarks'])} by `{rerun['command']}` on {rerun['date']} "

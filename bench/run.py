@@ -38,6 +38,12 @@ SUITE = [
 ]
 
 
+def cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def wait_quiet(minutes: float, threshold: float = 0.8) -> float:
     """Poll the 1-minute load average until it is below `threshold` or `minutes` have passed."""
     deadline = time.monotonic() + 60 * minutes
@@ -68,6 +74,14 @@ def main() -> int:
     started, load_before = time.perf_counter(), load_average()
     failed = []
     replaced = []  # a subset re-run replaces results: keep what they said, for the record
+    kept = []  # GPU figures need a GPU: on a machine without one, the last GPU run's results stay
+    if not args.smoke and "gpu" in names and (args.out / "gpu.json").is_file() and not cuda_available():
+        names = [n for n in names if n != "gpu"]
+        kept.append("gpu")
+        print(
+            f"gpu: kept {args.out / 'gpu.json'} (no CUDA device here: run `make bench-gpu` on one)",
+            flush=True,
+        )
     for name in names:
         if args.only and (args.out / f"{name}.json").is_file():
             old = json.loads((args.out / f"{name}.json").read_text())
@@ -107,6 +121,7 @@ def main() -> int:
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "seconds": round(seconds, 1),
         "benchmarks": names,
+        "kept": kept,
         "failed": failed,
         "load_before": load_before,
         "load_after": load_average(),
