@@ -88,8 +88,9 @@ class UnsyncedThroughputMonitor(ThroughputMonitor):
     A synchronize per step stalls the host until the GPU is idle, so the next step's kernels are queued
     late: the monitor itself slows the training it measures. The logged figures are rates over a window of
     `window_size` batches ending at a logged step, so the clock needs to be exact there only: we
-    synchronise on those steps (every `log_every_n_steps`) and outside training, as Lightning does. The
-    monitor has no option for it, so its private `_update` and counters are replaced here.
+    synchronise on those steps (every `log_every_n_steps`, and each training epoch's last batch, where the
+    figures are also computed so that a short run has them) and outside training, as Lightning does. The
+    monitor has no option for it, so its private `_update`, `_compute` and counters are replaced here.
     """
 
     def set_available_flops(self, flops: int | None) -> None:
@@ -109,14 +110,12 @@ class UnsyncedThroughputMonitor(ThroughputMonitor):
             )
 
     @staticmethod
-    def _measures_now(trainer: L.Trainer) -> bool:
+    def _logs_now(trainer: L.Trainer) -> bool:
         """A logging step, or a training epoch's last batch (a short run still gets its figures)."""
-        if trainer.state.stage != RunningStage.TRAINING:
-            return True
-        return should_update_logs(trainer) or bool(trainer.is_last_batch)
+        return should_update_logs(trainer) or bool(trainer.training and trainer.is_last_batch)
 
     def _compute(self, trainer: L.Trainer, iter_num: int | None = None) -> None:
-        if not (should_update_logs(trainer) or (trainer.training and trainer.is_last_batch)):
+        if not self._logs_now(trainer):
             return
         throughput = self._throughputs[trainer.state.stage]
         metrics = throughput.compute()
@@ -126,7 +125,8 @@ class UnsyncedThroughputMonitor(ThroughputMonitor):
     @torch.inference_mode()
     def _update(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, iter_num: int) -> None:
         stage = trainer.state.stage
-        exact = self._measures_now(trainer)
+        # the clock must be exact where a figure is computed; evaluation keeps Lightning's sync per batch
+        exact = stage != RunningStage.TRAINING or self._logs_now(trainer)
         if trainer.strategy.root_device.type == "cuda" and exact:
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - self._t0s[stage]

@@ -57,13 +57,18 @@ def _unknown_key_message(config_name: str, overrides: Sequence[str], bad: str) -
     """'unknown config key a.b (did you mean a.c?)', looking at the config composed without it."""
     rest = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") != bad]
     try:
-        cfg = compose(config_name=config_name, overrides=rest)
-        known = _keys(OmegaConf.to_container(cfg, resolve=False))
+        close = _closest(bad, compose(config_name=config_name, overrides=rest))
     except Exception:
-        known = []
-    close = difflib.get_close_matches(bad, known, n=1, cutoff=0.75)
-    hint = f"did you mean {close[0]}?" if close else f"to add a new key use +{bad}=..."
+        close = None
+    hint = f"did you mean {close}?" if close else f"to add a new key use +{bad}=..."
     return f"unknown config key {bad} ({hint})"
+
+
+def _closest(key: str, node: Any) -> str | None:
+    """The key of config `node` closest to `key` (a typo's likely meaning), if any is close."""
+    known = _keys(OmegaConf.to_container(node, resolve=False)) if OmegaConf.is_config(node) else []
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.75)
+    return close[0] if close else None
 
 
 def describe(err: Exception, config_name: str, overrides: Sequence[str]) -> str:
@@ -198,6 +203,5 @@ def checkpoint_overrides(args: Sequence[str]) -> list[str]:
 
 def closest_key(key: str, node: Any) -> str:
     """` (did you mean x?)` for the key of `node` closest to `key`, else ''."""
-    known = _keys(OmegaConf.to_container(node, resolve=False)) if OmegaConf.is_config(node) else []
-    close = difflib.get_close_matches(key, known, n=1, cutoff=0.75)
-    return f" (did you mean {close[0]}?)" if close else ""
+    close = _closest(key, node)
+    return f" (did you mean {close}?)" if close else ""
