@@ -2,14 +2,16 @@
 
 On one GPU, in one run: a hand-written PyTorch loop (the seed's model, batch, fused AdamW, bf16 autocast, data
 on the GPU and prepared batch-wise there as the template does: eager, `torch.compile`d, and compiled with
-float8 matmuls where torchao is installed and the GPU has fp8), then the template as a user runs it
-(`src/train.py`, one fresh process per path): the seed run with yesterday's settings and with today's defaults,
-an image folder of photo-sized JPEGs at 224 px read from disk, the recipes path (that folder in memory with
-RandAugment, random erasing, EMA, progressive resizing and flip TTA), FSDP2 on one GPU, and streaming shards
-(CPU and GPU decode). Per path: steady-state images/s (synchronised at the two ends of the timed window,
-after the warm-up steps), MFU (Lightning's FLOP count of the model x images/s / the GPU's dense bf16 peak),
-the host's wait for data as a share of the window, GPU utilisation sampled during the window (NVML), the
-first step (compile + warm-up) apart, peak memory. Sections run in priority order within `--budget` seconds:
+float8 matmuls where torchao is installed and the GPU has fp8; at the seed's batch and at 1024), then the
+template as a user runs it (`src/train.py`, one fresh process per path): the seed run (and at batch 1024, and
+with the 2026-11-26 settings), FSDP2 on one GPU, the recipes path (an image folder in memory with RandAugment,
+random erasing, EMA, progressive resizing and flip TTA), an image folder of photo-sized JPEGs at 224 px read
+from disk (CPU and nvJPEG decode), and streaming shards (CPU and nvJPEG decode). Per path: steady-state
+images/s (synchronised at the two ends of the timed window, after the warm-up steps), MFU (Lightning's FLOP
+count of the model x images/s / the GPU's dense bf16 peak), the host's wait for data as a share of the
+window, GPU utilisation sampled during the window (NVML), where the GPU time goes (torch.profiler over a few
+warm-up steps: matmul, attention, communication, copies, fused elementwise; busy share of the wall time),
+the first step (compile + warm-up) apart, peak memory. Sections run in priority order within `--budget` seconds:
 what does not fit is listed as skipped, with the reason. Without CUDA it runs the same code with a tiny
 model on the CPU and marks every figure "not measured".
 """
@@ -49,6 +51,7 @@ from common import (  # noqa: E402
     train_command,
     train_env,
 )
+from probe import gpu_time_shares  # noqa: E402
 
 from vitrain.callbacks.throughput import peak_flops  # noqa: E402
 
@@ -59,44 +62,53 @@ TINY = {"model_name": "vit_tiny_patch16_224", "img_size": 32, "patch_size": 8, "
 # priority order, and the most seconds each may take on one H100 (data preparation included)
 SECTIONS: dict[str, int] = {
     "hand": 150,
-    "seed_before": 100,
     "seed": 110,
-    "seed_eager": 60,
-    "folder": 110,
+    "fsdp": 110,
     "recipes": 150,
-    "fsdp": 150,
-    "streaming": 150,
+    "folder_gpu_decode": 100,
+    "folder": 100,
+    "streaming_gpu_decode": 100,
+    "streaming": 100,
+    "seed_1024": 90,
     "hand_fp8": 110,
-    "streaming_gpu_decode": 90,
+    "seed_before": 100,
+    "seed_eager": 60,
 }
 WHAT = {
     "hand": "hand-written loop",
     "hand_fp8": "hand-written loop, compiled, float8 matmuls (torchao)",
     "seed_before": "`experiment=cifar`, 2026-11-26 settings (eager, pageable batches, foreach AdamW)",
     "seed": "`experiment=cifar` (today's defaults)",
+    "seed_1024": "`experiment=cifar datamodule.batch_size=1024`",
     "seed_eager": "`experiment=cifar model.compile=false` (pinned batches, fused AdamW, eager)",
     "folder": "`datamodule=image_folder` from disk, photo-sized JPEGs, timm transforms in workers",
+    "folder_gpu_decode": "`datamodule=image_folder` from disk, `decode_device=cuda` (nvJPEG)",
     "recipes": "recipes: that folder in memory, RandAugment + erasing, EMA, progressive resizing, flip TTA",
     "fsdp": "`trainer=fsdp` on 1 GPU, bf16 FSDP policy",
     "streaming": "`datamodule=streaming` (litdata shards of the photos), CPU decode in workers",
     "streaming_gpu_decode": "`datamodule=streaming`, `decode_device=cuda` (nvJPEG)",
 }
+# template runs on CUDA: kernels of this many warm-up steps (bench/probe.py), the timed window untouched
+PROFILE_STEPS = 3
 
 
 # ------------------------------------------------------------------------------------------ hand-written
 def hand_loop(variant: str, batch: int, steps: int, warmup: int, cpu: bool) -> dict[str, Any]:
     """The seed run's work written by hand: ViT-B/32 (10 classes, drop path 0.1), CIFAR-sized uint8 images
     held on the device, each batch flipped, resized to 224 px and normalised there, bf16 autocast, label
-    smoothing 0.1, fused AdamW. `variant`: eager, compiled, fp8 (compiled, torchao float8 linears)."""
+    smoothing 0.1, fused AdamW. `variant`: eager | compiled, `_patchmm` (the template's patch-embedding
+    matmul), or fp8 (compiled, patch matmul, torchao float8 linears); `@N` runs it at batch N."""
     import timm
     import torch.nn.functional as F
 
+    variant, _, at = variant.partition("@")
+    batch = int(at) if at else batch
     device = torch.device("cpu" if cpu else "cuda")
     torch.manual_seed(0)
     net_kwargs = dict(TINY) if cpu else {"model_name": MODEL, "img_size": 224, "patch_size": 32}
     size = net_kwargs["img_size"]
     model = timm.create_model(**net_kwargs, num_classes=10, drop_path_rate=0.1).to(device)
-    if variant.endswith("_patchmm"):
+    if variant.endswith("_patchmm") or variant == "fp8":
         # the template's own rewrite of the patch convolution as one matmul (vitrain/models/timm_net.py)
         from vitrain.models.timm_net import patch_convs_as_matmuls
 
@@ -162,38 +174,20 @@ def hand_loop(variant: str, batch: int, steps: int, warmup: int, cpu: bool) -> d
 
 
 def kernel_profile(step: Any, first: int, steps: int = 3) -> dict[str, Any]:
-    """Where a step's GPU time goes (torch.profiler over `steps` steps): the share of matmul, attention,
-    fused elementwise (Triton) and other kernels, the GPU's idle share of the wall time, the top kernels."""
+    """Where a step's GPU time goes (bench/probe.py's gpu_time_shares over `steps` steps)."""
     from torch.profiler import ProfilerActivity, profile
 
     try:
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for i in range(first, first + steps):
                 step(i)
             torch.cuda.synchronize()
         wall_us = (time.perf_counter() - t0) * 1e6
-        rows = [
-            (e.key, e.self_device_time_total)
-            for e in prof.key_averages()
-            if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0
-        ]
+        return gpu_time_shares(prof, steps, wall_us)
     except Exception as err:  # the timing above stands without the profile
         return {"error": f"{type(err).__name__}: {err}"[:300]}
-    kinds = {"matmul": ("gemm", "cutlass", "xmma", "nvjet", "cublas", "matmul"),
-             "attention": ("flash", "fmha", "attention", "sdpa"), "triton (fused elementwise)": ("triton",)}  # fmt: skip
-    busy = sum(t for _, t in rows)
-    shares = dict.fromkeys([*kinds, "other"], 0.0)
-    for name, t in rows:
-        kind = next((k for k, words in kinds.items() if any(w in name.lower() for w in words)), "other")
-        shares[kind] += t / busy if busy else 0.0
-    top = sorted(rows, key=lambda r: -r[1])[:12]
-    return {
-        "gpu_busy_share_of_wall": busy / wall_us if wall_us else None,
-        "shares_of_gpu_time": {k: round(v, 4) for k, v in shares.items()},
-        "top": [{"kernel": name[:120], "ms_per_step": round(t / 1e3 / steps, 3)} for name, t in top],
-    }
 
 
 def flops_per_image(net_kwargs: dict[str, Any]) -> float:
@@ -302,7 +296,12 @@ class Ctx:
             "callbacks.run_stats.gpu_sample_interval=1.0",
             *(["trainer=cpu"] if self.cpu else []),
             f"hydra.run.dir={self.work / 'runs' / name}",
-            *probe_overrides(self.work / "runs" / f"{name}.probe.json", warmup=a.warmup, sample_gpu=True),
+            *probe_overrides(
+                self.work / "runs" / f"{name}.probe.json",
+                warmup=a.warmup,
+                sample_gpu=True,
+                profile_steps=min(PROFILE_STEPS, a.warmup - 1),
+            ),
         ]
 
     def cifar_data(self) -> list[str]:
@@ -357,6 +356,7 @@ def template_figures(probe: dict[str, Any], report: dict[str, Any], warmup: int)
         "precision": report.get("precision"),
         "flops_per_image": per_image,
         "peak_flops": peak,
+        "kernels": probe.get("kernels"),
     }
 
 
@@ -397,10 +397,14 @@ def section(ctx: Ctx, name: str, timeout: float) -> dict[str, Any]:
                  "+model.optimizer.fused=false"]  # fmt: skip
     elif name == "seed":
         extra = ctx.cifar_data()
+    elif name == "seed_1024":
+        base = ctx.common(name, batch=1024 if not ctx.cpu else 16)
+        extra = ctx.cifar_data()
     elif name == "seed_eager":
         extra = [*ctx.cifar_data(), "model.compile=false"]
-    elif name == "folder":
-        extra = ctx.folder_data(in_memory=False)
+    elif name in ("folder", "folder_gpu_decode"):
+        decode = "cuda" if name == "folder_gpu_decode" and not ctx.cpu else "cpu"
+        extra = [*ctx.folder_data(in_memory=False), f"datamodule.decode_device={decode}"]
     elif name == "recipes":
         size, patch = (32, 8) if ctx.cpu else (224, 32)
         extra = [
@@ -449,27 +453,26 @@ def fmt(value: Any, spec: str) -> str:
 def table(results: dict[str, Any]) -> list[str]:
     """The markdown table of docs/benchmarks.md: each path against the compiled hand loop and the seed."""
     hand = (results.get("hand") or {}).get("figures") or {}
-    # the best compiled hand-written loop is the reference
-    ref = max((f.get("images_per_s") or 0 for v, f in hand.items() if v.startswith("compiled")), default=0)
-    ref = ref or None
     seed = ((results.get("seed") or {}).get("figures") or {}).get("images_per_s")
     peaks = [(r.get("figures") or {}).get("peak_flops") for r in results.values() if isinstance(r, dict)]
     peak = next((p for p in peaks if p), None)
     rows = [
-        "| path | images/s | MFU | x hand compiled | x seed | data wait | GPU util | first step (compile) | peak GB |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| path | images/s | MFU | x hand compiled | x seed | data wait | GPU util | GPU busy (profile) "
+        "| first step (compile) | peak GB |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name in SECTIONS:
         res = results.get(name)
         if res is None:
             continue
         if res.get("error"):
-            rows.append(f"| {WHAT[name]} | {error_text(res)} | | | | | | | |")
+            rows.append(f"| {WHAT[name]} | {error_text(res)} | | | | | | | | |")
             continue
         figs = res["figures"]
         entries = figs.items() if name.startswith("hand") else [("", figs)]
         for variant, f in entries:
             ips = f.get("images_per_s")
+            ref = best_compiled(hand, f.get("batch_size")).get("images_per_s")
             label = f"{WHAT[name]}{': ' + variant if variant else ''}"
             mfu = f.get("mfu")
             if (
@@ -481,9 +484,16 @@ def table(results: dict[str, Any]) -> list[str]:
                 f"| {fmt(ips / ref if ips and ref else None, '.2f')} "
                 f"| {fmt(ips / seed if ips and seed else None, '.2f')} "
                 f"| {fmt(f.get('data_wait_share'), '.1%')} | {fmt(f.get('gpu_util_pct'), '.0f')} "
+                f"| {fmt((f.get('kernels') or {}).get('gpu_busy_share_of_wall'), '.0%')} "
                 f"| {fmt(f.get('first_step_s'), '.1f')} s | {fmt(f.get('peak_memory_gb'), '.1f')} |"
             )
     return rows
+
+
+def best_compiled(hand: dict[str, Any], batch: int | None) -> dict[str, Any]:
+    """The reference of a row: the fastest compiled hand-written variant at the same batch size."""
+    same = [f for v, f in hand.items() if v.startswith("compiled") and f.get("batch_size") == batch]
+    return max(same, key=lambda f: f.get("images_per_s") or 0, default={})
 
 
 def error_text(res: dict[str, Any]) -> str:
@@ -525,8 +535,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--photos", type=int, default=19_200, help="photo-sized JPEGs to generate (training)")
     p.add_argument(
         "--hand-variants",
-        default="eager,compiled,eager_patchmm,compiled_patchmm",
-        help="hand-written variants: eager|compiled[_patchmm] (_patchmm: patch convolution as a matmul)",
+        default="eager_patchmm,compiled_patchmm,compiled_patchmm@1024",
+        help="hand-written variants: eager|compiled[_patchmm][@batch] (_patchmm: patch convolution as a "
+        "matmul, as the template does on a GPU; @N: at batch N)",
     )
     p.add_argument("--hand", default="", help=argparse.SUPPRESS)
     p.add_argument("--hand-out", type=Path, default=None, help=argparse.SUPPRESS)
@@ -587,10 +598,7 @@ def main() -> int:
     print("\n".join(rows), flush=True)
     facts = gpu_facts()
     seed = (results.get("seed") or {}).get("figures") or {}
-    compiled = [
-        f for v, f in ((results.get("hand") or {}).get("figures") or {}).items() if v.startswith("compiled")
-    ]
-    hand = max(compiled, key=lambda f: f.get("images_per_s") or 0, default={})
+    hand = best_compiled((results.get("hand") or {}).get("figures") or {}, seed.get("batch_size"))
     if cpu:
         line = "not measured: no CUDA device (the sections ran on the CPU with a tiny ViT)"
         met = None

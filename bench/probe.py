@@ -39,8 +39,20 @@ class BenchProbe(Callback):
     - `metrics`: the logged metrics after fit and after test (test/acc1 ...).
     """
 
-    def __init__(self, out: str, max_steps: int = 100_000, warmup: int = 0, sample_gpu: bool = False) -> None:
+    def __init__(
+        self,
+        out: str,
+        max_steps: int = 100_000,
+        warmup: int = 0,
+        sample_gpu: bool = False,
+        profile_steps: int = 0,
+    ) -> None:
         self.out = out
+        # the kernels of the `profile_steps` batches just before the warm-up's end (after the first, compiling,
+        # batch; outside the timed window), as `kernels` (gpu_time_shares; on a CPU the profile runs, empty)
+        self.profile_steps = int(profile_steps)
+        self._profiler: Any = None
+        self._profile_t0 = 0.0
         # NVML utilisation samples of the GPU between the warm-up's end and the end of training
         self.sampler: GpuUtilSampler | None = None
         self.sample_gpu = sample_gpu
@@ -68,6 +80,16 @@ class BenchProbe(Callback):
         self.record["train_start_unix"] = time.time()
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *_: Any) -> None:
+        done = len(self.record["step_ends"])
+        if self._profiles(trainer) and done == self.warmup - self.profile_steps:
+            from torch.profiler import ProfilerActivity, profile
+
+            cuda = trainer.strategy.root_device.type == "cuda"
+            if cuda:
+                torch.cuda.synchronize(trainer.strategy.root_device)
+            self._profiler = profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU])
+            self._profiler.start()
+            self._profile_t0 = time.perf_counter()
         # the host's wait for the batch is the time from the previous batch's end to here
         if len(self.record["step_starts"]) < self.max_steps:
             self.record["step_starts"].append(time.perf_counter())
@@ -86,6 +108,8 @@ class BenchProbe(Callback):
                 self.sampler.start()
             elif self.sampler is not None and batch_idx == trainer.num_training_batches - 1:
                 self.sampler.stop.set()  # the timed window ends here: no validation or saving in it
+        if self._profiler is not None and len(steps) == self.warmup - 1:
+            self._stop_profile(device)
         if not steps:
             self.record["first_step_unix"] = time.time()
         if len(steps) < self.max_steps:
@@ -93,6 +117,20 @@ class BenchProbe(Callback):
             self.record["step_cpu"].append(time.thread_time())
         if len(steps) in (1, 2) or len(steps) % 8 == 0:  # peak RSS so far (cheap; on every 8th batch)
             self.record["peak_rss_train"] = proc_status("VmHWM")
+
+    def _profiles(self, trainer: L.Trainer) -> bool:
+        return self.profile_steps > 0 and self.warmup - self.profile_steps >= 1
+
+    def _stop_profile(self, device: torch.device) -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        wall_us = (time.perf_counter() - self._profile_t0) * 1e6
+        profiler, self._profiler = self._profiler, None
+        try:
+            profiler.stop()
+            self.record["kernels"] = gpu_time_shares(profiler, self.profile_steps, wall_us)
+        except Exception as err:  # the timed figures stand without the profile
+            self.record["kernels"] = {"error": f"{type(err).__name__}: {err}"[:300]}
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         device = trainer.strategy.root_device
@@ -145,6 +183,40 @@ def _floats(metrics: dict[str, Any]) -> dict[str, float]:
         except (TypeError, ValueError):
             continue
     return out
+
+
+KERNEL_KINDS = {
+    "matmul": ("gemm", "cutlass", "xmma", "nvjet", "cublas", "matmul", "wgmma"),
+    "attention": ("flash", "fmha", "attention", "sdpa"),
+    "communication": ("nccl",),
+    "copy": ("memcpy", "memset", "copy", "cast", "chunk_cat", "split_with_sizes"),
+    "triton (fused elementwise)": ("triton",),
+}
+
+
+def gpu_time_shares(prof: Any, steps: int, wall_us: float) -> dict[str, Any]:
+    """Where `steps` steps' GPU time went, from a torch.profiler run over them: the share of matmul,
+    attention, communication, copy, Triton-fused and other kernels, the share of the wall time the GPU was
+    busy (kernels may overlap: an estimate), and the top kernels in ms per step."""
+    rows = [
+        (e.key, e.self_device_time_total)
+        for e in prof.key_averages()
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0
+    ]
+    busy = sum(t for _, t in rows)
+    shares = dict.fromkeys([*KERNEL_KINDS, "other"], 0.0)
+    for name, t in rows:
+        low = name.lower()
+        kind = next((k for k, words in KERNEL_KINDS.items() if any(w in low for w in words)), "other")
+        shares[kind] += t / busy if busy else 0.0
+    top = sorted(rows, key=lambda r: -r[1])[:12]
+    return {
+        "gpu_busy_share_of_wall": busy / wall_us if wall_us else None,
+        "gpu_ms_per_step": round(busy / 1e3 / steps, 3),
+        "wall_ms_per_step": round(wall_us / 1e3 / steps, 3),
+        "shares_of_gpu_time": {k: round(v, 4) for k, v in shares.items()},
+        "top": [{"kernel": name[:120], "ms_per_step": round(t / 1e3 / steps, 3)} for name, t in top],
+    }
 
 
 def step_periods(step_ends: list[float], warmup: int) -> list[float]:

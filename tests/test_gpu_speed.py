@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -17,8 +19,9 @@ from torch import nn
 
 from helpers import compose_cfg, tiny_overrides
 from vitrain.data.datamodules.base import ImageDataModule
+from vitrain.distributed.parallelize import parallelize
 from vitrain.errors import DataError, ModelError
-from vitrain.models.classifier import compile_choice, fused_default
+from vitrain.models.classifier import compile_choice, fused_default, params_device_type
 from vitrain.models.timm_net import PatchConv2d, patch_convs_as_matmuls
 from vitrain.reporting.report import mfu_note
 from vitrain.tasks.training import keep_compiled_kernels, train
@@ -28,12 +31,11 @@ def _strategy(device: str, sharded: bool = False) -> SimpleNamespace:
     return SimpleNamespace(root_device=torch.device(device), fsdp_options={} if sharded else None)
 
 
-def test_compile_auto_is_on_for_static_shapes_on_one_gpu_or_ddp_only():
+def test_compile_auto_is_on_for_gpu_training_only():
     assert compile_choice("auto", _strategy("cuda")) is True
+    assert compile_choice("auto", _strategy("cuda", sharded=True)) is True  # FSDP: each block compiled
     assert compile_choice("auto", _strategy("cpu")) is False
     assert compile_choice("auto", None) is False
-    assert compile_choice("auto", _strategy("cuda", sharded=True)) is False  # FSDP: not measured to pay
-    assert compile_choice("auto", _strategy("cuda"), resizes=True) is False  # every new size recompiles
     assert (
         compile_choice(True, _strategy("cpu")) is True and compile_choice(False, _strategy("cuda")) is False
     )
@@ -41,7 +43,7 @@ def test_compile_auto_is_on_for_static_shapes_on_one_gpu_or_ddp_only():
         compile_choice("yes", _strategy("cuda"))
 
 
-def test_fused_optimizer_only_where_asked_for_or_on_plain_gpu_parameters():
+def test_fused_optimizer_only_where_asked_for_or_on_gpu_parameters():
     net = nn.Linear(4, 2)
     adamw = {"_target_": "torch.optim.AdamW", "lr": 1e-3}
     assert fused_default(adamw, net) == {}  # CPU parameters: torch's own default
@@ -49,6 +51,69 @@ def test_fused_optimizer_only_where_asked_for_or_on_plain_gpu_parameters():
     with torch.device("meta"):
         meta = nn.Linear(4, 2)
     assert fused_default(adamw, meta) == {}  # not CUDA
+    assert params_device_type(net) == "cpu" and params_device_type(meta) == "meta"
+
+
+SHARDED_FUSED = """
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch import nn
+from vitrain.models.classifier import params_device_type
+dist.init_process_group("gloo", init_method="file://{store}", rank=0, world_size=1)
+nets = []
+for fused in (False, True):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 2))
+    fully_shard(net[0]); fully_shard(net)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2, fused=fused, foreach=None if fused else True)
+    for _ in range(3):
+        net(torch.ones(4, 8)).square().mean().backward(); opt.step(); opt.zero_grad()
+    nets.append(net)
+assert params_device_type(nets[1]) == "cpu", params_device_type(nets[1])
+for a, b in zip(nets[0].parameters(), nets[1].parameters()):
+    torch.testing.assert_close(a.full_tensor(), b.full_tensor())
+print("ok")
+"""
+
+
+def test_fused_adamw_steps_fsdp2_shards_like_foreach(tmp_path: Path):
+    """FSDP2's DTensor parameters count as fusable (`params_device_type`), and torch's fused AdamW updates
+    them as its foreach implementation does (one gloo rank on the CPU; the GPU kernel is the same op)."""
+    code = SHARDED_FUSED.format(store=tmp_path / "store")
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+def _graphs_for_sizes(per_block: bool, monkeypatch: pytest.MonkeyPatch) -> int:
+    from torch._dynamo.utils import counters
+
+    compile_ = nn.Module.compile
+    # Dynamo's graphs and recompiles do not depend on the backend; "eager" skips Inductor's C++ build
+    monkeypatch.setattr(nn.Module, "compile", lambda self, **kw: compile_(self, backend="eager"))
+    torch._dynamo.reset()
+    counters.clear()
+    net = timm.create_model(
+        "vit_tiny_patch16_224", img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2,
+        num_classes=4, dynamic_img_size=True,
+    )  # fmt: skip
+    parallelize(net, None, compile=True, resizes=per_block)
+    for size in (16, 24, 32, 32, 16):  # a progressive-resizing ramp, then evaluation-like reuse
+        net(torch.randn(2, 3, size, size)).sum().backward()
+    graphs = counters["stats"]["unique_graphs"]
+    torch._dynamo.reset()
+    return graphs
+
+
+def test_progressive_resizing_compiles_each_block_twice_not_the_network_per_size(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    """With progressive resizing, compile takes the blocks: one graph for the first size, one with a dynamic
+    token count for every later size; the whole network would be compiled again at each new size."""
+    assert _graphs_for_sizes(per_block=True, monkeypatch=monkeypatch) == 2
+    assert _graphs_for_sizes(per_block=False, monkeypatch=monkeypatch) == 3
 
 
 def test_pin_memory_auto_follows_the_trainer_device():

@@ -2,9 +2,12 @@
 
 Order matters and lives here only: (1) activation checkpointing wraps each unit, (2) `torch.compile`
 compiles each unit (FSDP2's hooks sit between units, so a whole-model compile would break its graph at
-every block; each unit compiled before `fully_shard` is what torchtitan does), (3) `fully_shard` shards each
+every block; each unit compiled before `fully_shard` is what torchtitan does; the units are alike, so one
+graph serves them all), (3) `fully_shard` shards each
 unit, then the root. Without a sharding strategy (one device, DDP) only (1) and (2) apply, and compile
-takes the whole network.
+takes the whole network, unless progressive resizing changes the input size: a ViT's patch and position
+embeddings specialise the whole-network graph to each size (one compile per size), while a block sees only
+the token count, which the second size makes dynamic (two compiles in all).
 
 `parallelize(net, strategy, ...)` reads what to do from the strategy (an FSDP2Strategy carries its mesh
 and options), so the model imports no strategy: `ImageClassifier.configure_model` hands its network here
@@ -30,6 +33,7 @@ def parallelize(
     strategy: Any = None,
     compile: bool = False,
     activation_checkpointing: bool = False,
+    resizes: bool = False,
 ) -> nn.Module:
     """Apply activation checkpointing, compile and (for an FSDP2 strategy) sharding to `net`, in place.
 
@@ -47,7 +51,7 @@ def parallelize(
     if activation_checkpointing:
         units = apply_activation_checkpointing(net, units)
     if compile:
-        units = apply_compile(net, units, per_unit=mesh is not None)
+        units = apply_compile(net, units, per_unit=mesh is not None or resizes)
     if mesh is not None:
         apply_fsdp(net, mesh, units, **options)
     net._vitrain_parallelized = True
@@ -66,7 +70,7 @@ def apply_activation_checkpointing(root: nn.Module, units: list[nn.Module]) -> l
 
 def apply_compile(root: nn.Module, units: list[nn.Module], per_unit: bool) -> list[nn.Module]:
     """`nn.Module.compile` in place (state-dict keys and checkpoints stay those of the plain model): each
-    unit when the model will be sharded, otherwise the whole network (one graph, the fastest)."""
+    unit when the model will be sharded or resized, otherwise the whole network (one graph, the fastest)."""
     if per_unit and units:
         for unit in units:
             unit.compile()

@@ -14,6 +14,7 @@ from timm.data import Mixup
 from timm.loss import SoftTargetCrossEntropy
 from timm.optim import param_groups_layer_decay, param_groups_weight_decay
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torchmetrics import MeanMetric, MetricCollection
 from torchmetrics.classification import MulticlassAccuracy
 
@@ -176,11 +177,11 @@ class ImageClassifier(L.LightningModule):
             self.check_strategy(strategy, fitting=trainer.state.fn == TrainerFn.FITTING)
         if strategy is not None and strategy.root_device.type == "cuda":
             patch_convs_as_matmuls(self.net)
-        parallelize(self.net, strategy, compile=self.compiles(strategy))
+        parallelize(self.net, strategy, compile=self.compiles(strategy), resizes=self.resize is not None)
 
     def compiles(self, strategy: Strategy | None) -> bool:
         """Whether the network is compiled for training under `strategy` (`model.compile`, `compile_choice`)."""
-        return compile_choice(self.hparams.compile, strategy, resizes=self.resize is not None)
+        return compile_choice(self.hparams.compile, strategy)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.hparams.channels_last:
@@ -300,18 +301,12 @@ class ImageClassifier(L.LightningModule):
         check_classes(checkpoint.get("class_names"), self.class_names, "ckpt_path")
 
 
-def compile_choice(value: bool | str, strategy: Strategy | None, resizes: bool = False) -> bool:
-    """`model.compile`: true, false, or auto = on when training on one GPU or under DDP with static shapes
-    (1.2x the eager speed of the seed run on an H100, docs/benchmarks.md). Off on a CPU (Inductor's C++
-    build is rarely won back there), with progressive resizing (every new size compiles again) and under
-    FSDP (each block is compiled apart: its start-up did not fit the benchmark's time, not yet measured)."""
+def compile_choice(value: bool | str, strategy: Strategy | None) -> bool:
+    """`model.compile`: true, false, or auto = on when training on a GPU (1.3x the eager speed of the seed run
+    on an H100, docs/benchmarks.md), off on a CPU (Inductor's C++ build is rarely won back there). How much
+    is compiled (the whole network, or each block) is `parallelize`'s choice."""
     if value == "auto":
-        return (
-            strategy is not None
-            and strategy.root_device.type == "cuda"
-            and getattr(strategy, "fsdp_options", None) is None
-            and not resizes
-        )
+        return strategy is not None and strategy.root_device.type == "cuda"
     if not isinstance(value, bool):
         raise ModelError(f"model.compile={value!r} must be true, false or auto")
     return value
@@ -319,16 +314,27 @@ def compile_choice(value: bool | str, strategy: Strategy | None, resizes: bool =
 
 def fused_default(options: Mapping[str, Any], net: nn.Module) -> dict[str, Any]:
     """`fused=True` for an optimizer that has a fused kernel (Adam, AdamW, SGD...) when the config does not
-    say, on a GPU, for plain (unsharded) parameters: one kernel for the whole update instead of a few per
-    parameter list. Sharded (DTensor) parameters keep torch's default (foreach), as torchtitan does."""
+    say, on a GPU: one kernel for the whole update instead of a few per parameter list. Sharded (FSDP2's
+    DTensor) parameters too: torch's fused Adam(W) runs on their local shards, and a foreach update of
+    DTensors costs host time per op that a one-GPU FSDP step waits on."""
     if "fused" in options:
         return {}
     cls = hydra.utils.get_class(options["_target_"])
-    params = list(net.parameters())
-    plain_cuda = bool(params) and all(type(p.data) is torch.Tensor and p.is_cuda for p in params)
-    if plain_cuda and "fused" in inspect.signature(cls.__init__).parameters:
+    if params_device_type(net) == "cuda" and "fused" in inspect.signature(cls.__init__).parameters:
         return {"fused": True}
     return {}
+
+
+def params_device_type(net: nn.Module) -> str | None:
+    """The one device type of all parameters, when each is a plain tensor or a DTensor (FSDP2's shards);
+    None for mixed devices or other tensor subclasses, which a fused kernel may not take."""
+    params = list(net.parameters())
+    kinds = {p.device.type for p in params if type(p.data) in (torch.Tensor, DTensor)}
+    return (
+        kinds.pop()
+        if len(kinds) == 1 and all(type(p.data) in (torch.Tensor, DTensor) for p in params)
+        else None
+    )
 
 
 def build_node(key: str, node: Mapping[str, Any], **objects: Any) -> Any:
