@@ -2,7 +2,9 @@
 random sizes, with a grayscale JPEG, an RGBA PNG, a palette PNG, a CMYK JPEG and a corrupt file; training on
 1 process and 2 DDP processes with exact evaluation on an odd split, mid-epoch resume of the worker loader,
 the model's head following the data, class names in the checkpoint, per-class accuracy in eval, and the
-one-line errors."""
+one-line errors. `decode_device=cuda` (GPU decode) with its decoder on the CPU: normalised crops of PNGs and
+JPEGs, crops drawn from (seed, epoch, index) and the header's size, bitwise batches across worker counts
+and a mid-epoch resume, its options and its fallback without CUDA."""
 
 from __future__ import annotations
 
