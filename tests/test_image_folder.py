@@ -2,7 +2,9 @@
 random sizes, with a grayscale JPEG, an RGBA PNG, a palette PNG, a CMYK JPEG and a corrupt file; training on
 1 process and 2 DDP processes with exact evaluation on an odd split, mid-epoch resume of the worker loader,
 the model's head following the data, class names in the checkpoint, per-class accuracy in eval, and the
-one-line errors."""
+one-line errors. `decode_device=cuda` (GPU decode) with its decoder on the CPU: normalised crops of PNGs and
+JPEGs, crops drawn from (seed, epoch, index) and the header's size, bitwise batches across worker counts
+and a mid-epoch resume, its options and its fallback without CUDA."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import pytest
 import torch
 from PIL import Image
 
+from data_factory import make_noise_folder
 from helpers import ROOT, TINY_VIT, Recorder, compose_cfg, fails_in_process, run_cli
 from vitrain.data.datamodules import image_folder
 from vitrain.data.datamodules.image_folder import ImageFolderDataModule
@@ -233,7 +236,7 @@ class SaveAt(L.Callback):
 def _trainer(**kwargs) -> L.Trainer:
     return L.Trainer(
         accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, limit_val_batches=0, use_distributed_sampler=False, max_epochs=1, **kwargs,
+        enable_model_summary=False, limit_val_batches=0, use_distributed_sampler=False, **{"max_epochs": 1, **kwargs},
     )  # fmt: skip
 
 
@@ -277,3 +280,195 @@ def test_ddp_two_processes_exact_eval(photos: Path, tmp_path: Path):
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert sorted(map(len, ranks)) == [4, 5]
     assert len(set(ranks[0]) | set(ranks[1])) == N_VAL_ALL
+
+
+# --- decode_device=cuda: the GPU decode path, its decoder on the CPU ----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def noise(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """3 classes x 8 training images of random noise, 20..48 px a side, PNG and JPEG in turn."""
+    return make_noise_folder(tmp_path_factory.mktemp("noise") / "folder", seed=0)
+
+
+@pytest.fixture
+def decode_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """decode_device=cuda with the decoder on the CPU: the seam the GPU path's tests use (no mock of decoding)."""
+    monkeypatch.setattr(ImageFolderDataModule, "decode_on", lambda self: torch.device("cpu"))
+
+
+def _gpu_dm(root: Path, tmp_path: Path, workers: int = 0, **kwargs) -> ImageFolderDataModule:
+    dm = ImageFolderDataModule(
+        str(root), str(tmp_path / "cache"), batch_size=4, num_workers=workers, in_memory=False,
+        decode_device="cuda", **kwargs,
+    )  # fmt: skip
+    dm.set_input_spec(16, (0.4, 0.5, 0.6), (0.2, 0.25, 0.3))
+    dm.classes  # noqa: B018 - the folder listing
+    dm.setup("fit")
+    return dm
+
+
+def _decoded(dm: ImageFolderDataModule, epoch: int, batches_done: int = 0) -> list[tuple[torch.Tensor, ...]]:
+    """Every training batch of `epoch` as the training process gets it, from `batches_done` on."""
+    loader = dm.train_dataloader()
+    loader.sampler.set_epoch(epoch)
+    loader._batches_done = lambda: batches_done
+    return [dm.on_before_batch_transfer(batch, 0) for batch in loader]
+
+
+def test_gpu_decode_batches_are_normalised_crops(noise: Path, tmp_path: Path, decode_on_cpu: None):
+    """Workers hand over bytes + crop box + flip; the training process decodes them (PNG and JPEG) into
+    normalised model-size images: each row is its file's box resized, flipped if drawn, normalised.
+    Validation keeps timm's eval transform in the workers; train_subset keeps the encoded dataset."""
+    from torchvision.io import ImageReadMode, decode_image
+
+    dm = _gpu_dm(noise, tmp_path)
+    loader = dm.train_dataloader()
+    (encoded, labels), *_ = loader
+    assert isinstance(encoded, image_folder.EncodedBatch) and encoded.boxes.shape == (4, 4)
+    assert {Path(p).suffix for p, _ in dm.train_set.files} == {".png", ".jpg"}
+    x, y = dm.on_before_batch_transfer((encoded, labels), 0)
+    assert x.shape == (4, 3, 16, 16) and x.dtype == torch.float32 and torch.equal(y, labels)
+
+    mean, std = torch.tensor([0.4, 0.5, 0.6])[:, None, None], torch.tensor([0.2, 0.25, 0.3])[:, None, None]
+    for row, blob, (top, left, h, w), flip in zip(
+        x, encoded.blobs(), encoded.boxes.tolist(), encoded.flips, strict=True
+    ):
+        img = decode_image(blob, mode=ImageReadMode.RGB)[None, :, top : top + h, left : left + w].float()
+        crop = torch.nn.functional.interpolate(img, size=(16, 16), mode="bilinear", antialias=True)[0]
+        crop = crop.clamp(0, 255).flip(-1) if flip else crop.clamp(0, 255)
+        torch.testing.assert_close(row, (crop / 255 - mean) / std, atol=1e-4, rtol=0)
+
+    epoch = [dm.on_before_batch_transfer(b, 0)[0] for b in loader]  # every PNG and JPEG decodes
+    assert len(epoch) == len(dm.train_set) // 4 and all(b.shape == (4, 3, 16, 16) for b in epoch)
+    val_x, _ = next(iter(dm.val_dataloader()))
+    assert val_x.shape == (4, 3, 16, 16), "eval batches arrive decoded"
+    assert dm.on_before_batch_transfer((val_x, _), 0)[0] is val_x
+
+    small = _gpu_dm(noise, tmp_path, train_subset=5)
+    assert type(small.train_set) is image_folder.EncodedFileDataset and len(small.train_set) == 5
+
+
+def test_gpu_decode_boxes_are_rrc_boxes_of_the_header_size(
+    noise: Path, tmp_path: Path, decode_on_cpu: None, monkeypatch: pytest.MonkeyPatch
+):
+    """Each sample's box and flip are `draw_crop` from (seed, epoch, index) and the size in the file's header
+    (the size the decoder then decodes, read without decoding a pixel): boxes inside the image, of 8-100 % of
+    its area at an aspect ratio of 3/4..4/3 (GpuDecoder's rrc_box), or its centred fallback."""
+    from PIL import ImageFile
+    from torchvision.io import decode_image
+
+    from vitrain.data.gpu_decode import draw_crop, rrc_box
+    from vitrain.data.sampling import sample_seed
+
+    dm = _gpu_dm(noise, tmp_path)
+    data = dm.train_set
+    with monkeypatch.context() as patch:
+        patch.setattr(ImageFile.ImageFile, "load", lambda self: pytest.fail("the header read decoded pixels"))
+        samples = [data[(3, i)][0] for i in range(len(data))]
+    for i, (blob, box, flip) in enumerate(samples):
+        _, h, w = decode_image(blob).shape
+        assert (box, flip) == draw_crop(h, w, sample_seed(dm.hparams.shuffle_seed, 3, i), 0.5)
+    assert [s[1] for s in samples] != [data[(4, i)][0][1] for i in range(len(data))], (
+        "other epoch, other crops"
+    )
+
+    for seed in range(400):
+        h, w = 20 + seed % 37, 20 + (seed * 7) % 41
+        top, left, ch, cw = rrc_box(h, w, torch.Generator().manual_seed(seed))
+        assert min(top, left) >= 0 and top + ch <= h and left + cw <= w
+        centred = (top, left) == ((h - ch) // 2, (w - cw) // 2)
+        # sides are rounded: allow a pixel either way on the area and the ratio
+        assert centred or ((ch - 1) * (cw - 1) <= h * w and (ch + 1) * (cw + 1) >= 0.08 * h * w)
+        assert centred or ((cw - 1) / (ch + 1) <= 4 / 3 and (cw + 1) / (ch - 1) >= 3 / 4)
+
+
+class DecodedRecorder(L.LightningModule):
+    """Records every training batch as the training step receives it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1))
+        self.seen: list[torch.Tensor] = []
+
+    def training_step(self, batch, batch_idx):
+        self.seen.append(batch[0].clone())
+        return (self.w * batch[0].mean()).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def test_gpu_decode_batches_resume_and_ignore_workers(noise: Path, tmp_path: Path, decode_on_cpu: None):
+    """The crops are a function of (seed, epoch, index): 2 workers and 0 give bitwise the same batches, and a
+    run resumed mid-epoch from a checkpoint (0 workers) continues with the batches the whole run (2) saw."""
+    none, two = _decoded(_gpu_dm(noise, tmp_path, 0), 1), _decoded(_gpu_dm(noise, tmp_path, 2), 1)
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(none, two, strict=True))
+
+    def dm(workers: int) -> ImageFolderDataModule:
+        return ImageFolderDataModule(
+            str(noise), str(tmp_path / "cache"), batch_size=4, num_workers=workers, in_memory=False,
+            decode_device="cuda", img_size=16,
+        )  # fmt: skip
+
+    ckpt = tmp_path / "mid.ckpt"
+    whole = DecodedRecorder()
+    _trainer(max_epochs=2, callbacks=[SaveAt(8, ckpt)], default_root_dir=tmp_path).fit(
+        whole, datamodule=dm(2)
+    )
+    rest = DecodedRecorder()
+    _trainer(max_epochs=2, default_root_dir=tmp_path).fit(rest, datamodule=dm(0), ckpt_path=ckpt)
+    assert len(whole.seen) == 12 and len(rest.seen) == 4
+    assert all(torch.equal(a, b) for a, b in zip(whole.seen[8:], rest.seen, strict=True))
+    assert whole.seen[0].shape == (4, 3, 16, 16) and not torch.equal(whole.seen[0], whole.seen[6])
+
+
+def test_gpu_decode_options_and_fallback(
+    noise: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+):
+    """Bad decode_device and auto-augment policies the GPU does not have are one line each; the GPU's
+    RandAugment and random erasing run on the decoded batch; without CUDA: one warning, CPU decoding."""
+
+    def refused(match: str, **kwargs) -> None:
+        with pytest.raises(DataError, match=match) as err:
+            ImageFolderDataModule(str(noise), str(tmp_path), **kwargs)
+        assert "\n" not in str(err.value)
+
+    refused(r"decode_device='bogus': choose cpu or cuda", decode_device="bogus")
+    refused(
+        r"auto_augment='rand-m9-mstd0.5-inc1'.*decode_device=cuda.*set datamodule.decode_device=cpu",
+        decode_device="cuda",
+        auto_augment="rand-m9-mstd0.5-inc1",
+    )
+    refused(r"auto_augment='augmix-m5'.*decode_device=cpu", decode_device="cuda", auto_augment="augmix-m5")
+    refused(r"re_prob=1.5 must be between 0 and 1", decode_device="cuda", re_prob=1.5)
+    ImageFolderDataModule(str(noise), str(tmp_path), auto_augment="rand-m9-mstd0.5-inc1")  # timm's, on CPUs
+
+    if not torch.cuda.is_available():
+        with caplog.at_level("WARNING"):
+            dm = _gpu_dm(noise, tmp_path)
+        assert caplog.text.count("no CUDA device in this process, decoding on the CPU instead") == 1
+        x, _ = next(iter(dm.train_dataloader()))
+        assert x.shape == (4, 3, 16, 16), "the workers decode"
+
+    monkeypatch.setattr(ImageFolderDataModule, "decode_on", lambda self: torch.device("cpu"))
+    plain = _decoded(_gpu_dm(noise, tmp_path), 0)[0][0]
+    torch.manual_seed(0)
+    augmented = _decoded(_gpu_dm(noise, tmp_path, auto_augment="rand-m9-n2-mstd0.5", re_prob=0.5), 0)[0][0]
+    assert augmented.shape == plain.shape and not torch.equal(augmented, plain)
+
+
+def test_gpu_decode_trains_through_the_cli(noise: Path, tmp_path: Path, decode_on_cpu: None):
+    """`datamodule.decode_device=cuda` from the config: training steps get the decoded batches."""
+    cfg = compose_cfg(
+        "train",
+        [
+            *_overrides(noise, tmp_path, batch_size=4),
+            "datamodule.decode_device=cuda",
+            "+trainer.limit_train_batches=2",
+        ],
+        tmp_path,
+    )
+    metrics, objects = train(cfg)
+    assert objects.trainer.global_step == 2 and "val/acc1" in metrics
+    assert objects.datamodule._gpu_decoder is not None

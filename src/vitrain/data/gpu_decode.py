@@ -3,25 +3,36 @@ augment it there: random-resized crop and flip per image, then normalise as one 
 
 Where many CPU loader workers cannot keep a fast GPU fed (ImageNet at 224 px needs ~1-2k images/s per GPU),
 decoding is the largest CPU cost per image; nvJPEG moves it to the GPU. It runs in the training process
-(`StreamingDataModule.on_before_batch_transfer`), the workers only read bytes. Images that are not JPEG
-(PNG, WebP) are decoded on the CPU and moved. The same code runs with `device="cpu"` (tests).
+(the datamodules' `on_before_batch_transfer`, `datamodule.decode_device=cuda`), the workers only read bytes.
+Images that are not JPEG (PNG, WebP) are decoded on the CPU and moved. The same code runs with
+`device="cpu"` (tests).
+
+Streaming shards draw each crop and flip here, from a generator per rank. An image folder's workers draw
+them instead (`draw_crop`, from the sample's (seed, epoch, index) seed and the size in the file's header) and
+send them with the bytes (`EncodedBatch`), so its crops do not depend on ranks, workers or a resume.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 import warnings
 from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torchvision.io import ImageReadMode, decode_image, decode_jpeg
 
-from vitrain.data.augment import to_device, to_model_input
+from vitrain.data.augment import BatchTransform, RandomAugment, to_device, to_model_input
+from vitrain.errors import DataError
+
+log = logging.getLogger(__name__)
 
 JPEG_MAGIC = (0xFF, 0xD8)
+DECODE_DEVICES = ("cpu", "cuda")
 
 
 def is_jpeg(data: Tensor) -> bool:
@@ -52,8 +63,86 @@ def rrc_box(
     return (h - ch) // 2, (w - cw) // 2, ch, cw
 
 
+def draw_crop(h: int, w: int, seed: int, hflip: float = 0.5) -> tuple[tuple[int, int, int, int], bool]:
+    """One image's random-resized-crop box (`rrc_box`) and flip, drawn from a generator of its own seeded
+    with `seed` (a loader worker passes the sample's `sample_seed(seed, epoch, index)`): the same wherever and
+    whenever it is drawn, and no global generator moves."""
+    generator = torch.Generator().manual_seed(seed)
+    box = rrc_box(h, w, generator)
+    return box, hflip > 0 and bool(torch.rand(1, generator=generator) < hflip)
+
+
+class EncodedBatch(NamedTuple):
+    """A training batch for the GPU decoder as loader workers hand it over: the encoded images packed into
+    one uint8 buffer (one shared-memory block and one pinned copy per batch, not one per image), their byte
+    lengths, and the crop box (top, left, height, width) and flip drawn for each."""
+
+    data: Tensor  # uint8 [sum of lengths]
+    lengths: Tensor  # int64 [B]
+    boxes: Tensor  # int64 [B,4]
+    flips: Tensor  # bool [B]
+
+    def blobs(self) -> list[Tensor]:
+        """Each image's bytes: views into `data`, no copy."""
+        return list(self.data.split(self.lengths.tolist()))
+
+
+def collate_encoded(
+    batch: list[tuple[tuple[Tensor, tuple[int, ...], bool], int]],
+) -> tuple[EncodedBatch, Tensor]:
+    """((bytes, box, flip), label) samples -> (EncodedBatch, labels); module-level so workers can pickle it."""
+    samples, labels = zip(*batch, strict=True)
+    data, boxes, flips = zip(*samples, strict=True)
+    encoded = EncodedBatch(
+        torch.cat(data),
+        torch.tensor([len(d) for d in data], dtype=torch.long),
+        torch.tensor(boxes, dtype=torch.long),
+        torch.tensor(flips, dtype=torch.bool),
+    )
+    return encoded, torch.tensor(labels, dtype=torch.long)
+
+
+def check_decode_device(value: Any) -> None:
+    if value not in DECODE_DEVICES:
+        raise DataError(f"datamodule.decode_device={value!r}: choose cpu or cuda")
+
+
+def check_augment(auto_augment: str | None, re_prob: float) -> None:
+    """decode_device=cuda runs auto_augment and random erasing on the decoded batch (augment.py's batch ops);
+    a policy those ops do not have is refused in one line."""
+    if auto_augment:
+        try:
+            RandomAugment.from_name(auto_augment)
+        except DataError as e:
+            raise DataError(
+                f"{e}: with datamodule.decode_device=cuda the policy runs on the GPU, which has rand-m9-n2-mstd0.5 "
+                "(RandAugment) and trivial; for timm's other policies set datamodule.decode_device=cpu"
+            ) from None
+    if isinstance(re_prob, bool) or not isinstance(re_prob, int | float) or not 0 <= re_prob <= 1:
+        raise DataError(f"datamodule.re_prob={re_prob!r} must be between 0 and 1")
+
+
+def gpu_decode_device(setting: str, trainer: Any) -> torch.device | None:
+    """The device that decodes training batches under `datamodule.decode_device=setting`: this process's GPU,
+    or None (loader workers decode): `cpu`, or no CUDA device in this process (one warning)."""
+    if setting != "cuda":
+        return None
+    device = trainer.strategy.root_device if trainer is not None else torch.device("cuda")
+    if device.type != "cuda" or not torch.cuda.is_available():
+        log.warning(
+            "datamodule.decode_device=cuda: no CUDA device in this process, decoding on the CPU instead"
+        )
+        return None
+    return device
+
+
 class GpuDecoder:
-    """list of encoded images (uint8 1-D CPU tensors) -> normalised float [B,3,S,S] on `device`."""
+    """list of encoded images (uint8 1-D CPU tensors) -> normalised float [B,3,S,S] on `device`.
+
+    Training: a random-resized crop and flip per image, drawn from the decoder's own generator or given per
+    image (`boxes`, `flips`); then, when asked for, `auto_augment` (augment.py's RandAugment/TrivialAugment on
+    the uint8 crops) and random erasing after normalisation, both drawing from the global generators as the
+    in-memory path does. Evaluation: the centred square of the short side."""
 
     def __init__(
         self,
@@ -63,10 +152,18 @@ class GpuDecoder:
         hflip: float = 0.5,
         device: str | torch.device = "cuda",
         seed: int | None = None,
+        auto_augment: str | None = None,
+        re_prob: float = 0.0,
     ) -> None:
         self.img_size, self.mean, self.std, self.hflip = img_size, tuple(mean), tuple(std), hflip
         self.device = torch.device(device)
         self.generator = torch.Generator().manual_seed(random.randrange(2**62) if seed is None else seed)
+        self.augment = None
+        if auto_augment or re_prob > 0:
+            self.augment = BatchTransform(
+                img_size, self.mean, self.std, crop_padding=0, hflip=False, auto_augment=auto_augment,
+                re_prob=float(re_prob),
+            )  # fmt: skip
 
     def decode(self, blobs: list[Tensor]) -> list[Tensor]:
         jpeg = [i for i, b in enumerate(blobs) if is_jpeg(b)]
@@ -82,26 +179,45 @@ class GpuDecoder:
                     out[i] = to_device(decode_image(blob, mode=ImageReadMode.RGB), self.device)
         return out  # type: ignore[return-value]
 
-    def __call__(self, blobs: list[Tensor], train: bool = True) -> Tensor:
+    def __call__(
+        self,
+        blobs: list[Tensor],
+        train: bool = True,
+        boxes: Tensor | None = None,
+        flips: Tensor | None = None,
+    ) -> Tensor:
+        """`boxes` int [B,4] (top, left, height, width) and `flips` bool [B], on the CPU: each image's crop and
+        flip drawn elsewhere; None: drawn here (training) or the centred square and no flip (evaluation)."""
         images = self.decode(blobs)
+        if boxes is not None:
+            crop_boxes = [tuple(b) for b in boxes.tolist()]
+        else:
+            crop_boxes = [self._box(img.shape[-2], img.shape[-1], train) for img in images]
+        x = self._crops(images, crop_boxes)
+        if flips is None and train and self.hflip > 0:
+            flips = torch.rand(len(images), generator=self.generator) < self.hflip
+        if flips is not None:
+            x = torch.where(to_device(flips, self.device)[:, None, None, None], x.flip(-1), x)
+        if train and self.augment is not None:
+            return self.augment(x.round_().to(torch.uint8), train=True)
+        return to_model_input(x, self.img_size, self.mean, self.std)
+
+    def _box(self, h: int, w: int, train: bool) -> tuple[int, int, int, int]:
+        if train:
+            return rrc_box(h, w, self.generator)
+        side = min(h, w)  # the centred square of the short side
+        return (h - side) // 2, (w - side) // 2, side, side
+
+    def _crops(self, images: list[Tensor], boxes: list[tuple[int, ...]]) -> Tensor:
+        """Each image's box resized to S x S (bilinear, antialiased), float 0..255 [B,3,S,S]."""
         s = self.img_size
         crops = []
-        for img in images:
-            _, h, w = img.shape
-            if train:
-                top, left, ch, cw = rrc_box(h, w, self.generator)
-            else:  # the centred square of the short side
-                side = min(h, w)
-                top, left, ch, cw = (h - side) // 2, (w - side) // 2, side, side
+        for img, (top, left, ch, cw) in zip(images, boxes, strict=True):
             crop = img[None, :, top : top + ch, left : left + cw].float()
             crops.append(
                 F.interpolate(crop, size=(s, s), mode="bilinear", align_corners=False, antialias=True)
             )
-        x = torch.cat(crops).clamp_(0, 255)
-        if train and self.hflip > 0:
-            flip = to_device(torch.rand(len(images), generator=self.generator) < self.hflip, self.device)
-            x = torch.where(flip[:, None, None, None], x.flip(-1), x)
-        return to_model_input(x, s, self.mean, self.std)
+        return torch.cat(crops).clamp_(0, 255)
 
 
 def check(device: str = "cuda", n: int = 256, size: int = 224) -> dict[str, float]:

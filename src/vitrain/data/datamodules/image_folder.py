@@ -15,15 +15,24 @@ check was turned off; then the decode error still names the file.
 `in_memory` (auto | true | false) instead decodes a data set that fits a memory budget once into uint8
 tensors at a fixed size, trained on like CIFAR-10: tensor slices, augmented on the device (vitrain/data/
 in_memory.py decides and decodes; the base holds the in-memory loaders and batch transform).
+
+`decode_device=cuda` (from disk) moves the training decode to the GPU, for when the CPU cores cannot decode
+as fast as the GPU trains: workers read each file's bytes and draw its crop and flip from (seed, epoch,
+index) and the size in its header (`EncodedFileDataset`); the training process decodes the batch with
+nvJPEG and crops, flips and normalises it there (`on_before_batch_transfer`, vitrain/data/gpu_decode.py).
+Validation and test keep the workers' timm eval transforms.
 """
 
 from __future__ import annotations
 
+import copy
+import io
 import logging
 import os
 from pathlib import Path
 from typing import Any
 
+import torch
 from PIL import Image
 from torch import Tensor
 from torch.utils.data import Dataset
@@ -31,6 +40,15 @@ from torch.utils.data import Dataset
 from vitrain.data.augment import BatchTransform
 from vitrain.data.datamodules.base import ImageDataModule, Splits, check_ints
 from vitrain.data.datamodules.in_memory import device_augmentation, tensor_splits
+from vitrain.data.gpu_decode import (
+    EncodedBatch,
+    GpuDecoder,
+    check_augment,
+    check_decode_device,
+    collate_encoded,
+    draw_crop,
+    gpu_decode_device,
+)
 from vitrain.data.loaders import TensorImageDataset
 from vitrain.data.readers import decode as in_memory
 from vitrain.data.readers.cache import unpack_archive
@@ -68,6 +86,33 @@ class ImageFileDataset(Dataset):
             return self.transform(image), label
 
 
+class EncodedFileDataset(ImageFileDataset):
+    """Training files for the GPU decoder (`decode_device=cuda`): a sample is the file's bytes with the crop
+    box and flip drawn for it from (seed, epoch, index), the image's size read from its header (no pixel
+    decoded here), so each crop is the same whatever the rank, the worker or a resume, as on the CPU path."""
+
+    def __init__(self, files: list[tuple[str, int]], seed: int, hflip: float) -> None:
+        super().__init__(files, None, seed)
+        self.hflip = hflip
+
+    def __getitem__(self, key: int | tuple[int, int]) -> tuple[tuple[Tensor, tuple[int, ...], bool], int]:
+        epoch, index = key if isinstance(key, tuple) else (0, key)
+        path, label = self.files[index]
+        try:
+            data = Path(path).read_bytes()
+            with Image.open(io.BytesIO(data)) as img:
+                w, h = img.size  # parsed from the header; the pixels are decoded on the GPU
+        except Exception as e:  # only reachable with verify_images=false
+            raise DataError(
+                f"cannot read {path} ({type(e).__name__}: {e}): remove or replace it "
+                "(datamodule.verify_images=true finds such files before training)"
+            ) from None
+        box, flip = draw_crop(h, w, sample_seed(self.seed, epoch, index), self.hflip)
+        return (torch.frombuffer(bytearray(data), dtype=torch.uint8), box, flip), label
+
+    collate = staticmethod(collate_encoded)
+
+
 class ImageFolderDataModule(ImageDataModule):
     """A class-folder tree or an archive of one; see configs/datamodule/image_folder.yaml."""
 
@@ -83,6 +128,7 @@ class ImageFolderDataModule(ImageDataModule):
         in_memory_budget_gb: float | None = None,
         in_memory_size: int | None = None,
         crop_padding: int | None = None,
+        decode_device: str = "cpu",
         **kwargs: Any,
     ) -> None:
         if bad_images not in ("stop", "skip"):
@@ -98,6 +144,9 @@ class ImageFolderDataModule(ImageDataModule):
                 f"datamodule.in_memory_budget_gb={in_memory_budget_gb!r} must be a number of GB, at least 0 "
                 "(null: a quarter of the memory available)"
             )
+        check_decode_device(decode_device)
+        if decode_device == "cuda":
+            check_augment(auto_augment, re_prob)
         check_ints(in_memory_size=in_memory_size, crop_padding=crop_padding)
         if in_memory_size is not None and in_memory_size < 1:
             raise DataError(f"datamodule.in_memory_size={in_memory_size} must be at least 1 (null: img_size)")
@@ -105,6 +154,7 @@ class ImageFolderDataModule(ImageDataModule):
         self._source: Source | None = None
         self.skipped: list[tuple[str, str]] = []
         self._plan: in_memory.MemoryPlan | None = None
+        self._gpu_decoder: GpuDecoder | None = None
 
     # --- the files --------------------------------------------------------------------------------
 
@@ -175,7 +225,23 @@ class ImageFolderDataModule(ImageDataModule):
         """The first `n` files (the samplers hand this dataset `(epoch, index)` keys, which Subset cannot map)."""
         if isinstance(dataset, TensorImageDataset):
             return ImageDataModule.subset(dataset, n)
-        return ImageFileDataset(dataset.files[:n], dataset.transform, dataset.seed)
+        kept = copy.copy(dataset)
+        kept.files = dataset.files[:n]
+        return kept
+
+    # --- GPU decode -------------------------------------------------------------------------------
+
+    def decode_on(self) -> torch.device | None:
+        """The device that decodes training images from disk (this process's GPU), or None: loader workers
+        decode. Tests replace it to run the GPU path with the decoder on the CPU."""
+        return gpu_decode_device(self.hparams.decode_device, self.trainer)
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """GPU decode: a training batch of encoded images becomes augmented model input on the GPU."""
+        x, y = batch
+        if isinstance(x, EncodedBatch) and self._gpu_decoder is not None:
+            return self._gpu_decoder(x.blobs(), train=True, boxes=x.boxes, flips=x.flips), y
+        return batch
 
     # --- in memory --------------------------------------------------------------------------------
 
@@ -279,11 +345,27 @@ class ImageFolderDataModule(ImageDataModule):
             log.info("the image folder has no test/: testing on the validation split")
             test_files = val_files
         if memory:
+            if hp.decode_device == "cuda":
+                log.info("datamodule.decode_device=cuda does not apply: the images are decoded into memory")
             return self.memory_splits({"train": train_files, "val": val_files, "test": test_files})
-        train_t, eval_t = self.build_transform(train=True), self.build_transform(train=False)
-        seed = hp.shuffle_seed
+        eval_t, seed = self.build_transform(train=False), hp.shuffle_seed
         return Splits(
-            train=ImageFileDataset(train_files, train_t, seed),
+            train=self._train_files(train_files),
             val=ImageFileDataset(val_files, eval_t, seed),
             test=ImageFileDataset(test_files, eval_t, seed),
         )
+
+    def _train_files(self, files: list[tuple[str, int]]) -> Dataset:
+        """Decoded and augmented by the workers (timm's transform), or, on the GPU, read as bytes with each
+        image's crop and flip for the decoder."""
+        hp = self.hparams
+        device = self.decode_on()
+        if device is None:
+            return ImageFileDataset(files, self.build_transform(train=True), hp.shuffle_seed)
+        # the crops and flips come with the batches: the decoder's own generator (seeded, so building it
+        # draws nothing from the global ones) stays unused
+        self._gpu_decoder = GpuDecoder(
+            self.img_size, self.mean, self.std, hflip=hp.hflip, device=device, seed=hp.shuffle_seed,
+            auto_augment=hp.auto_augment, re_prob=hp.re_prob,
+        )  # fmt: skip
+        return EncodedFileDataset(files, hp.shuffle_seed, hp.hflip)

@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from vitrain.compat import litdata_allow_http, litdata_distributed_env
 from vitrain.data.datamodules.base import ImageDataModule, Splits
+from vitrain.data.gpu_decode import check_decode_device, gpu_decode_device
 from vitrain.data.sampling import sample_seed, seeded_sample
 from vitrain.data.shards import FORMAT_NAME, FORMAT_VERSION, METADATA_FILE
 from vitrain.data.transforms import timm_transform
@@ -228,8 +229,7 @@ class StreamingDataModule(ImageDataModule):
         hflip: float = 0.5,
         **kwargs: Any,
     ) -> None:
-        if decode_device not in ("cpu", "cuda"):
-            raise DataError(f"datamodule.decode_device={decode_device!r}: choose cpu or cuda")
+        check_decode_device(decode_device)
         super().__init__(*args, **kwargs)
         self._meta: dict[str, Any] | None = None
         self._gpu_decoder: Any = None
@@ -281,15 +281,7 @@ class StreamingDataModule(ImageDataModule):
 
     def decode_on(self) -> torch.device | None:
         """The device that decodes training batches (this process's GPU), or None: loader workers decode."""
-        if self.hparams.decode_device != "cuda":
-            return None
-        device = self.trainer.strategy.root_device if self.trainer is not None else torch.device("cuda")
-        if device.type != "cuda" or not torch.cuda.is_available():
-            log.info(
-                "datamodule.decode_device=cuda: no CUDA device in this process, decoding on the CPU instead"
-            )
-            return None
-        return device
+        return gpu_decode_device(self.hparams.decode_device, self.trainer)
 
     def load_splits(self) -> Splits:
         meta, hp = self.metadata, self.hparams
