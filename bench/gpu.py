@@ -61,7 +61,7 @@ TINY = {"model_name": "vit_tiny_patch16_224", "img_size": 32, "patch_size": 8, "
         "num_heads": 2}  # fmt: skip
 # priority order, and the most seconds each may take on one H100 (data preparation included)
 SECTIONS: dict[str, int] = {
-    "hand": 150,
+    "hand": 180,
     "seed": 110,
     "fsdp": 110,
     "recipes": 150,
