@@ -1,5 +1,11 @@
 """Batch-wise augmentation and normalisation on the training device: one kernel per op for the whole
-batch instead of per-image Python in loader workers."""
+batch instead of per-image Python in loader workers.
+
+A batch costs a fixed number of kernels whatever its size (a few per op group of RandomAugment, none per
+image), and nothing is read back from the device: each random decision the host needs (the op of each image,
+which images are erased and where) is drawn on the CPU from torch's global generator, seeded by the run's seed
+and restored on resume, then sent to the device without waiting. Hence our random erasing instead of timm's
+(a Python loop over the images) and our autocontrast instead of torchvision's (a masked assignment)."""
 
 from __future__ import annotations
 
@@ -12,7 +18,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 import torchvision.transforms.v2.functional as TF
-from timm.data.random_erasing import RandomErasing
 from torch import Tensor
 
 from vitrain.errors import DataError
@@ -125,10 +130,21 @@ def _sharpness_degenerate(x: Tensor) -> Tensor:
     """PIL's SMOOTH filter inside, the image's own border pixels at the edge (as PIL and torchvision)."""
     kernel = _smooth_kernel(x.device)
     c = x.shape[1]
-    smooth = F.conv2d(x.float(), kernel.expand(c, 1, 3, 3), groups=c)
-    out = x.float().clone()
+    out = x.to(torch.float32, copy=True)
+    smooth = F.conv2d(out, kernel.expand(c, 1, 3, 3), groups=c)
     out[..., 1:-1, 1:-1] = smooth.round_()
     return out
+
+
+def _autocontrast(x: Tensor) -> Tensor:
+    """torchvision's autocontrast (each channel stretched to 0..255, a flat channel kept), bitwise, with
+    `torch.where` for flat channels: torchvision assigns through a boolean mask, which reads the fill value on
+    the host and, off CUDA, turns the mask into indices, a wait for the device."""
+    lo, hi = x.flatten(2).aminmax(dim=-1)
+    lo, hi = lo.float()[..., None, None], hi.float()[..., None, None]
+    flat = hi == lo
+    inv_scale = torch.where(flat, 1.0, (hi - lo).mul_(1.0 / 255))  # torchvision's arithmetic, same rounding
+    return x.float().sub_(torch.where(flat, 0.0, lo)).div_(inv_scale).clamp_(0, 255).to(torch.uint8)
 
 
 def _posterize(x: Tensor, bits: Tensor) -> Tensor:
@@ -145,7 +161,8 @@ def _signed(m: Tensor) -> Tensor:
 _Op = Callable[[Tensor, Tensor, dict[str, float]], Tensor]
 OPS: dict[str, _Op] = {
     "Identity": lambda x, m, r: x,
-    "AutoContrast": lambda x, m, r: TF.autocontrast(x),
+    "AutoContrast": lambda x, m, r: _autocontrast(x),
+    # torchvision's v2 equalize is batched already: one scatter_add for all histograms, no read of the step
     "Equalize": lambda x, m, r: TF.equalize(x),
     "Rotate": lambda x, m, r: _rotate(x, _signed(m) * r["rotate"]),
     "Solarize": lambda x, m, r: torch.where(x.float() >= (256 - 256 * m).view(-1, 1, 1, 1), 255 - x, x),
@@ -288,11 +305,54 @@ class BatchTransform:
                 x = self._augment(x)
         x = to_model_input(x, self.img_size, self.mean, self.std)
         if train and self.re_prob > 0:
-            # timm's per-image random erasing (DeiT recipe): normal noise in a random box, after normalisation
-            x = _random_erasing(self.re_prob, x.device)(x)
+            x = random_erasing(x, self.re_prob)
         return x
 
 
-@functools.lru_cache(maxsize=8)
-def _random_erasing(prob: float, device: torch.device) -> RandomErasing:
-    return RandomErasing(probability=prob, mode="pixel", device=device)
+# --- random erasing, batch-wise ----------------------------------------------------------------------------
+#
+# timm's RandomErasing(mode="pixel") (the DeiT recipe): per image with probability p, a box of 2 % to 1/3 of the
+# image, aspect log-uniform in 0.3..1/0.3, up to 10 tries to fit one, filled with normal noise after
+# normalisation. Ours, not timm's: timm loops over the images of a batch in Python, kernels per erased image.
+
+ERASE_AREA = (0.02, 1 / 3)
+ERASE_LOG_ASPECT = (math.log(0.3), -math.log(0.3))
+ERASE_ATTEMPTS = 10
+
+
+def erasing_boxes(batch: int, height: int, width: int, prob: float) -> Tensor:
+    """[k, 5] int64 rows (image, top, left, box height, box width), one per image to erase, drawn on the CPU
+    (torch's global CPU generator, as `RandomAugment.sample`): the host knows k without asking the device.
+
+    timm's draws, batched: every image makes its 10 tries at once and keeps the first that fits; an image
+    whose 10 tries all fail is not erased, as in timm."""
+    erase = torch.rand(batch) < prob
+    area = torch.empty(batch, ERASE_ATTEMPTS).uniform_(*ERASE_AREA).mul_(height * width)
+    aspect = torch.empty(batch, ERASE_ATTEMPTS).uniform_(*ERASE_LOG_ASPECT).exp_()
+    h = (area * aspect).sqrt_().round_().long()  # round half to even, as Python's round in timm
+    w = (area / aspect).sqrt_().round_().long()
+    fits = (h < height) & (w < width)
+    first = fits.byte().argmax(dim=1, keepdim=True)  # the first try that fits
+    h, w = h.gather(1, first).squeeze(1), w.gather(1, first).squeeze(1)
+    image = (erase & fits.any(dim=1)).nonzero().squeeze(1)
+    h, w = h[image], w[image]
+    top = torch.rand(len(image)).mul_(height - h + 1).long()  # uniform in 0..height-h, timm's randint
+    left = torch.rand(len(image)).mul_(width - w + 1).long()
+    return torch.stack([image, top, left, h, w], dim=1)
+
+
+def random_erasing(x: Tensor, prob: float) -> Tensor:
+    """Erase a box of each chosen image of the float batch `x` (in place, as timm) with per-pixel normal noise:
+    the box mask is a broadcast comparison of row and column numbers on the device, and only the k erased
+    images draw noise and are rewritten."""
+    boxes = erasing_boxes(len(x), x.shape[-2], x.shape[-1], prob)
+    if not len(boxes):
+        return x
+    image, top, left, h, w = to_device(boxes, x.device).unbind(1)
+    rows = torch.arange(x.shape[-2], device=x.device)
+    cols = torch.arange(x.shape[-1], device=x.device)
+    in_rows = (rows >= top[:, None]) & (rows < (top + h)[:, None])  # [k,H]
+    in_cols = (cols >= left[:, None]) & (cols < (left + w)[:, None])  # [k,W]
+    inside = in_rows[:, None, :, None] & in_cols[:, None, None, :]  # [k,1,H,W]
+    noise = torch.randn((len(boxes), *x.shape[1:]), dtype=x.dtype, device=x.device)
+    return x.index_copy_(0, image, torch.where(inside, noise, x.index_select(0, image)))

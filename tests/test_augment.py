@@ -1,0 +1,189 @@
+"""The on-device batch augmentation (vitrain/data/augment.py): the ops' semantics against PIL, torchvision and
+timm, and its cost per batch (kernels that do not grow with the batch, no value read back from the device)."""
+
+import random
+from collections import Counter
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+import torch
+import torchvision.transforms.v2.functional as TF
+from PIL import Image, ImageOps
+from timm.data.random_erasing import RandomErasing
+from torch.profiler import ProfilerActivity, profile
+
+from vitrain.data.augment import (
+    OPS,
+    RAND_RANGES,
+    BatchTransform,
+    RandomAugment,
+    erasing_boxes,
+    random_erasing,
+)
+
+
+def _edge_cases(n: int, size: int = 24) -> torch.Tensor:
+    """uint8 images: random, low-contrast, constant, two-valued, one flat channel, 0 and 255 only."""
+    g = torch.Generator().manual_seed(n)
+    x = torch.randint(0, 256, (n, 3, size, size), dtype=torch.uint8, generator=g)
+    x[1] = torch.randint(100, 108, (3, size, size), dtype=torch.uint8, generator=g)
+    x[2] = 77
+    x[3] = torch.where(torch.rand(3, size, size, generator=g) < 0.3, 40, 200).to(torch.uint8)
+    x[4, 1] = 13
+    x[5] = torch.where(torch.rand(3, size, size, generator=g) < 0.99, 0, 255).to(torch.uint8)
+    x[6, :, 0, 0] = 9  # one pixel differs from a constant image
+    x[6, :, 1:] = 250
+    return x
+
+
+def test_equalize_is_pils():
+    """Equalize is torchvision's v2 `equalize`, batched already (one scatter_add for all histograms, the
+    `step == 0` case a `torch.where`): pinned here to PIL's algorithm, the reference timm's RandAugment uses."""
+    x = _edge_cases(16)
+    out = OPS["Equalize"](x, torch.zeros(len(x)), RAND_RANGES)
+    for image, result in zip(x, out, strict=True):
+        pil = ImageOps.equalize(Image.fromarray(image.permute(1, 2, 0).numpy()))
+        assert torch.equal(result, torch.from_numpy(np.asarray(pil)).permute(2, 0, 1))
+
+
+def test_autocontrast_is_torchvisions():
+    x = _edge_cases(16)
+    assert torch.equal(OPS["AutoContrast"](x, torch.zeros(len(x)), RAND_RANGES), TF.autocontrast(x))
+
+
+# --- random erasing ----------------------------------------------------------------------------------------
+
+
+def _erased(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """[B,H,W] pixels changed in any channel."""
+    return (out != x).any(dim=1)
+
+
+def _share_and_area(erased: torch.Tensor) -> tuple[float, float]:
+    """(share of images erased, mean erased share of an erased image's pixels)."""
+    hit = erased.any(dim=(1, 2))
+    return hit.float().mean().item(), erased[hit].float().mean().item()
+
+
+def test_random_erasing_erases_a_share_p_of_the_images_as_timm():
+    """Same share of erased images and same box sizes as timm's RandomErasing(mode="pixel") on images of the
+    same size (timm draws from Python's `random`, ours from torch's generator: statistics, not values)."""
+    n, size, p = 3000, 16, 0.25
+    x = torch.zeros(n, 3, size, size)
+    torch.manual_seed(0)
+    ours = _share_and_area(_erased(x, random_erasing(x.clone(), p)))
+    random.seed(0)
+    timm = _share_and_area(_erased(x, RandomErasing(probability=p, mode="pixel", device="cpu")(x.clone())))
+    assert abs(ours[0] - p) < 0.03 and abs(timm[0] - p) < 0.03
+    assert 0.1 < ours[1] < 0.25 and abs(ours[1] - timm[1]) < 0.02  # a box of 2 % to 1/3 of the image
+
+
+def test_each_erased_box_is_a_rectangle_within_timms_bounds():
+    n, height, width = 2000, 20, 28
+    x = torch.randn(n, 3, height, width)  # before the seed: the noise drawn after the boxes must differ
+    torch.manual_seed(1)
+    boxes = erasing_boxes(n, height, width, 1.0)
+    image, top, left, h, w = boxes.T
+    assert len(boxes) > 0.95 * n and image.unique().numel() == len(boxes)  # at most one box per image
+    assert (top >= 0).all() and (top + h <= height).all() and (left >= 0).all() and (left + w <= width).all()
+    assert (h < height).all() and (w < width).all()
+    # timm's area (2 % to 1/3) and aspect (0.3 to 1/0.3) before h and w are rounded to whole pixels
+    area = height * width
+    assert ((h + 0.5) * (w + 0.5) >= 0.02 * area).all() and ((h - 0.5) * (w - 0.5) <= area / 3).all()
+    assert ((h + 0.5) / (w - 0.5) >= 0.3).all() and ((h - 0.5) / (w + 0.5) <= 1 / 0.3).all()
+    # the pixels changed are exactly the drawn boxes, in every channel, and nothing else
+    torch.manual_seed(1)
+    out = random_erasing(x.clone(), 1.0)
+    expected = torch.zeros(n, height, width, dtype=torch.bool)
+    for i, t, lft, bh, bw in boxes.tolist():
+        expected[i, t : t + bh, lft : lft + bw] = True
+    assert torch.equal(_erased(x, out), expected)
+    assert torch.equal((out != x).all(dim=1), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_random_erasing_keeps_dtype_and_device_and_the_other_pixels(dtype: torch.dtype):
+    x = torch.randn(64, 3, 16, 16).to(dtype)
+    torch.manual_seed(2)
+    out = random_erasing(x.clone(), 0.5)
+    assert out.dtype == dtype and out.device == x.device and out.shape == x.shape
+    erased = _erased(x, out)
+    assert 0 < erased.any(dim=(1, 2)).sum() < len(x)
+    assert torch.equal(out.masked_fill(erased[:, None], 0), x.masked_fill(erased[:, None], 0))
+    assert torch.equal(random_erasing(x.clone(), 0.0), x)
+
+
+def test_the_same_seed_gives_the_same_batch():
+    transform = BatchTransform(32, (0.5,) * 3, (0.25,) * 3, auto_augment="rand-m9-n2-mstd0.5", re_prob=0.25)
+    x = torch.randint(0, 256, (32, 3, 32, 32), dtype=torch.uint8)
+    runs = []
+    for seed in (3, 3, 4):
+        torch.manual_seed(seed)
+        runs.append(transform(x, train=True))
+    assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], runs[2])
+
+
+# --- cost per batch ----------------------------------------------------------------------------------------
+
+READS = ("aten::item", "aten::_local_scalar_dense", "aten::nonzero")
+HOST_DRAWS = (": sample", ": erasing_boxes")  # the profile's Python frames "augment.py(N): <function>"
+
+
+def _profile(fn: Callable[[], object]) -> list:
+    with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
+        fn()
+    return [e for e in prof.events() if e.name.startswith("aten::")]
+
+
+def _callers(event) -> list[str]:
+    names, parent = [], event.cpu_parent
+    while parent is not None:
+        names.append(parent.name)
+        parent = parent.cpu_parent
+    return names
+
+
+@pytest.mark.parametrize("spec", ["rand-m9-n2-mstd0.5", "trivial"])
+def test_batch_transform_kernels_do_not_grow_with_the_batch(spec: str, monkeypatch: pytest.MonkeyPatch):
+    """The aten ops one training batch issues: a few per op group (RandomAugment runs each group of images that
+    drew the same op as one call), none per image, and no read of a value outside the host-side draws.
+
+    A larger batch may hold op groups a smaller one lacks: those are allowed a bounded number of ops each.
+    From 64 to 512 images nearly every group is in both, so an op issued per image (448 more) would show.
+
+    On the CPU the profile cannot tell the batch's tensors from the host's (both are CPU tensors), so a read
+    (`item`, `_local_scalar_dense`, `nonzero`) is told apart by the Python function that made it: only the
+    host-side draws (`RandomAugment.sample`, `erasing_boxes`) may read. That a device value is never read is
+    the meta-device test's (test_recipes.py: reading a meta tensor fails); only a GPU counts real syncs
+    (`torch.cuda.set_sync_debug_mode`, bench/gpu_check.py's `recipes` check).
+    """
+    groups: list[set[int]] = []  # the op groups of each RandomAugment round
+    apply = RandomAugment.apply
+
+    def recording_apply(self: RandomAugment, x: torch.Tensor, ops: torch.Tensor, mag: torch.Tensor):
+        groups.append(set(ops.tolist()))
+        return apply(self, x, ops, mag)
+
+    monkeypatch.setattr(RandomAugment, "apply", recording_apply)
+    transform = BatchTransform(32, (0.5,) * 3, (0.25,) * 3, auto_augment=spec, re_prob=0.25)
+    transform(torch.zeros(4, 3, 32, 32, dtype=torch.uint8), train=True)  # made once: cached constants
+    ops, rounds = {}, {}
+    for batch in (8, 64, 512):
+        x = torch.randint(0, 256, (batch, 3, 32, 32), dtype=torch.uint8)
+        torch.manual_seed(0)
+        groups.clear()
+        events = _profile(lambda x=x: transform(x, train=True))
+        ops[batch], rounds[batch] = Counter(e.name for e in events), list(groups)
+        stray = [
+            e for e in events if e.name in READS and not any(h in c for c in _callers(e) for h in HOST_DRAWS)
+        ]
+        assert not stray, [(e.name, _callers(e)[:3]) for e in stray]
+    for small, large in ((8, 64), (64, 512)):
+        new = sum(
+            len(b - a) for a, b in zip(rounds[small], rounds[large], strict=True)
+        )  # groups only in large
+        # a group issues at most about 120 aten ops (Rotate, nested ones counted), no name more than 20 times
+        assert ops[large].total() <= ops[small].total() + 200 * new + 10, (small, large, new)
+        for name, count in ops[large].items():
+            assert count <= ops[small][name] + 25 * new + 5, (name, small, large, new)
