@@ -88,7 +88,7 @@ WHAT = {
     "streaming": "`datamodule=streaming` (litdata shards of the photos), CPU decode in workers",
     "streaming_gpu_decode": "`datamodule=streaming`, `decode_device=cuda` (nvJPEG)",
 }
-# template runs on CUDA: kernels of this many warm-up steps (bench/probe.py), the timed window untouched
+# template runs: kernels and host ops of this many steps after the timed window (bench/probe.py)
 PROFILE_STEPS = 3
 
 
@@ -180,7 +180,7 @@ def kernel_profile(step: Any, first: int, steps: int = 3) -> dict[str, Any]:
     try:
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for i in range(first, first + steps):
                 step(i)
             torch.cuda.synchronize()
@@ -279,7 +279,8 @@ class Ctx:
 
     def common(self, name: str, batch: int | None = None) -> list[str]:
         a = self.args
-        steps = a.warmup + a.steps + 1
+        profile = PROFILE_STEPS if not self.cpu else 1
+        steps = a.warmup + a.steps + 1 + profile
         return [
             "experiment=cifar",
             "model.net.pretrained=false",
@@ -300,7 +301,7 @@ class Ctx:
                 self.work / "runs" / f"{name}.probe.json",
                 warmup=a.warmup,
                 sample_gpu=True,
-                profile_steps=min(PROFILE_STEPS, a.warmup - 1),
+                profile_steps=profile,
             ),
         ]
 
@@ -335,7 +336,8 @@ class Ctx:
 
 def template_figures(probe: dict[str, Any], report: dict[str, Any], warmup: int) -> dict[str, Any]:
     """Steady-state figures of the timed window (batches warmup..end, synchronised at both ends)."""
-    starts, ends = probe["step_starts"], probe["step_ends"]
+    end = probe.get("window_end")  # the timed window's last batch (profiled batches follow it)
+    starts, ends = probe["step_starts"], probe["step_ends"][: None if end is None else end + 1]
     batch = int((report.get("batch_size") or {}).get("per_device_observed") or 0) or None
     timed = len(ends) - 1 - warmup
     seconds = ends[-1] - ends[warmup]
@@ -368,9 +370,18 @@ def run_hand(ctx: Ctx, variants: list[str], timeout: float) -> dict[str, Any]:
            *(["--smoke"] if ctx.cpu else [])]  # fmt: skip
     name = "hand" if variants != ["fp8"] else "hand_fp8"
     with open(ctx.logs / f"{name}.log", "w") as log:
-        done = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
+        try:
+            done = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
+            returncode = done.returncode
+        except subprocess.TimeoutExpired:  # the variants that finished stand; the others say why not
+            returncode = None
     results = json.loads(out.read_text()) if out.is_file() else {}
-    if done.returncode != 0 and not results:
+    if returncode is None:
+        for variant in variants:
+            results.setdefault(
+                variant, {"error": f"TimeoutExpired: not finished within the section's {timeout:.0f} s"}
+            )
+    if returncode and not results:
         tail = (ctx.logs / f"{name}.log").read_text(errors="replace")[-1500:]
         raise RuntimeError(f"hand loop exited {done.returncode}: ...{tail}")
     return results
@@ -471,6 +482,9 @@ def table(results: dict[str, Any]) -> list[str]:
         figs = res["figures"]
         entries = figs.items() if name.startswith("hand") else [("", figs)]
         for variant, f in entries:
+            if f.get("error"):
+                rows.append(f"| {WHAT[name]}: {variant} | {error_text(f)} | | | | | | | | |")
+                continue
             ips = f.get("images_per_s")
             ref = best_compiled(hand, f.get("batch_size")).get("images_per_s")
             label = f"{WHAT[name]}{': ' + variant if variant else ''}"
@@ -499,8 +513,10 @@ def best_compiled(hand: dict[str, Any], batch: int | None) -> dict[str, Any]:
 def error_text(res: dict[str, Any]) -> str:
     """A failed section in one table cell: a time-out as such, else the error's last words."""
     error = " ".join(res["error"].replace("|", "/").split())
+    if error.startswith("TimeoutExpired") and res.get("seconds"):
+        return f"did not finish within its {res['seconds']:.0f} s (not measured)"
     if error.startswith("TimeoutExpired"):
-        return f"did not finish within its {res.get('seconds', 0):.0f} s (not measured)"
+        return error.split(": ", 1)[-1] + " (not measured)"
     return error[-200:]
 
 

@@ -48,8 +48,9 @@ class BenchProbe(Callback):
         profile_steps: int = 0,
     ) -> None:
         self.out = out
-        # the kernels of the `profile_steps` batches just before the warm-up's end (after the first, compiling,
-        # batch; outside the timed window), as `kernels` (gpu_time_shares; on a CPU the profile runs, empty)
+        # the epoch's last `profile_steps` batches run under torch.profiler (host and GPU), after the timed
+        # window has ended (a profiler slows the launches that follow it, so it never runs before the window),
+        # recorded as `kernels` (gpu_time_shares; on a CPU only the host side)
         self.profile_steps = int(profile_steps)
         self._profiler: Any = None
         self._profile_t0 = 0.0
@@ -79,15 +80,20 @@ class BenchProbe(Callback):
         self._t_train_start = synced_clock(device)
         self.record["train_start_unix"] = time.time()
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *_: Any) -> None:
-        done = len(self.record["step_ends"])
-        if self._profiles(trainer) and done == self.warmup - self.profile_steps:
+    def _window_end(self, trainer: L.Trainer) -> int:
+        """Index of the batch that ends the timed window: the epoch's last, or the last before the profile."""
+        return trainer.num_training_batches - 1 - self.profile_steps
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self.profile_steps > 0 and batch_idx == self._window_end(trainer) + 1:
             from torch.profiler import ProfilerActivity, profile
 
-            cuda = trainer.strategy.root_device.type == "cuda"
-            if cuda:
-                torch.cuda.synchronize(trainer.strategy.root_device)
-            self._profiler = profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU])
+            activities = [ProfilerActivity.CPU]
+            if trainer.strategy.root_device.type == "cuda":
+                activities.append(ProfilerActivity.CUDA)
+            self._profiler = profile(activities=activities)
             self._profiler.start()
             self._profile_t0 = time.perf_counter()
         # the host's wait for the batch is the time from the previous batch's end to here
@@ -99,27 +105,25 @@ class BenchProbe(Callback):
     ) -> None:
         steps = self.record["step_ends"]
         device = trainer.strategy.root_device
-        if device.type == "cuda" and (
-            len(steps) == self.warmup or batch_idx == trainer.num_training_batches - 1
-        ):
+        window_end = batch_idx == self._window_end(trainer)
+        if device.type == "cuda" and (len(steps) == self.warmup or window_end):
             torch.cuda.synchronize(device)
             if self.sample_gpu and self.sampler is None and len(steps) == self.warmup:
                 self.sampler = GpuUtilSampler(device)
                 self.sampler.start()
-            elif self.sampler is not None and batch_idx == trainer.num_training_batches - 1:
+            elif self.sampler is not None and window_end:
                 self.sampler.stop.set()  # the timed window ends here: no validation or saving in it
-        if self._profiler is not None and len(steps) == self.warmup - 1:
+        if self._profiler is not None and batch_idx == trainer.num_training_batches - 1:
             self._stop_profile(device)
         if not steps:
             self.record["first_step_unix"] = time.time()
         if len(steps) < self.max_steps:
             steps.append(time.perf_counter())
             self.record["step_cpu"].append(time.thread_time())
+            if window_end:
+                self.record["window_end"] = len(steps) - 1  # index in step_ends
         if len(steps) in (1, 2) or len(steps) % 8 == 0:  # peak RSS so far (cheap; on every 8th batch)
             self.record["peak_rss_train"] = proc_status("VmHWM")
-
-    def _profiles(self, trainer: L.Trainer) -> bool:
-        return self.profile_steps > 0 and self.warmup - self.profile_steps >= 1
 
     def _stop_profile(self, device: torch.device) -> None:
         if device.type == "cuda":
@@ -185,9 +189,9 @@ def _floats(metrics: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-KERNEL_KINDS = {
-    "matmul": ("gemm", "cutlass", "xmma", "nvjet", "cublas", "matmul", "wgmma"),
+KERNEL_KINDS = {  # first match wins: cuDNN's attention kernels have "wgmma" in their names too
     "attention": ("flash", "fmha", "attention", "sdpa"),
+    "matmul": ("gemm", "cutlass", "xmma", "nvjet", "cublas", "matmul", "wgmma"),
     "communication": ("nccl",),
     "copy": ("memcpy", "memset", "copy", "cast", "chunk_cat", "split_with_sizes"),
     "triton (fused elementwise)": ("triton",),
@@ -197,7 +201,8 @@ KERNEL_KINDS = {
 def gpu_time_shares(prof: Any, steps: int, wall_us: float) -> dict[str, Any]:
     """Where `steps` steps' GPU time went, from a torch.profiler run over them: the share of matmul,
     attention, communication, copy, Triton-fused and other kernels, the share of the wall time the GPU was
-    busy (kernels may overlap: an estimate), and the top kernels in ms per step."""
+    busy (kernels may overlap: an estimate), the top kernels in ms per step; with the host profiled too, the
+    host ops that took the most of its own time (the profiler's overhead included)."""
     rows = [
         (e.key, e.self_device_time_total)
         for e in prof.key_averages()
@@ -216,7 +221,22 @@ def gpu_time_shares(prof: Any, steps: int, wall_us: float) -> dict[str, Any]:
         "wall_ms_per_step": round(wall_us / 1e3 / steps, 3),
         "shares_of_gpu_time": {k: round(v, 4) for k, v in shares.items()},
         "top": [{"kernel": name[:120], "ms_per_step": round(t / 1e3 / steps, 3)} for name, t in top],
+        "host_top": host_top(prof, steps),
     }
+
+
+def host_top(prof: Any, steps: int, n: int = 12) -> list[dict[str, Any]]:
+    """The host ops (and Python-level annotations) with the most self CPU time, in ms per step."""
+    rows = [
+        (e.key, e.self_cpu_time_total, e.count)
+        for e in prof.key_averages()
+        if e.device_type == torch.autograd.DeviceType.CPU and e.self_cpu_time_total > 0
+    ]
+    rows.sort(key=lambda r: -r[1])
+    return [
+        {"op": name[:100], "ms_per_step": round(t / 1e3 / steps, 3), "calls_per_step": round(c / steps, 1)}
+        for name, t, c in rows[:n]
+    ]
 
 
 def step_periods(step_ends: list[float], warmup: int) -> list[float]:
