@@ -64,7 +64,7 @@ SECTIONS: dict[str, int] = {
     "hand": 180,
     "seed": 110,
     "fsdp": 110,
-    "recipes": 150,
+    "recipes": 200,
     "folder_gpu_decode": 100,
     "folder": 100,
     "streaming_gpu_decode": 100,
@@ -277,10 +277,16 @@ class Ctx:
             self._shards = out
         return self._shards
 
-    def common(self, name: str, batch: int | None = None) -> list[str]:
+    def common(self, name: str, batch: int | None = None, epoch_batches: int | None = None) -> list[str]:
+        """The overrides every template section shares; `epoch_batches`: the data's batches per epoch, when
+        fewer than warm-up + timed + profiled steps (the timed window then shrinks to fit one epoch)."""
         a = self.args
         profile = PROFILE_STEPS if not self.cpu else 1
         steps = a.warmup + a.steps + 1 + profile
+        if epoch_batches is not None and epoch_batches < steps:
+            if epoch_batches - a.warmup - 1 - profile < 2:
+                raise RuntimeError(f"{epoch_batches} batches per epoch: too few for the warm-up and a window")
+            steps = epoch_batches
         return [
             "experiment=cifar",
             "model.net.pretrained=false",
@@ -418,6 +424,10 @@ def section(ctx: Ctx, name: str, timeout: float) -> dict[str, Any]:
         extra = [*ctx.folder_data(in_memory=False), f"datamodule.decode_device={decode}"]
     elif name == "recipes":
         size, patch = (32, 8) if ctx.cpu else (224, 32)
+        # the photos held in memory make fewer batches than the other sections' window: the window fits
+        base = ctx.common(
+            name, epoch_batches=len(list((ctx.photos / "train").rglob("*.jpg"))) // ctx.args.batch
+        )
         extra = [
             *ctx.folder_data(in_memory=True),
             "datamodule.auto_augment=rand-m9-n2-mstd0.5",

@@ -206,7 +206,10 @@ def gpu_time_shares(prof: Any, steps: int, wall_us: float) -> dict[str, Any]:
     rows = [
         (e.key, e.self_device_time_total)
         for e in prof.key_averages()
-        if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0
+        if e.device_type == torch.autograd.DeviceType.CUDA
+        and e.self_device_time_total > 0
+        # a user annotation (Lightning's "Optimizer.step#AdamW.step" spans the whole step) is no kernel
+        and not getattr(e, "is_user_annotation", False)
     ]
     busy = sum(t for _, t in rows)
     shares = dict.fromkeys([*KERNEL_KINDS, "other"], 0.0)
@@ -226,7 +229,8 @@ def gpu_time_shares(prof: Any, steps: int, wall_us: float) -> dict[str, Any]:
 
 
 def host_top(prof: Any, steps: int, n: int = 12) -> list[dict[str, Any]]:
-    """The host ops (and Python-level annotations) with the most self CPU time, in ms per step."""
+    """The host ops with the most self CPU time, in ms per step; an annotation's self time (Lightning's
+    "Optimizer.step#...", which wraps the training step) is the Python work between its ops."""
     rows = [
         (e.key, e.self_cpu_time_total, e.count)
         for e in prof.key_averages()

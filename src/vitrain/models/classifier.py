@@ -302,11 +302,17 @@ class ImageClassifier(L.LightningModule):
 
 
 def compile_choice(value: bool | str, strategy: Strategy | None) -> bool:
-    """`model.compile`: true, false, or auto = on when training on a GPU (1.3x the eager speed of the seed run
-    on an H100, docs/benchmarks.md), off on a CPU (Inductor's C++ build is rarely won back there). How much
-    is compiled (the whole network, or each block) is `parallelize`'s choice."""
+    """`model.compile`: true, false, or auto = on when training on a GPU without FSDP (1.3x the eager speed
+    of the seed run on an H100, docs/benchmarks.md), off on a CPU (Inductor's C++ build is rarely won back
+    there). Under FSDP `true` compiles each block; `auto` leaves it eager: the one-GPU FSDP step is bound by
+    the host (the GPU busy ~20 % of it) and the compiled run has no clean measurement yet, while its compile
+    took 49 s. How much is compiled (the whole network, or each block) is `parallelize`'s choice."""
     if value == "auto":
-        return strategy is not None and strategy.root_device.type == "cuda"
+        return (
+            strategy is not None
+            and strategy.root_device.type == "cuda"
+            and getattr(strategy, "fsdp_options", None) is None
+        )
     if not isinstance(value, bool):
         raise ModelError(f"model.compile={value!r} must be true, false or auto")
     return value
