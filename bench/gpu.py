@@ -478,22 +478,21 @@ def table(results: dict[str, Any]) -> list[str]:
     peaks = [(r.get("figures") or {}).get("peak_flops") for r in results.values() if isinstance(r, dict)]
     peak = next((p for p in peaks if p), None)
     rows = [
-        "| path | images/s | MFU | x hand compiled | x seed | data wait | GPU util | GPU busy (profile) "
-        "| first step (compile) | peak GB |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| path | images/s | MFU | x hand compiled | x seed | data wait | GPU util | first step (compile) | peak GB |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name in SECTIONS:
         res = results.get(name)
         if res is None:
             continue
         if res.get("error"):
-            rows.append(f"| {WHAT[name]} | {error_text(res)} | | | | | | | | |")
+            rows.append(f"| {WHAT[name]} | {error_text(res)} | | | | | | | |")
             continue
         figs = res["figures"]
         entries = figs.items() if name.startswith("hand") else [("", figs)]
         for variant, f in entries:
             if f.get("error"):
-                rows.append(f"| {WHAT[name]}: {variant} | {error_text(f)} | | | | | | | | |")
+                rows.append(f"| {WHAT[name]}: {variant} | {error_text(f)} | | | | | | | |")
                 continue
             ips = f.get("images_per_s")
             ref = best_compiled(hand, f.get("batch_size")).get("images_per_s")
@@ -508,7 +507,6 @@ def table(results: dict[str, Any]) -> list[str]:
                 f"| {fmt(ips / ref if ips and ref else None, '.2f')} "
                 f"| {fmt(ips / seed if ips and seed else None, '.2f')} "
                 f"| {fmt(f.get('data_wait_share'), '.1%')} | {fmt(f.get('gpu_util_pct'), '.0f')} "
-                f"| {fmt((f.get('kernels') or {}).get('gpu_busy_share_of_wall'), '.0%')} "
                 f"| {fmt(f.get('first_step_s'), '.1f')} s | {fmt(f.get('peak_memory_gb'), '.1f')} |"
             )
     return rows

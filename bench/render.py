@@ -23,6 +23,8 @@ ORDER = [
     "accuracy",
     "levers",
     "gpu",
+    "gpu_call1",
+    "gpu_earlier",
     "gpu_first_call",
 ]
 TITLES = {
@@ -35,7 +37,9 @@ TITLES = {
     "accuracy": "6. Accuracy under a 10-minute budget",
     "levers": "Levers (what each speed option is worth here)",
     "gpu": "7. GPU: every path next to a hand-written loop",
-    "gpu_first_call": "7b. GPU: the first call of the day (before the patch-embedding rewrite)",
+    "gpu_call1": "7b. GPU: the call before (batch 1024, FSDP compiled per block, image-folder nvJPEG decode)",
+    "gpu_earlier": "7c. GPU: the day's second call (patch-embedding rewrite, eager FSDP)",
+    "gpu_first_call": "7d. GPU: the day's first call (before the patch-embedding rewrite)",
 }
 
 
