@@ -16,7 +16,8 @@ what does not fit is listed as skipped, with the reason. Without CUDA it runs th
 model on the CPU and marks every figure "not measured".
 """
 
-# python bench/gpu.py                     # ~8 minutes on one H100 (data generation included)
+# python bench/gpu.py                     # every section, ~15 minutes on one H100 (--budget 900)
+# python bench/gpu.py --quick             # one path of each kind, ~7 minutes
 # python bench/gpu.py --only hand,seed    # a subset
 # python bench/gpu.py --smoke             # a tiny model on the CPU: checks the script, measures nothing
 
@@ -88,6 +89,8 @@ WHAT = {
     "streaming": "`datamodule=streaming` (litdata shards of the photos), CPU decode in workers",
     "streaming_gpu_decode": "`datamodule=streaming`, `decode_device=cuda` (nvJPEG)",
 }
+# --quick: one path of each kind, in this order (section times measured on one H100: ~50-150 s each)
+QUICK = ["hand", "seed", "fsdp", "folder_gpu_decode", "recipes"]
 # template runs: kernels and host ops of this many steps after the timed window (bench/probe.py)
 PROFILE_STEPS = 3
 
@@ -547,12 +550,18 @@ def gpu_facts() -> dict[str, Any]:
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU: checks the script")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="one path of each kind (" + ",".join(QUICK) + "), the compiled hand-written loop only, fewer "
+        "steps: ~7 minutes on one H100",
+    )
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--data-dir", type=Path, default=DATA_DIR, help="CIFAR-10 JPEG archive or folder")
     p.add_argument("--cache-dir", type=Path, default=CACHE_DIR, help="unused; kept for bench/run.py")
     p.add_argument("--work", type=Path, default=None, help="scratch folder (default: a temporary one)")
     p.add_argument("--only", default="", help="comma-separated subset of " + ",".join(SECTIONS))
-    p.add_argument("--budget", type=float, default=480.0, help="seconds for all sections together")
+    p.add_argument("--budget", type=float, default=900.0, help="seconds for all sections together")
     p.add_argument("--batch", type=int, default=384)
     p.add_argument("--steps", type=int, default=40, help="timed steps")
     p.add_argument("--warmup", type=int, default=15, help="untimed steps first (compile included)")
@@ -589,6 +598,14 @@ def main() -> int:
     if args.hand:
         return hand_main(args)
     cpu = args.smoke or not torch.cuda.is_available()
+    if args.quick:
+        args.steps, args.warmup, args.photos = (
+            min(args.steps, 20),
+            min(args.warmup, 6),
+            min(args.photos, 9600),
+        )
+        args.hand_variants = "compiled_patchmm"
+        args.only = args.only or ",".join(QUICK)
     if cpu:
         args.batch, args.steps, args.warmup, args.photos = 8, 3, 2, 160
     result = Result("gpu", args)
