@@ -397,6 +397,29 @@ def test_gpu_decode_wiring_trains(local_shards: Path, tmp_path: Path, monkeypatc
     assert seen == [(8, 3, 32, 32)] * 2
 
 
+def test_gpu_decode_applies_the_batch_augmentation_or_refuses_it(
+    local_shards: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """With decode_device=cuda, RandAugment and random erasing run on the decoded batch (the in-memory path's
+    batch ops); a policy those ops do not have is refused in one line, before any shard is read."""
+    monkeypatch.setattr(StreamingDataModule, "decode_on", lambda self: torch.device("cpu"))
+    common = {
+        "data_dir": str(local_shards),
+        "cache_dir": str(tmp_path),
+        "batch_size": 8,
+        "decode_device": "cuda",
+    }
+    dm = StreamingDataModule(**common, auto_augment="rand-m9-n2-mstd0.5", re_prob=0.25)
+    dm.set_input_spec(32, (0.5,) * 3, (0.5,) * 3)
+    dm.setup("fit")
+    assert (
+        dm._gpu_decoder.augment.auto_augment == "rand-m9-n2-mstd0.5"
+        and dm._gpu_decoder.augment.re_prob == 0.25
+    )
+    with pytest.raises(DataError, match=r"decode_device=cuda the policy runs on the GPU.*decode_device=cpu"):
+        StreamingDataModule(**common, auto_augment="rand-m9-mstd0.5-inc1")
+
+
 def test_batch_size_search_decodes_like_the_run(
     local_shards: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):

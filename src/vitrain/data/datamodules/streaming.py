@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from vitrain.compat import litdata_allow_http, litdata_distributed_env
 from vitrain.data.datamodules.base import ImageDataModule, Splits
-from vitrain.data.gpu_decode import check_decode_device, gpu_decode_device
+from vitrain.data.gpu_decode import check_augment, check_decode_device, gpu_decode_device
 from vitrain.data.sampling import sample_seed, seeded_sample
 from vitrain.data.shards import FORMAT_NAME, FORMAT_VERSION, METADATA_FILE
 from vitrain.data.transforms import timm_transform
@@ -230,6 +230,8 @@ class StreamingDataModule(ImageDataModule):
         **kwargs: Any,
     ) -> None:
         check_decode_device(decode_device)
+        if decode_device == "cuda":
+            check_augment(auto_augment, re_prob)
         super().__init__(*args, **kwargs)
         self._meta: dict[str, Any] | None = None
         self._gpu_decoder: Any = None
@@ -292,8 +294,9 @@ class StreamingDataModule(ImageDataModule):
             # its crops and flips draw from a generator of its own, seeded per (seed, rank)
             seed = sample_seed(hp.shuffle_seed, 0, self._world()[1])
             self._gpu_decoder = GpuDecoder(
-                self.img_size, self.mean, self.std, hflip=hp.hflip, device=device, seed=seed
-            )
+                self.img_size, self.mean, self.std, hflip=hp.hflip, device=device, seed=seed,
+                auto_augment=hp.auto_augment, re_prob=hp.re_prob,
+            )  # fmt: skip
         train_sample = SampleTransform(
             self.build_transform(train=True), hp.shuffle_seed, raw=device is not None
         )
