@@ -468,8 +468,9 @@ def check_batch_size_search(ctx: Ctx) -> Outcome:
 # ------------------------------------------------------------------ GPU JPEG decode (h13b, issue 13 part B)
 def check_gpu_decode(ctx: Ctx) -> Outcome:
     """`datamodule.decode_device=cuda`: nvJPEG batch decode + GPU crop/flip/normalise gives the CPU decode's
-    pixels (rounding aside), images/s on the GPU vs one CPU core; then a few training steps of
-    `datamodule=streaming` with the GPU decoder, from shards of the generated data."""
+    pixels (rounding aside), the batched resize F.interpolate's per crop, images/s on the GPU vs one CPU
+    core; then a few training steps of `datamodule=streaming` with the GPU decoder, from shards of the
+    generated data."""
     if ctx.cpu:
         return Outcome(SKIP, "CPU dry run (the CPU tests run this code path with device=cpu)")
     from vitrain.data.gpu_decode import check
@@ -477,6 +478,7 @@ def check_gpu_decode(ctx: Ctx) -> Outcome:
 
     figures = check("cuda")
     expect(figures["mean_abs_pixel_diff"] < 3.0, f"GPU decode differs from the CPU decode: {figures}")
+    expect(figures["resize_max_abs_diff"] < 0.5, f"batched resize differs from F.interpolate: {figures}")
     shards = ctx.out / "gpu_decode_shards"
     write_shards(ctx.data, str(shards), val_size=32, workers=4, cache_dir=ctx.cache)
     # the ViT keys (img_size, patch_size) of the base runs come with experiment=cifar's model=vit
