@@ -34,6 +34,7 @@ SUITE = [
     "levers",
     "ddp_scaling",
     "fsdp_memory",
+    "float8",
     "gpu",
 ]
 

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import timm
@@ -206,3 +207,65 @@ def test_a_short_run_reports_images_per_s_and_mfu_with_its_first_step_apart(
     assert report["first_step_s"] > 0 and report["images_per_s_after_first_step"] > 0
     text = (tmp_path / "report.md").read_text()
     assert "steady state" in text and "first step" in text
+
+
+def test_float8_trains_and_its_checkpoint_loads_into_a_plain_network(
+    tmp_path: Path, tiny_cifar: Path, data_cache: Path
+):
+    """`model.float8=true`: torchao's Float8Linear takes the blocks' linear layers (not the head) and trains
+    under bf16 autocast (on the CPU with torch's float8 matmul); testing and eval.py evaluate it (under
+    no_grad: float8 tensors have no inference-mode path with autocast); the checkpoint holds the plain
+    network's keys and loads into a network built without float8."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    from vitrain.tasks.evaluation import evaluate
+
+    overrides = [
+        *tiny_overrides(tiny_cifar, data_cache),
+        "trainer.precision=bf16-mixed",
+        "model.float8=true",
+        "trainer.limit_train_batches=3",
+        "trainer.limit_val_batches=1",
+        "+trainer.limit_test_batches=1",
+        "logger=none",
+    ]
+    metrics, objects = train(compose_cfg("train", overrides, tmp_path))
+    assert "test/acc1" in metrics
+    evaluated, _ = evaluate(
+        compose_cfg("eval", [f"ckpt_path={objects.best_model_path}", "split=val"], tmp_path / "eval")
+    )
+    assert 0 <= evaluated["val/acc1"] <= 1
+    net = objects.model.net
+    converted = [name for name, m in net.named_modules() if isinstance(m, Float8Linear)]
+    assert converted and all(".mlp." in n or ".attn." in n for n in converted)
+    assert not isinstance(net.get_classifier(), Float8Linear)
+    assert 0 < metrics["val/loss"] < 100  # trained and evaluated to a finite loss
+    state = torch.load(objects.best_model_path, map_location="cpu", weights_only=False)["state_dict"]
+    plain_net = timm.create_model(
+        "vit_tiny_patch16_224", img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2,
+        num_classes=net.num_classes,
+    )  # fmt: skip
+    plain_net.load_state_dict({k.removeprefix("net."): v for k, v in state.items() if k.startswith("net.")})
+
+
+def test_float8_is_refused_where_it_cannot_run(monkeypatch: pytest.MonkeyPatch):
+    from vitrain.models.float8 import convert_to_float8, float8_refusal
+
+    assert float8_refusal(torch.device("cpu")) is None
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    assert "A100-SXM4-80GB has 8.0: leave model.float8=false" in float8_refusal(torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert float8_refusal(torch.device("cuda", 0)) is None
+    with pytest.raises(ModelError, match="no linear layer with both dims multiples of 16"):
+        convert_to_float8(nn.Sequential(nn.Linear(10, 6)))
+    with pytest.raises(ModelError, match=r"model\.float8='yes' must be true or false"):
+        compose_and_build_model_with(float8="yes")
+
+
+def compose_and_build_model_with(**model: Any) -> Any:
+    from vitrain.models.classifier import ImageClassifier
+
+    net = {"model_name": "vit_tiny_patch16_224", "pretrained": False, "img_size": 32, "patch_size": 8,
+           "embed_dim": 32, "depth": 1, "num_heads": 2, "num_classes": 4}  # fmt: skip
+    return ImageClassifier(net=net, optimizer={"_target_": "torch.optim.AdamW"}, **model)

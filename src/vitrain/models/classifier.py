@@ -22,6 +22,7 @@ from vitrain.checkpoints import CheckpointError
 from vitrain.compat import attached_trainer, should_update_logs
 from vitrain.distributed.parallelize import parallelize
 from vitrain.errors import ModelError, argument_error
+from vitrain.models.float8 import convert_to_float8, float8_refusal
 from vitrain.models.resolution import make_resize
 from vitrain.models.timm_net import create_net, input_spec, patch_convs_as_matmuls
 from vitrain.utils.config import plain
@@ -74,6 +75,7 @@ class ImageClassifier(L.LightningModule):
         channels_last: bool = False,
         tta_flip: bool = False,
         progressive_resize: Mapping[str, Any] | None = None,
+        float8: bool = False,
     ) -> None:
         super().__init__()
         net, optimizer, scheduler, mixup = plain(net), plain(optimizer), plain(scheduler), plain(mixup)
@@ -83,6 +85,8 @@ class ImageClassifier(L.LightningModule):
                 node is not None or name == "optimizer"
             ):
                 raise ModelError(f"model.{name} must be a config node with a _target_, not {node!r}")
+        if not isinstance(float8, bool):
+            raise ModelError(f"model.float8={float8!r} must be true or false")
         self.save_hyperparameters(logger=False)  # the plain values above (read from this frame's locals)
         self.net: nn.Module = create_net(net, weights_file)
         if fused_attn is not None:
@@ -146,6 +150,10 @@ class ImageClassifier(L.LightningModule):
         """Model options that the run's strategy or device cannot honour (`fitting`: in training), refused in
         one line. Called by vitrain.tasks.build before the other ranks start, and again by configure_model (every
         entry point)."""
+        if self.hparams.get("float8"):
+            refusal = float8_refusal(strategy.root_device)
+            if refusal:
+                raise ModelError(refusal)
         if self.hparams.channels_last and getattr(strategy, "fsdp_options", None) is not None:
             raise ModelError(
                 "model.channels_last=true is not supported with trainer=fsdp (FSDP2 shards each parameter "
@@ -177,6 +185,8 @@ class ImageClassifier(L.LightningModule):
             self.check_strategy(strategy, fitting=trainer.state.fn == TrainerFn.FITTING)
         if strategy is not None and strategy.root_device.type == "cuda":
             patch_convs_as_matmuls(self.net)
+        if self.hparams.get("float8") and not getattr(self.net, "_vitrain_parallelized", False):
+            convert_to_float8(self.net)  # before compile and sharding, which take the converted layers
         parallelize(self.net, strategy, compile=self.compiles(strategy), resizes=self.resize is not None)
 
     def compiles(self, strategy: Strategy | None) -> bool:

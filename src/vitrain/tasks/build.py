@@ -103,10 +103,20 @@ def time_budget_wins(trainer_cfg: DictConfig) -> None:
             trainer_cfg.min_epochs = None
 
 
-def build_trainer(cfg: DictConfig, callbacks: list[Callback], loggers: list[Logger] | bool) -> L.Trainer:
-    """`cfg.trainer` with these callbacks and loggers, and `trainer.precision=auto` chosen for this machine."""
+def build_trainer(
+    cfg: DictConfig, callbacks: list[Callback], loggers: list[Logger] | bool, float8: bool | None = None
+) -> L.Trainer:
+    """`cfg.trainer` with these callbacks and loggers, and `trainer.precision=auto` chosen for this machine;
+    `float8`: whether the model computes in float8 (default: `cfg.model.float8`)."""
+    extra = {}
+    if float8 is None:
+        float8 = bool((cfg.get("model") or {}).get("float8"))
+    if float8:
+        # torchao's float8 tensors cannot run under torch.inference_mode with autocast (an unsupported
+        # aten.to): evaluation runs under no_grad instead, as FSDP's does
+        extra["inference_mode"] = False
     trainer: L.Trainer = hydra.utils.instantiate(
-        cfg.trainer, callbacks=callbacks, logger=loggers, precision=resolve_precision(cfg.trainer)
+        cfg.trainer, callbacks=callbacks, logger=loggers, precision=resolve_precision(cfg.trainer), **extra
     )
     return trainer
 

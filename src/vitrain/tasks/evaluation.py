@@ -132,7 +132,7 @@ def evaluate(cfg: DictConfig) -> tuple[dict[str, float], RunObjects]:
     per_class_acc = model.track_per_class_accuracy()
 
     callbacks = instantiate_dict(cfg.get("callbacks"))
-    trainer = build_trainer(cfg, callbacks, loggers=False)
+    trainer = build_trainer(cfg, callbacks, loggers=False, float8=bool(model.hparams.get("float8")))
     objects = RunObjects(cfg, datamodule, model, callbacks, [], trainer, checkpoint_path=path)
     run = trainer.test if cfg.split == "test" else trainer.validate
     run(model=model, datamodule=datamodule, verbose=False)
