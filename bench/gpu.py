@@ -71,6 +71,7 @@ SECTIONS: dict[str, int] = {
     "streaming_gpu_decode": 100,
     "streaming": 100,
     "seed_1024": 90,
+    "seed_fp8": 120,
     "hand_fp8": 110,
     "seed_before": 100,
     "seed_eager": 60,
@@ -81,6 +82,7 @@ WHAT = {
     "seed_before": "`experiment=cifar`, 2026-11-26 settings (eager, pageable batches, foreach AdamW)",
     "seed": "`experiment=cifar` (today's defaults)",
     "seed_1024": "`experiment=cifar datamodule.batch_size=1024`",
+    "seed_fp8": "`experiment=cifar model.float8=true` (torchao float8 matmuls)",
     "seed_eager": "`experiment=cifar model.compile=false` (pinned batches, fused AdamW, eager)",
     "folder": "`datamodule=image_folder` from disk, photo-sized JPEGs, timm transforms in workers",
     "folder_gpu_decode": "`datamodule=image_folder` from disk, `decode_device=cuda` (nvJPEG)",
@@ -420,6 +422,10 @@ def section(ctx: Ctx, name: str, timeout: float) -> dict[str, Any]:
     elif name == "seed_1024":
         base = ctx.common(name, batch=1024 if not ctx.cpu else 16)
         extra = ctx.cifar_data()
+    elif name == "seed_fp8":
+        if ctx.cpu:
+            raise RuntimeError("float8 needs a GPU with float8 tensor cores")
+        extra = [*ctx.cifar_data(), "model.float8=true"]
     elif name == "seed_eager":
         extra = [*ctx.cifar_data(), "model.compile=false"]
     elif name in ("folder", "folder_gpu_decode"):
