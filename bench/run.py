@@ -34,6 +34,7 @@ SUITE = [
     "levers",
     "ddp_scaling",
     "fsdp_memory",
+    "fsdp_host",
     "float8",
     "gpu",
 ]

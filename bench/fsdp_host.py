@@ -1,0 +1,139 @@
+"""FSDP's host cost: what FSDP2 (`fully_shard`) adds to a training step's host work, on one process.
+
+On one H100 the one-GPU FSDP run was bound by the host (31 ms of kernels in a 147 ms step, docs/benchmarks.md
+section 7b). Host work is measured here on the CPU, where it can be isolated: a network with ViT-B's
+parameter tensors (12 blocks, the same 152 weights and biases) at a width so small that the arithmetic is
+negligible, trained by a plain loop (fused AdamW, the batch already in memory), then the same loop with the
+network sharded as `trainer=fsdp` shards it (each block, then the root; one gloo rank, one thread), with and
+without the bf16 policy (`trainer.strategy.mixed_precision=bf16`), with `reshard_after_forward=false`, and
+with all twelve blocks in one unit. Variants are interleaved (A, B, B, A, ...), each segment timing a few
+steps; the figure is each variant's median ms per step, and the top-level aten ops per step (torch.profiler:
+on a GPU each is at least one kernel launch).
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from common import Result, interleave, median, parse_args
+from torch import nn
+
+VARIANTS = {
+    # name: (shard, bf16 policy, reshard_after_forward, blocks per unit)
+    "plain": (False, False, True, 1),
+    "fsdp": (True, False, True, 1),
+    "fsdp_bf16": (True, True, True, 1),
+    "fsdp_bf16_keep_gathered": (True, True, False, 1),
+    "fsdp_bf16_one_unit": (True, True, True, 12),
+}
+
+
+def build(
+    shard: bool, bf16: bool, reshard: bool, per_unit: int, depth: int
+) -> tuple[Callable[[], None], int]:
+    """One training step of the variant's network (fresh weights, the same seed), and its parameter tensors."""
+    import timm
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    torch.manual_seed(0)
+    net = timm.create_model(
+        "vit_tiny_patch16_224", img_size=32, patch_size=8, embed_dim=32, depth=depth, num_heads=2,
+        num_classes=10,
+    )  # fmt: skip
+    if shard:
+        mesh = init_device_mesh("cpu", (1,))
+        dtypes = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32} if bf16 else {}
+        blocks: list[nn.Module] = list(net.blocks)
+        for i in range(0, len(blocks), per_unit):
+            unit = blocks[i : i + per_unit]
+            fully_shard(unit if per_unit > 1 else unit[0], mesh=mesh,
+                        mp_policy=MixedPrecisionPolicy(**dtypes), reshard_after_forward=reshard)  # fmt: skip
+        fully_shard(net, mesh=mesh, reshard_after_forward=reshard,
+                    mp_policy=MixedPrecisionPolicy(**dtypes, output_dtype=torch.float32 if bf16 else None))  # fmt: skip
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-4, fused=True)
+    x, y = torch.randn(8, 3, 32, 32), torch.randint(0, 10, (8,))
+
+    def step() -> None:
+        F.cross_entropy(net(x), y, label_smoothing=0.1).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step, len(list(net.parameters()))
+
+
+def ops_per_step(step: Callable[[], None], steps: int = 3) -> float:
+    """Top-level aten ops per step (ops called by other aten ops not counted)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+    top = [
+        e for e in prof.events()
+        if e.name.startswith("aten::") and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))
+    ]  # fmt: skip
+    return len(top) / steps
+
+
+def main() -> None:
+    args = parse_args(__doc__)
+    result = Result("fsdp_host", args)
+    torch.set_num_threads(1)
+    with socket.socket() as s:  # a free port: the tests run other process groups at the same time
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    depth, steps, rounds = (2, 2, 2) if args.smoke else (12, 10, 6)
+    built = {name: build(*spec, depth=depth) for name, spec in VARIANTS.items()}
+    variants = {name: step for name, (step, _) in built.items()}
+    params = built["plain"][1]
+    for step in variants.values():  # warm-up: allocator, autograd graph, FSDP's lazy init
+        for _ in range(3):
+            step()
+
+    def segment(step: Callable[[], None]) -> Callable[[], float]:
+        def run() -> float:
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                step()
+            return (time.perf_counter() - t0) / steps * 1e3
+
+        return run
+
+    times = interleave({name: segment(step) for name, step in variants.items()}, rounds)
+    ms = {name: median(values) for name, values in times.items()}
+    ops = {name: ops_per_step(step) for name, step in variants.items()}
+    dist.destroy_process_group()
+    added = ms["fsdp_bf16"] - ms["plain"]
+    line = (
+        f"FSDP2 with the bf16 policy adds {added:.1f} ms of host work per step ({ms['fsdp_bf16']:.1f} vs "
+        f"{ms['plain']:.1f} ms; {1e3 * added / params:.0f} us per parameter tensor, {params} tensors) and "
+        f"{ops['fsdp_bf16'] - ops['plain']:.0f} top-level ops; fp32 policy {ms['fsdp']:.1f} ms, "
+        f"reshard_after_forward=false {ms['fsdp_bf16_keep_gathered']:.1f} ms, one unit for all blocks "
+        f"{ms['fsdp_bf16_one_unit']:.1f} ms"
+    )
+    result.save(
+        line,
+        figures={
+            **{f"{name}_ms_per_step": round(v, 2) for name, v in ms.items()},
+            **{f"{name}_ops_per_step": round(v) for name, v in ops.items()},
+            "parameter_tensors": params,
+        },
+        notes=[
+            "Host time on this CPU, one thread: a GPU's host adds a kernel launch per op and runs FSDP's "
+            "collectives through NCCL, so the milliseconds differ there; what carries over is where the time "
+            "grows (per parameter tensor, per all-gather) and what each option removes."
+        ],
+        segments_ms=times,
+        depth=depth,
+    )
+
+
+if __name__ == "__main__":
+    main()
