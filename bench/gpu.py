@@ -10,7 +10,7 @@ from disk (CPU and nvJPEG decode), and streaming shards (CPU and nvJPEG decode).
 images/s (synchronised at the two ends of the timed window, after the warm-up steps), MFU (Lightning's FLOP
 count of the model x images/s / the GPU's dense bf16 peak), the host's wait for data as a share of the
 window, GPU utilisation sampled during the window (NVML), where the GPU time goes (torch.profiler over a few
-warm-up steps: matmul, attention, communication, copies, fused elementwise; busy share of the wall time),
+steps after the timed window: matmul, attention, communication, copies, fused elementwise; host ops),
 the first step (compile + warm-up) apart, peak memory. Sections run in priority order within `--budget` seconds:
 what does not fit is listed as skipped, with the reason. Without CUDA it runs the same code with a tiny
 model on the CPU and marks every figure "not measured".
@@ -86,7 +86,7 @@ WHAT = {
     "seed_eager": "`experiment=cifar model.compile=false` (pinned batches, fused AdamW, eager)",
     "folder": "`datamodule=image_folder` from disk, photo-sized JPEGs, timm transforms in workers",
     "folder_gpu_decode": "`datamodule=image_folder` from disk, `decode_device=cuda` (nvJPEG)",
-    "recipes": "recipes: that folder in memory, RandAugment + erasing, EMA, progressive resizing, flip TTA",
+    "recipes": "recipes: the photo folder in memory, RandAugment + erasing, EMA, progressive resizing, flip TTA",
     "fsdp": "`trainer=fsdp` on 1 GPU, bf16 FSDP policy",
     "streaming": "`datamodule=streaming` (litdata shards of the photos), CPU decode in workers",
     "streaming_gpu_decode": "`datamodule=streaming`, `decode_device=cuda` (nvJPEG)",
