@@ -345,12 +345,10 @@ def params_device_type(net: nn.Module) -> str | None:
     """The one device type of all parameters, when each is a plain tensor or a DTensor (FSDP2's shards);
     None for mixed devices or other tensor subclasses, which a fused kernel may not take."""
     params = list(net.parameters())
-    kinds = {p.device.type for p in params if type(p.data) in (torch.Tensor, DTensor)}
-    return (
-        kinds.pop()
-        if len(kinds) == 1 and all(type(p.data) in (torch.Tensor, DTensor) for p in params)
-        else None
-    )
+    if not params or any(type(p.data) not in (torch.Tensor, DTensor) for p in params):
+        return None
+    kinds = {p.device.type for p in params}
+    return kinds.pop() if len(kinds) == 1 else None
 
 
 def build_node(key: str, node: Mapping[str, Any], **objects: Any) -> Any:
