@@ -36,7 +36,9 @@ class BenchProbe(Callback):
     - `fit_seconds`, `epochs`, `global_step`, `stopped_early`: how the fit went (max_time, max_epochs);
     - `rss_setup`, `param_bytes`, `peak_rss_train`: this process's memory at setup and its peak during
       training (VmHWM reset at train start); on CUDA `peak_cuda_allocated` instead;
-    - `metrics`: the logged metrics after fit and after test (test/acc1 ...).
+    - `metrics`: the logged metrics after fit and after test (test/acc1 ...);
+    - `window_end`: the index in `step_ends` of the last timed batch (the epoch's last, or the last before
+      the profiled ones), and with `profile_steps` `kernels` (gpu_time_shares of the profiled batches).
     """
 
     def __init__(
