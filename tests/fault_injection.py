@@ -84,7 +84,13 @@ class SlurmSignalAt(Callback):
                 previous(sig, frame)
 
         signal.signal(signum, note)
-        subprocess.run(["scancel", f"--signal={self.name}", os.environ["SLURM_JOB_ID"]], check=True)
+        # scancel runs inside the job step, so SLURM signals it too: it ignores the signal (an ignored signal
+        # stays ignored across exec), or it may die of it before exiting 0 (a race that failed a CI run)
+        subprocess.run(
+            ["scancel", f"--signal={self.name}", os.environ["SLURM_JOB_ID"]],
+            check=True,
+            preexec_fn=lambda: signal.signal(signum, signal.SIG_IGN),
+        )
         deadline = time.monotonic() + 60
         while not arrived.is_set() and time.monotonic() < deadline:
             time.sleep(0.05)
