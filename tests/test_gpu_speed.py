@@ -11,7 +11,6 @@ import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
 
 import pytest
 import timm
@@ -249,6 +248,7 @@ def test_float8_trains_and_its_checkpoint_loads_into_a_plain_network(
 
 
 def test_float8_is_refused_where_it_cannot_run(monkeypatch: pytest.MonkeyPatch):
+    from vitrain.models.classifier import ImageClassifier
     from vitrain.models.float8 import convert_to_float8, float8_refusal
 
     assert float8_refusal(torch.device("cpu")) is None
@@ -260,12 +260,5 @@ def test_float8_is_refused_where_it_cannot_run(monkeypatch: pytest.MonkeyPatch):
     with pytest.raises(ModelError, match="no linear layer with both dims multiples of 16"):
         convert_to_float8(nn.Sequential(nn.Linear(10, 6)))
     with pytest.raises(ModelError, match=r"model\.float8='yes' must be true or false"):
-        compose_and_build_model_with(float8="yes")
-
-
-def compose_and_build_model_with(**model: Any) -> Any:
-    from vitrain.models.classifier import ImageClassifier
-
-    net = {"model_name": "vit_tiny_patch16_224", "pretrained": False, "img_size": 32, "patch_size": 8,
-           "embed_dim": 32, "depth": 1, "num_heads": 2, "num_classes": 4}  # fmt: skip
-    return ImageClassifier(net=net, optimizer={"_target_": "torch.optim.AdamW"}, **model)
+        ImageClassifier(net={"model_name": "vit_tiny_patch16_224"}, optimizer={"_target_": "torch.optim.AdamW"},
+                        float8="yes")  # fmt: skip
