@@ -93,6 +93,10 @@ WHAT = {
 }
 # --quick: one path of each kind, in this order (section times measured on one H100: ~50-150 s each)
 QUICK = ["hand", "seed", "fsdp", "folder_gpu_decode", "recipes"]
+# hand-written variants `compiled...+NAME`: torch.compile modes, levers measured before the template offers
+# them (autotune: Inductor benchmarks Triton/cuBLAS choices per matmul; cudagraphs: each graph replayed as one
+# CUDA graph, no per-kernel launches; shapes are static in this loop)
+COMPILE_MODES = {"autotune": "max-autotune-no-cudagraphs", "cudagraphs": "reduce-overhead"}
 # template runs: kernels and host ops of this many steps after the timed window (bench/probe.py)
 PROFILE_STEPS = 3
 
@@ -102,12 +106,17 @@ def hand_loop(variant: str, batch: int, steps: int, warmup: int, cpu: bool) -> d
     """The seed run's work written by hand: ViT-B/32 (10 classes, drop path 0.1), CIFAR-sized uint8 images
     held on the device, each batch flipped, resized to 224 px and normalised there, bf16 autocast, label
     smoothing 0.1, fused AdamW. `variant`: eager | compiled, `_patchmm` (the template's patch-embedding
-    matmul), or fp8 (compiled, patch matmul, torchao float8 linears); `@N` runs it at batch N."""
+    matmul), or fp8 (compiled, patch matmul, torchao float8 linears); `+autotune` / `+cudagraphs` compile
+    with one of torch.compile's modes (COMPILE_MODES); `@N` runs it at batch N."""
     import timm
     import torch.nn.functional as F
 
     variant, _, at = variant.partition("@")
     batch = int(at) if at else batch
+    variant, _, mode_name = variant.partition("+")
+    if mode_name and (mode_name not in COMPILE_MODES or not variant.startswith("compiled")):
+        raise ValueError(f"+{mode_name}: a compiled variant's mode is one of {', '.join(COMPILE_MODES)}")
+    mode = COMPILE_MODES.get(mode_name)
     device = torch.device("cpu" if cpu else "cuda")
     torch.manual_seed(0)
     net_kwargs = dict(TINY) if cpu else {"model_name": MODEL, "img_size": 224, "patch_size": 32}
@@ -125,7 +134,7 @@ def hand_loop(variant: str, batch: int, steps: int, warmup: int, cpu: bool) -> d
         convert_to_float8_training(model, module_filter_fn=lambda mod, fqn: fqn != "head")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.05, fused=device.type == "cuda")
     if variant.startswith(("compiled", "fp8")):
-        model = torch.compile(model)
+        model = torch.compile(model, mode=mode)
     n = 50_000 if not cpu else 512
     images = torch.randint(0, 256, (n, 3, 32, 32), dtype=torch.uint8, device=device)
     labels = torch.randint(0, 10, (n,), device=device)
@@ -134,6 +143,8 @@ def hand_loop(variant: str, batch: int, steps: int, warmup: int, cpu: bool) -> d
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
 
     def step(i: int) -> None:
+        if mode == "reduce-overhead":  # a new training step: the graphs' previous outputs may be reused
+            torch.compiler.cudagraph_mark_step_begin()
         start = (i * batch) % (n - batch)
         x = images[start : start + batch].float().div_(255)
         flip = torch.rand(batch, 1, 1, 1, device=device) < 0.5
@@ -168,7 +179,7 @@ def hand_loop(variant: str, batch: int, steps: int, warmup: int, cpu: bool) -> d
     return {
         "mfu": flops * batch * steps / seconds / peak if peak else None,
         "kernels": kernels,
-        "variant": variant,
+        "variant": variant + (f"+{mode_name}" if mode_name else ""),
         "images_per_s": batch * steps / seconds,
         "first_step_s": first,
         "batch_size": batch,
@@ -575,8 +586,9 @@ def parse() -> argparse.Namespace:
     p.add_argument(
         "--hand-variants",
         default="eager_patchmm,compiled_patchmm,compiled_patchmm@1024",
-        help="hand-written variants: eager|compiled[_patchmm][@batch] (_patchmm: patch convolution as a "
-        "matmul, as the template does on a GPU; @N: at batch N)",
+        help="hand-written variants: eager|compiled[_patchmm][+autotune|+cudagraphs][@batch] (_patchmm: "
+        "patch convolution as a matmul, as the template does on a GPU; +MODE: a torch.compile mode; @N: at "
+        "batch N)",
     )
     p.add_argument("--hand", default="", help=argparse.SUPPRESS)
     p.add_argument("--hand-out", type=Path, default=None, help=argparse.SUPPRESS)

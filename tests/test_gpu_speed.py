@@ -87,7 +87,7 @@ def test_fused_adamw_steps_fsdp2_shards_like_foreach(tmp_path: Path):
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
-def _graphs_for_sizes(per_block: bool, monkeypatch: pytest.MonkeyPatch) -> int:
+def _graphs_for_sizes(per_block: bool, monkeypatch: pytest.MonkeyPatch, drop_path_rate: float = 0.0) -> int:
     from torch._dynamo.utils import counters
 
     compile_ = nn.Module.compile
@@ -96,8 +96,8 @@ def _graphs_for_sizes(per_block: bool, monkeypatch: pytest.MonkeyPatch) -> int:
     torch._dynamo.reset()
     counters.clear()
     net = timm.create_model(
-        "vit_tiny_patch16_224", img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2,
-        num_classes=4, dynamic_img_size=True,
+        "vit_tiny_patch16_224", img_size=32, patch_size=8, embed_dim=32, depth=3, num_heads=2,
+        num_classes=4, dynamic_img_size=True, drop_path_rate=drop_path_rate,
     )  # fmt: skip
     parallelize(net, None, compile=True, resizes=per_block)
     for size in (16, 24, 32, 32, 16):  # a progressive-resizing ramp, then evaluation-like reuse
@@ -114,6 +114,38 @@ def test_progressive_resizing_compiles_each_block_twice_not_the_network_per_size
     token count for every later size; the whole network would be compiled again at each new size."""
     assert _graphs_for_sizes(per_block=True, monkeypatch=monkeypatch) == 2
     assert _graphs_for_sizes(per_block=False, monkeypatch=monkeypatch) == 3
+
+
+def test_blocks_with_growing_drop_path_rates_share_one_graph(monkeypatch: pytest.MonkeyPatch):
+    """Stochastic depth's rate grows with depth (0, 0.05, 0.1 here; ViT-B at 0.1: twelve rates): compiled
+    block by block, timm's float rates made a graph per block (ViT-B: 8, then Dynamo's recompile limit and
+    eager blocks); as tensors, the blocks share the graphs of rate-free blocks."""
+    assert _graphs_for_sizes(per_block=True, monkeypatch=monkeypatch, drop_path_rate=0.1) == 2
+
+
+def test_drop_path_keeps_timms_semantics():
+    """Per sample: the whole residual branch kept and scaled by 1/keep, or zeroed; identity in evaluation; the
+    rates as timm spread them, each block's in its own module; checkpoints keep their keys."""
+    from timm.layers import DropPath as TimmDropPath
+
+    from vitrain.distributed.drop_path import DropPath, uniform_drop_paths
+
+    net = timm.create_model("vit_tiny_patch16_224", depth=4, drop_path_rate=0.3, num_classes=4)
+    rates = [b.drop_path1.drop_prob if isinstance(b.drop_path1, TimmDropPath) else 0.0 for b in net.blocks]
+    keys = list(net.state_dict())
+    assert uniform_drop_paths(list(net.blocks)) == 8  # drop_path1/2 of 4 blocks, the first two Identity
+    assert [b.drop_path1.keep_prob.item() for b in net.blocks] == pytest.approx([1 - r for r in rates])
+    assert list(net.state_dict()) == keys
+    drop = DropPath(0.25).train()
+    torch.manual_seed(0)
+    x = torch.randn(20_000, 3, 2) + 5
+    out = drop(x)
+    kept = (out != 0).all(dim=(1, 2))
+    assert ((out == 0).all(dim=(1, 2)) | kept).all()  # whole samples, never part of one
+    torch.testing.assert_close(out[kept], x[kept] / 0.75)
+    assert abs(kept.float().mean().item() - 0.75) < 0.015  # 6 sigma of a binomial over 20,000
+    assert drop.eval()(x) is x
+    assert (DropPath(0.0).train()(x) == x).all()
 
 
 def test_pin_memory_auto_follows_the_trainer_device():

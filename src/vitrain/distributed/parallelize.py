@@ -23,6 +23,7 @@ from typing import Any
 from torch import nn
 
 from vitrain.compat import checkpoint_wrapper
+from vitrain.distributed.drop_path import uniform_drop_paths
 from vitrain.distributed.fsdp import apply_fsdp, is_sharded, transformer_blocks
 
 log = logging.getLogger(__name__)
@@ -70,8 +71,11 @@ def apply_activation_checkpointing(root: nn.Module, units: list[nn.Module]) -> l
 
 def apply_compile(root: nn.Module, units: list[nn.Module], per_unit: bool) -> list[nn.Module]:
     """`nn.Module.compile` in place (state-dict keys and checkpoints stay those of the plain model): each
-    unit when the model will be sharded or resized, otherwise the whole network (one graph, the fastest)."""
+    unit when the model will be sharded or resized, otherwise the whole network (one graph, the fastest).
+    Units compiled one by one get a stochastic depth whose rate is a tensor (`uniform_drop_paths`): with
+    timm's per-block float rates each block would compile a graph of its own."""
     if per_unit and units:
+        uniform_drop_paths(units)
         for unit in units:
             unit.compile()
     else:
