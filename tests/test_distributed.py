@@ -255,8 +255,9 @@ def test_fsdp_resumes_from_sharded_checkpoint(
     """`ckpt_path=last` continues the FSDP run: step counter, epoch and AdamW moments come back.
 
     The resumed run also turns on the other FSDP options (bf16 mixed precision, activation checkpointing,
-    no resharding after forward): they change neither the parameter names nor the fp32 sharded weights,
-    so the checkpoint loads strictly into the re-wrapped model.
+    no resharding after forward, explicit prefetching of 2 blocks): they change neither the parameter names
+    nor the fp32 sharded weights, so the checkpoint loads strictly into the re-wrapped model; its validation
+    (different batch counts on the two ranks) runs with the prefetch lists set.
     """
     run_dir = tmp_path / "run"
     shutil.copytree(fsdp_run.dir / "checkpoints" / "last.ckpt", run_dir / "checkpoints" / "last.ckpt")
@@ -270,6 +271,7 @@ def test_fsdp_resumes_from_sharded_checkpoint(
         "trainer.strategy.mixed_precision=bf16",
         "trainer.strategy.activation_checkpointing=true",
         "trainer.strategy.reshard_after_forward=false",
+        "trainer.strategy.prefetch=2",
     ]
     resumed = launch(run_dir, args)
     assert "Restored all states from the checkpoint" in resumed.output

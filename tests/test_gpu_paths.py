@@ -3,11 +3,13 @@
 Two real gloo processes (spawned once for the module) run the parallelize step and FSDP2 as a GPU run does:
 no collective on CPU tensors before the model is on its device (NCCL refuses them), identical initial
 weights on every rank from the common seed, evaluation under `torch.inference_mode` followed by a training
-step, hybrid sharding meshes, and a different augmentation stream per rank with per-rank RNG restore.
+step, hybrid sharding meshes, explicit prefetching (same numbers, all-gathers issued early), and a different
+augmentation stream per rank with per-rank RNG restore.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import traceback
 from pathlib import Path
@@ -40,6 +42,20 @@ NET = {
 }
 
 
+PREFETCH_DEPTH = 4
+# prefetch 0 is the reference; activation checkpointing recomputes each block in backward (no prefetch then)
+PREFETCH_RUNS = {
+    "0": {},
+    "1": {"prefetch": 1},
+    "2": {"prefetch": 2},
+    "2+ac": {"prefetch": 2, "activation_checkpointing": True},
+}
+
+
+def _refuse_all_gather(*args: Any, **kwargs: Any) -> None:
+    raise RuntimeError("an all-gather while evaluating: ranks with different batch counts would hang")
+
+
 class MeshOnly:
     """What `parallelize` reads from an FSDP2Strategy: its options and its mesh (a real gloo mesh here;
     the strategy's own `fsdp_mesh` needs a Lightning trainer around it)."""
@@ -52,9 +68,9 @@ class MeshOnly:
         return self._mesh
 
 
-def seeded_net() -> torch.nn.Module:
+def seeded_net(depth: int = NET["depth"]) -> torch.nn.Module:
     torch.manual_seed(42)  # what L.seed_everything(cfg.seed) does on every rank before the model is built
-    return create_net(NET, None)
+    return create_net({**NET, "depth": depth}, None)
 
 
 def _check(results: dict[str, Any], name: str, fn: Any) -> None:
@@ -112,6 +128,69 @@ def _worker(rank: int, store: str, out: str) -> None:
         grads = gather_from_ranks(grad.sum().item(), WORLD)
         return {"shape": list(hmesh.shape), "names": list(hmesh.mesh_dim_names), "grad_sums": grads}
 
+    def prefetch_changes_no_number() -> dict[str, Any]:
+        """3 AdamW steps at each prefetch depth, with an evaluation after the second in which the ranks run
+        3 and 2 batches (as `gather_for_eval` allows): any all-gather there would be a mismatch, so it raises."""
+        runs: dict[str, dict[str, Any]] = {}
+        for name, options in PREFETCH_RUNS.items():
+            net = seeded_net(depth=PREFETCH_DEPTH)
+            parallelize(net, MeshOnly(mesh, **options))
+            optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)
+            torch.manual_seed(100 + rank)  # each rank its own data
+            losses = []
+            for step in range(3):
+                x, y = torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,))
+                loss = torch.nn.functional.cross_entropy(net(x), y)
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                losses.append(loss.item())
+                if step == 1:
+                    gather_for_eval(net)
+                    original = dist.all_gather_single
+                    dist.all_gather_single = _refuse_all_gather
+                    try:
+                        with torch.no_grad():
+                            for _ in range(3 - rank):
+                                net(x)
+                    finally:
+                        dist.all_gather_single = original
+                    reshard_after_eval(net, True)
+            state = {k: v.full_tensor() for k, v in net.state_dict().items()}
+            runs[name] = {"losses": losses, "state": state}
+        reference = runs["0"]["state"]
+        for run in runs.values():
+            state = run.pop("state")
+            run["equal"] = state.keys() == reference.keys() and all(
+                torch.equal(state[k], reference[k]) for k in reference
+            )
+        return runs
+
+    def prefetch_lists_and_order(prefetch: int) -> dict[str, Any]:
+        """Who prefetches whom (by unit index; -1 the root), and how many all-gathers were issued by the time
+        each block's own forward starts."""
+        net = seeded_net(depth=PREFETCH_DEPTH)
+        parallelize(net, MeshOnly(mesh, prefetch=prefetch))
+        states = {id(m._get_fsdp_state()): i for i, m in enumerate(net.blocks)} | {
+            id(net._get_fsdp_state()): -1
+        }
+        lists: dict[str, dict[int, list[int]]] = {"forward": {}, "backward": {}}
+        for i, module in [(-1, net), *enumerate(net.blocks)]:
+            state = module._get_fsdp_state()
+            lists["forward"][i] = [states[id(s)] for s in state._states_to_forward_prefetch]
+            lists["backward"][i] = [states[id(s)] for s in state._states_to_backward_prefetch]
+        issued: list[int] = []
+        seen: list[int] = []
+        original = dist.all_gather_single
+        dist.all_gather_single = lambda *a, **k: issued.append(1) or original(*a, **k)
+        for block in net.blocks:  # runs after FSDP2's own pre-forward hook (prepended)
+            block.register_forward_pre_hook(lambda *_: seen.append(len(issued)))
+        try:
+            net(torch.randn(2, 3, 32, 32)).sum().backward()
+        finally:
+            dist.all_gather_single = original
+        return {"lists": lists, "gathers_at_block_start": seen}
+
     def rng_streams() -> dict[str, Any]:
         torch.manual_seed(42)
         offset_by_rank(rank)
@@ -127,6 +206,9 @@ def _worker(rank: int, store: str, out: str) -> None:
     _check(results, "hybrid_2x1", lambda: hybrid(1))
     _check(results, "hybrid_1x2", lambda: hybrid(2))
     _check(results, "rng", rng_streams)
+    _check(results, "prefetch_math", prefetch_changes_no_number)
+    for prefetch in (0, 1, 2):
+        _check(results, f"prefetch_{prefetch}", functools.partial(prefetch_lists_and_order, prefetch))
     Path(out, f"rank{rank}.json").write_text(json.dumps(results))
     dist.destroy_process_group()
 
@@ -172,6 +254,47 @@ def test_ranks_draw_different_augmentations_and_restore_their_own(two_ranks: lis
         assert rng["restored_equal"]
     torch.manual_seed(42)
     assert two_ranks[0]["rng"]["draws"][0] == torch.rand(4).tolist(), "rank 0 draws as one process does"
+
+
+def test_fsdp_prefetch_changes_no_number_and_evaluation_gathers_nothing(two_ranks: list[dict[str, Any]]):
+    """Prefetching moves when all-gathers are issued, never what is computed: losses and weights are
+    bit-for-bit those of FSDP2's implicit prefetching, with activation checkpointing too."""
+    for rank in two_ranks:
+        runs = _ok(rank["prefetch_math"])
+        for name, run in runs.items():
+            assert run["losses"] == runs["0"]["losses"], name
+            assert run["equal"], f"prefetch {name}: the weights differ"
+    assert two_ranks[0]["prefetch_math"]["0"]["losses"] != two_ranks[1]["prefetch_math"]["0"]["losses"]
+
+
+def test_fsdp_prefetch_lists_and_early_all_gathers(two_ranks: list[dict[str, Any]]):
+    """Forward: the root, then each block, prefetch the next N blocks; backward: the root, then each block,
+    the N blocks before it. So by the time block i starts, 1 + min(i + 1 + N, 4) all-gathers were issued
+    (root, block i, N ahead), where the implicit way has issued 1 + (i + 1)."""
+    blocks = list(range(PREFETCH_DEPTH))
+    for rank in two_ranks:
+        for n in (0, 1, 2):
+            result = _ok(rank[f"prefetch_{n}"])
+            forward = {int(k): v for k, v in result["lists"]["forward"].items()}
+            backward = {int(k): v for k, v in result["lists"]["backward"].items()}
+            if n == 0:
+                assert all(v == [] for v in (*forward.values(), *backward.values()))
+            else:
+                order = [-1, *blocks]
+                assert forward == {m: order[j + 1 : j + 1 + n] for j, m in enumerate(order)}
+                order = [-1, *reversed(blocks)]
+                assert backward == {m: order[j + 1 : j + 1 + n] for j, m in enumerate(order)}
+            expected = [1 + min(i + 1 + n, PREFETCH_DEPTH) for i in blocks]
+            assert result["gathers_at_block_start"] == expected, n
+
+
+def test_fsdp_prefetch_refuses_bad_values():
+    for bad in (-1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match=r"^trainer\.strategy\.prefetch=\S+: use 0 [^\n]*$"):
+            FSDP2Strategy(prefetch=bad)
+    assert FSDP2Strategy(prefetch=2).fsdp_options["prefetch"] == 2
+    with pytest.raises(ValueError, match="prefetch=-1"):
+        fsdp.apply_fsdp(torch.nn.Linear(2, 2), None, prefetch=-1)
 
 
 def test_hybrid_shard_size_must_divide_the_world():

@@ -132,11 +132,15 @@ def test_report_of_a_run_killed_before_its_stats_is_truthful(tmp_path: Path):
         ("model.optimizer.lr=-1", "error: model.optimizer.lr=-1: must be a positive number"),
         ("model.optimizer.lr=abc", "error: model.optimizer.lr=abc: must be a positive number"),
         ("datamodule.batch_size=0", "error: datamodule.batch_size=0: must be a positive whole number"),
+        (
+            "trainer=fsdp trainer.strategy.prefetch=-1",
+            "error: trainer.strategy.prefetch=-1: must be a whole number >= 0",
+        ),
     ],
 )
 def test_bad_values_stop_in_one_line_before_the_heavy_imports(override: str, expected: str, capsys):
     with pytest.raises(SystemExit) as stop:
-        check_overrides("train", ["experiment=smoke", override])
+        check_overrides("train", ["experiment=smoke", *override.split()])
     assert stop.value.code == 2
     assert capsys.readouterr().err.strip() == expected
 

@@ -87,6 +87,7 @@ def apply_fsdp(
     units: list[nn.Module] | None = None,
     mixed_precision: str | None = None,
     reshard_after_forward: bool = True,
+    prefetch: int = 0,
 ) -> nn.Module:
     """Shard every unit (by default the transformer blocks), then the root (embeddings, norm, head).
 
@@ -95,23 +96,52 @@ def apply_fsdp(
     tests/test_gpu_paths.py checks it). No broadcast here: `configure_model` runs before the model is on its
     device, and on GPUs the group is NCCL-only, which refuses CPU tensors. A 2-D mesh (replicate, shard)
     gives hybrid sharding (HSDP). `reshard_after_forward=False` keeps the gathered weights from forward to
-    backward (ZeRO-2 like: one all-gather fewer per block, more memory).
+    backward (ZeRO-2 like: one all-gather fewer per block, more memory). `prefetch`: `set_prefetching`.
     """
     if is_sharded(model):
         return model
     if mixed_precision not in MIXED_PRECISION:
         raise ValueError(f"mixed_precision={mixed_precision!r}: use null or bf16")
+    if not valid_prefetch(prefetch):
+        raise ValueError(f"prefetch={prefetch!r}: use 0 or a number of units >= 1")
     dtypes = MIXED_PRECISION[mixed_precision]
     block_policy = MixedPrecisionPolicy(**dtypes)
     # loss and metrics see fp32 logits
     root_policy = MixedPrecisionPolicy(**dtypes, output_dtype=torch.float32 if dtypes else None)
     if dtypes:
         shard_batch_norms_fp32(model, mesh)
-    for unit in shard_units(model) if units is None else units:
+    units = shard_units(model) if units is None else units
+    for unit in units:
         fully_shard(unit, mesh=mesh, mp_policy=block_policy)
     fully_shard(model, mesh=mesh, mp_policy=root_policy)
     set_training_resharding(model, reshard_after_forward)
+    set_prefetching(model, units, prefetch)
     return model
+
+
+def valid_prefetch(prefetch: Any) -> bool:
+    return isinstance(prefetch, int) and not isinstance(prefetch, bool) and prefetch >= 0
+
+
+def set_prefetching(model: nn.Module, units: list[nn.Module], prefetch: int) -> None:
+    """Explicit prefetching: each sharded module issues the all-gathers of the `prefetch` units that run
+    after it as soon as its own weights are gathered, instead of FSDP2 issuing each unit's all-gather when
+    the CPU reaches that unit (forward) or one unit ahead (backward). A host-bound step then still overlaps
+    the all-gathers with compute; the cost is up to `prefetch` more units' gathered weights held at once.
+
+    `units` run in forward order (timm registers blocks in the order they run); the root runs first in both
+    passes, so it prefetches the first units in forward and the last ones in backward. Only the units are
+    prefetched: the per-BatchNorm fp32 groups (`shard_batch_norms_fp32`) keep FSDP2's implicit prefetching.
+    0 sets nothing: FSDP2's own behaviour.
+    """
+    if prefetch == 0 or not units:
+        return
+    forward = [model, *units]
+    for i, module in enumerate(forward[:-1]):
+        module.set_modules_to_forward_prefetch(forward[i + 1 : i + 1 + prefetch])
+    backward = [model, *reversed(units)]
+    for i, module in enumerate(backward[:-1]):
+        module.set_modules_to_backward_prefetch(backward[i + 1 : i + 1 + prefetch])
 
 
 def shard_batch_norms_fp32(model: nn.Module, mesh: DeviceMesh) -> None:
@@ -201,6 +231,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         activation_checkpointing: bool = False,
         save_distributed_checkpoint: bool = True,
         hybrid_shard: bool | int = False,
+        prefetch: int = 0,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
@@ -211,6 +242,11 @@ class FSDP2Strategy(ModelParallelStrategy):
             )
         if not isinstance(hybrid_shard, bool | int) or hybrid_shard < 0:
             raise ValueError(f"trainer.strategy.hybrid_shard={hybrid_shard}: use false, true or a group size")
+        if not valid_prefetch(prefetch):
+            raise ValueError(
+                f"trainer.strategy.prefetch={prefetch!r}: use 0 (FSDP2's implicit prefetching) or N >= 1 (gather "
+                "the next N units' weights early)"
+            )
         super().__init__(
             data_parallel_size="auto",  # replaced by the world size in setup_environment
             tensor_parallel_size=1,
@@ -222,6 +258,7 @@ class FSDP2Strategy(ModelParallelStrategy):
             "mixed_precision": mixed_precision,
             "reshard_after_forward": reshard_after_forward,
             "activation_checkpointing": activation_checkpointing,
+            "prefetch": prefetch,
         }
         # false: one shard group of all processes; true: shard within each node, replicate across nodes
         # (HSDP: all-gathers stay on the fast intra-node links); an int: shard groups of that many processes

@@ -111,6 +111,8 @@ VALUE_CHECKS: dict[str, tuple[str, Callable[[Any], bool]]] = {
         "a whole number (-1: no limit) or null",
         lambda v: v is None or (_whole(v) and v >= -1),
     ),
+    # trainer=fsdp only (absent otherwise); FSDP2Strategy refuses it too, for runs that skip this check
+    "trainer.strategy.prefetch": ("a whole number >= 0", lambda v: _whole(v) and v >= 0),
     "trainer.devices": (
         "a positive whole number, a list of device ids, -1 or auto",
         lambda v: not _number(v) or v != 0,
