@@ -39,7 +39,7 @@ shards:  ## make shards SRC=<image folder or .tar(.gz)> DST=<folder or s3://buck
 bench:  ## the benchmark suite (~20 min on 2 CPU cores): bench/results/*.json -> docs/benchmarks.md
 	$(PY) bench/run.py $(BENCH_ARGS)
 
-bench-gpu:  ## on a CUDA machine: every GPU path next to a hand-written loop (~15 min on one H100; BENCH_ARGS="-- --quick" ~7 min) -> docs/benchmarks.md section 7
+bench-gpu:  ## on a CUDA machine: every GPU path next to a hand-written loop (~15 min on one H100; BENCH_ARGS="-- --quick" ~8 min) -> docs/benchmarks.md section 7
 	$(PY) bench/run.py --only gpu $(BENCH_ARGS)
 
 bench-smoke:  ## every benchmark in seconds-sized mode, results in /tmp (checks the scripts, measures nothing)

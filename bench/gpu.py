@@ -17,7 +17,7 @@ model on the CPU and marks every figure "not measured".
 """
 
 # python bench/gpu.py                     # every section, ~15 minutes on one H100 (--budget 900)
-# python bench/gpu.py --quick             # one path of each kind, ~7 minutes
+# python bench/gpu.py --quick             # one path of each kind, ~8 minutes
 # python bench/gpu.py --only hand,seed    # a subset
 # python bench/gpu.py --smoke             # a tiny model on the CPU: checks the script, measures nothing
 
@@ -65,6 +65,7 @@ SECTIONS: dict[str, int] = {
     "hand": 180,
     "seed": 110,
     "fsdp": 110,
+    "fsdp_compiled": 110,
     "recipes": 200,
     "folder_gpu_decode": 100,
     "folder": 100,
@@ -88,11 +89,12 @@ WHAT = {
     "folder_gpu_decode": "`datamodule=image_folder` from disk, `decode_device=cuda` (nvJPEG)",
     "recipes": "recipes: the photo folder in memory, RandAugment + erasing, EMA, progressive resizing, flip TTA",
     "fsdp": "`trainer=fsdp` on 1 GPU, bf16 FSDP policy",
+    "fsdp_compiled": "`trainer=fsdp` on 1 GPU, bf16 FSDP policy, `model.compile=true` (each block)",
     "streaming": "`datamodule=streaming` (litdata shards of the photos), CPU decode in workers",
     "streaming_gpu_decode": "`datamodule=streaming`, `decode_device=cuda` (nvJPEG)",
 }
 # --quick: one path of each kind, in this order (section times measured on one H100: ~50-150 s each)
-QUICK = ["hand", "seed", "fsdp", "folder_gpu_decode", "recipes"]
+QUICK = ["hand", "seed", "fsdp", "fsdp_compiled", "folder_gpu_decode", "recipes"]
 # hand-written variants `compiled...+NAME`: torch.compile modes, levers measured before the template offers
 # them (autotune: Inductor benchmarks Triton/cuBLAS choices per matmul; cudagraphs: each graph replayed as one
 # CUDA graph, no per-kernel launches; shapes are static in this loop)
@@ -460,8 +462,9 @@ def section(ctx: Ctx, name: str, timeout: float) -> dict[str, Any]:
             "model.progressive_resize.end=0.2",
             "model.tta_flip=true",
         ]
-    elif name == "fsdp":
+    elif name in ("fsdp", "fsdp_compiled"):
         extra = [
+            *(["model.compile=true"] if name == "fsdp_compiled" else []),
             *ctx.cifar_data(),
             "trainer=fsdp",
             "trainer.devices=1",
@@ -571,7 +574,7 @@ def parse() -> argparse.Namespace:
         "--quick",
         action="store_true",
         help="one path of each kind (" + ",".join(QUICK) + "), the compiled hand-written loop only, fewer "
-        "steps: ~7 minutes on one H100",
+        "steps: ~8 minutes on one H100",
     )
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--data-dir", type=Path, default=DATA_DIR, help="CIFAR-10 JPEG archive or folder")
