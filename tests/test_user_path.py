@@ -136,6 +136,10 @@ def test_report_of_a_run_killed_before_its_stats_is_truthful(tmp_path: Path):
             "trainer=fsdp trainer.strategy.prefetch=-1",
             "error: trainer.strategy.prefetch=-1: must be a whole number >= 0",
         ),
+        (
+            "trainer=fsdp trainer.strategy.mixed_precision=fp8",
+            "error: trainer.strategy.mixed_precision=fp8: must be null or bf16",
+        ),
     ],
 )
 def test_bad_values_stop_in_one_line_before_the_heavy_imports(override: str, expected: str, capsys):

@@ -111,8 +111,13 @@ VALUE_CHECKS: dict[str, tuple[str, Callable[[Any], bool]]] = {
         "a whole number (-1: no limit) or null",
         lambda v: v is None or (_whole(v) and v >= -1),
     ),
-    # trainer=fsdp only (absent otherwise); FSDP2Strategy refuses it too, for runs that skip this check
+    # trainer=fsdp only (absent otherwise); FSDP2Strategy refuses them too, for runs that skip this check
     "trainer.strategy.prefetch": ("a whole number >= 0", lambda v: _whole(v) and v >= 0),
+    "trainer.strategy.mixed_precision": ("null or bf16", lambda v: v is None or v == "bf16"),
+    "trainer.strategy.hybrid_shard": (
+        "false, true or a shard group size >= 1",
+        lambda v: isinstance(v, bool) or (_whole(v) and v >= 0),
+    ),
     "trainer.devices": (
         "a positive whole number, a list of device ids, -1 or auto",
         lambda v: not _number(v) or v != 0,
