@@ -1,8 +1,8 @@
 """The GPU decoder's batched crop + resize + flip (vitrain/data/gpu_decode.py's `resize_crops`), on the CPU:
 the same pixels as a slice, `F.interpolate(antialias=True)` and a flip per image (the loop it replaced,
 kept here as the reference) for up- and downscaled crops, whole images, boxes at the edges, flips, mixed
-image sizes and sizes the output does not divide; through GpuDecoder (training, given boxes, evaluation,
-the generator's draws); in chunks; and a number of ops per batch that does not grow with the batch."""
+image sizes and sizes the output does not divide; through GpuDecoder (training with the workers' boxes,
+evaluation); in chunks; and a number of ops per batch that does not grow with the batch."""
 
 from __future__ import annotations
 
@@ -144,10 +144,10 @@ def _blobs(images: list[torch.Tensor]) -> list[torch.Tensor]:
     return [encode_png(img) for img in images[:-1]] + [encode_jpeg(images[-1], quality=95)]
 
 
-def test_the_decoder_resizes_given_boxes_and_drawn_ones_and_centres_in_eval():
-    """GpuDecoder: given boxes and flips (an image folder's), the generator's boxes then flips (streaming
-    shards', drawn in the order they were before), and evaluation's centred square of the short side, each
-    the per-image reference normalised."""
+def test_the_decoder_resizes_given_boxes_and_centres_in_eval():
+    """GpuDecoder: the boxes and flips the loader workers drew (training; without them it refuses, it draws
+    nothing itself) and evaluation's centred square of the short side, each the per-image reference
+    normalised."""
     shapes = [(40, 56), (33, 33), (64, 24), (50, 47)]
     images = _images(shapes, seed=7)
     blobs = _blobs(images)
@@ -161,15 +161,13 @@ def test_the_decoder_resizes_given_boxes_and_drawn_ones_and_centres_in_eval():
     g = torch.Generator().manual_seed(1)
     boxes = torch.tensor([rrc_box(h, w, g) for h, w in shapes])
     flips = torch.tensor([True, False, True, True])
-    decoder = GpuDecoder(20, MEAN, STD, device="cpu", seed=11)
+    decoder = GpuDecoder(20, MEAN, STD, device="cpu")
     given = decoder(blobs, train=True, boxes=boxes, flips=flips)
     torch.testing.assert_close(given, normalised(per_image(decoded, boxes, 20, flips)), rtol=1e-4, atol=1e-4)
-
-    drawn = GpuDecoder(20, MEAN, STD, device="cpu", seed=11)(blobs, train=True)
-    g = torch.Generator().manual_seed(11)
-    boxes = torch.tensor([rrc_box(h, w, g) for h, w in shapes])  # every box first, then the flips
-    flips = torch.rand(len(shapes), generator=g) < 0.5
-    torch.testing.assert_close(drawn, normalised(per_image(decoded, boxes, 20, flips)), rtol=1e-4, atol=1e-4)
+    unflipped = decoder(blobs, train=True, boxes=boxes)
+    torch.testing.assert_close(unflipped, normalised(per_image(decoded, boxes, 20)), rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="training crops come with the batch"):
+        decoder(blobs, train=True)
 
     centred = torch.tensor(
         [[(h - min(h, w)) // 2, (w - min(h, w)) // 2, min(h, w), min(h, w)] for h, w in shapes]
@@ -193,11 +191,10 @@ def _aten_ops(fn) -> Counter:
 
 
 def test_ops_per_batch_do_not_grow_with_the_batch():
-    """The decoder's work after the decode, for 8 and 64 images with their boxes and flips (an image
-    folder's batch; streaming shards draw theirs per image on the host, `rrc_box`): the same aten ops when
-    the images share a size (one stack pads them), and when they do not only the padding's per-image slice
-    and copy more."""
-    decoder = GpuDecoder(24, MEAN, STD, device="cpu", seed=0)
+    """The decoder's work after the decode, for 8 and 64 images with their boxes and flips (as the loader
+    workers send them): the same aten ops when the images share a size (one stack pads them), and when they
+    do not only the padding's per-image slice and copy more."""
+    decoder = GpuDecoder(24, MEAN, STD, device="cpu")
     padding = {"aten::slice", "aten::copy_"}  # per image: dst[:, :h, :w].copy_(img)
     g = torch.Generator().manual_seed(0)
     for shapes in ([(40, 36)], [(40, 36), (33, 50), (48, 48)]):

@@ -1,11 +1,13 @@
 """datamodule=streaming: `make shards` from an image folder to a folder and to S3 (moto server), training
 from both on 1 and 2 processes, exact evaluation on an odd split, mid-epoch resume of the streaming loader,
-GPU-decode code path on the CPU, and the one-line errors."""
+GPU-decode code path on the CPU (crops drawn per sample by the workers: the same with 0 and 2 workers and
+after a mid-epoch resume), and the one-line errors."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 
 import lightning as L
@@ -318,11 +320,14 @@ class SaveAt(L.Callback):
             trainer.save_checkpoint(self.path)
 
 
+@pytest.mark.parametrize(("epochs", "step"), [(1, 3), (2, 11)], ids=["epoch-0", "epoch-1"])
 def test_mid_epoch_resume_continues_the_epoch(
-    local_shards: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    local_shards: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, epochs: int, step: int
 ):
-    """Checkpoint after 3 of 8 batches (2 loader workers), resume from it: the batches before the save and
-    the resumed run's batches are the samples of one uninterrupted epoch, each once, in the same order."""
+    """Checkpoint 3 batches into an epoch of 8 (2 loader workers), in the first epoch or the second, resume
+    from it: the batches before the save and the resumed run's batches are those of the uninterrupted run,
+    each sample once per epoch, in the same order (in the second epoch, the second epoch's shuffle: the
+    litdata state Lightning restores used to pin the first's)."""
     monkeypatch.setattr(streaming.SampleTransform, "__call__", IndexSample.__call__)
 
     def dm() -> StreamingDataModule:
@@ -330,35 +335,152 @@ def test_mid_epoch_resume_continues_the_epoch(
 
     ckpt = tmp_path / "mid.ckpt"
     whole = Recorder()
-    _fit(dm(), whole, tmp_path, max_epochs=1, callbacks=[SaveAt(3, ckpt)])
-    assert len(whole.seen) == 8 * (N_TRAIN_READABLE // 8) and len(set(whole.seen)) == len(whole.seen)
+    _fit(dm(), whole, tmp_path, max_epochs=epochs, callbacks=[SaveAt(step, ckpt)])
+    per_epoch = 8 * (N_TRAIN_READABLE // 8)
+    assert len(whole.seen) == epochs * per_epoch
+    assert all(len(set(whole.seen[e * per_epoch : (e + 1) * per_epoch])) == per_epoch for e in range(epochs))
     saved = torch.load(ckpt, weights_only=True)["loops"]["fit_loop"]
     assert saved["state_dict"]["combined_loader"][0]["num_samples_yielded"] == 24
 
     rest = Recorder()
     L.Trainer(
         accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, limit_val_batches=0, use_distributed_sampler=False, max_epochs=1,
+        enable_model_summary=False, limit_val_batches=0, use_distributed_sampler=False, max_epochs=epochs,
     ).fit(rest, datamodule=dm(), ckpt_path=ckpt)  # fmt: skip
-    assert whole.seen[:24] + rest.seen == whole.seen
+    assert whole.seen[: 8 * step] + rest.seen == whole.seen
 
 
 # --- GPU decode ------------------------------------------------------------------------------------------
 
 
+@pytest.fixture
+def decode_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """decode_device=cuda with the decoder on the CPU: the seam the GPU path's tests use (no mock of decoding)."""
+    monkeypatch.setattr(StreamingDataModule, "decode_on", lambda self: torch.device("cpu"))
+
+
+def _gpu_dm(shards: Path, tmp_path: Path, workers: int) -> StreamingDataModule:
+    dm = StreamingDataModule(
+        data_dir=str(shards), cache_dir=str(tmp_path), batch_size=8, num_workers=workers, decode_device="cuda"
+    )
+    dm.set_input_spec(32, (0.5,) * 3, (0.5,) * 3)
+    return dm
+
+
+class DecodedRecorder(L.LightningModule):
+    """Records every training batch as the training step receives it (decoded)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1))
+        self.seen: list[torch.Tensor] = []
+
+    def training_step(self, batch, batch_idx):
+        self.seen.append(batch[0].clone())
+        return (self.w * batch[0].mean()).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
 def test_gpu_decode_path_runs_on_cpu(local_shards: Path):
-    """The batch decoder (nvJPEG on a GPU) with device=cpu: JPEG, grayscale and PNG bytes become normalised
-    model-size images; a CPU-only process falls back to worker decoding with one info line."""
-    from vitrain.data.gpu_decode import GpuDecoder
+    """The batch decoder (nvJPEG on a GPU) with device=cpu: JPEG, grayscale and PNG bytes, with the crops
+    the workers draw (SampleTransform, raw), become normalised model-size images; evaluation is deterministic."""
+    from vitrain.data.gpu_decode import GpuDecoder, collate_encoded
 
     train = streaming.StreamingDataset(str(local_shards / "train"))
-    blobs = [torch.frombuffer(bytearray(train[i]["image"]), dtype=torch.uint8) for i in range(len(train))]
-    decoder = GpuDecoder(32, (0.5,) * 3, (0.5,) * 3, device="cpu", seed=0)
-    x = decoder(blobs, train=True)
-    assert x.shape == (len(blobs), 3, 32, 32) and x.dtype == torch.float32
+    sample = streaming.SampleTransform(None, seed=0, raw=True)
+    encoded, _ = collate_encoded([sample(train[i], 1) for i in range(len(train))])
+    decoder = GpuDecoder(32, (0.5,) * 3, (0.5,) * 3, device="cpu")
+    x = decoder(encoded.blobs(), train=True, boxes=encoded.boxes, flips=encoded.flips)
+    assert x.shape == (len(train), 3, 32, 32) and x.dtype == torch.float32
     assert x.min() >= -1.0 - 1e-4 and x.max() <= 1.0 + 1e-4
-    ev = decoder(blobs[:4], train=False)
-    assert torch.equal(ev, decoder(blobs[:4], train=False)), "eval decode is deterministic"
+    blobs = encoded.blobs()[:4]
+    assert torch.equal(decoder(blobs, train=False), decoder(blobs, train=False)), (
+        "eval decode is deterministic"
+    )
+
+
+def test_gpu_decode_crops_are_per_sample_whatever_the_workers(
+    local_shards: Path, tmp_path: Path, decode_on_cpu: None
+):
+    """decode_device=cuda: the workers send each training image's bytes with its crop box and flip,
+    `draw_crop` from (seed, epoch, index) and the size in the image's header, collated into an EncodedBatch;
+    0 and 2 workers give each sample the same crop (litdata deals the samples to its workers, so the batches
+    hold others), and the training process decodes a batch into normalised model-size images."""
+    from torchvision.io import decode_image
+
+    from vitrain.data.gpu_decode import EncodedBatch, draw_crop
+    from vitrain.data.sampling import sample_seed
+
+    stored = streaming.StreamingDataset(str(local_shards / "train"))
+    index_of = {
+        hashlib.sha1(stored[i]["image"]).hexdigest(): int(stored[i]["index"]) for i in range(len(stored))
+    }
+    assert len(index_of) == N_TRAIN_READABLE
+    crops: dict[int, dict[int, tuple]] = {}
+    for workers in (0, 2):
+        dm = _gpu_dm(local_shards, tmp_path, workers)
+        dm.setup("fit")
+        loader = dm.train_dataloader()
+        batches = list(loader)
+        crops[workers] = {}
+        for encoded, _ in batches:
+            assert isinstance(encoded, EncodedBatch) and encoded.boxes.shape == (8, 4)
+            for blob, box, flip in zip(encoded.blobs(), encoded.boxes.tolist(), encoded.flips, strict=True):
+                index = index_of[hashlib.sha1(blob.numpy().tobytes()).hexdigest()]
+                h, w = decode_image(blob).shape[-2:]
+                seed = sample_seed(dm.hparams.shuffle_seed, loader.current_epoch, index)
+                assert (tuple(box), bool(flip)) == draw_crop(h, w, seed, 0.5)
+                crops[workers][index] = (tuple(box), bool(flip))
+        x, y = dm.on_before_batch_transfer(batches[0], 0)
+        assert x.shape == (8, 3, 32, 32) and x.dtype == torch.float32 and torch.equal(y, batches[0][1])
+        assert x.min() >= -1.0 - 1e-4 and x.max() <= 1.0 + 1e-4
+    both = crops[0].keys() & crops[2].keys()
+    assert len(both) >= N_TRAIN_READABLE - 2 * 8 * 2
+    assert all(crops[0][i] == crops[2][i] for i in both)
+    assert {flip for _, flip in crops[0].values()} == {True, False}
+
+
+def test_gpu_decode_mid_epoch_resume_sees_the_same_batches(
+    local_shards: Path, tmp_path: Path, decode_on_cpu: None
+):
+    """decode_device=cuda, 2 workers: a run checkpointed in its second epoch (after 11 of 16 batches) and
+    resumed from the checkpoint trains on bitwise the decoded batches the uninterrupted run saw, and the
+    resume is announced as exact (no caveat)."""
+    ckpt = tmp_path / "mid.ckpt"
+    whole = DecodedRecorder()
+    _fit(_gpu_dm(local_shards, tmp_path, 2), whole, tmp_path, max_epochs=2, callbacks=[SaveAt(11, ckpt)])
+    rest, dm = DecodedRecorder(), _gpu_dm(local_shards, tmp_path, 2)
+    L.Trainer(
+        accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, limit_val_batches=0, use_distributed_sampler=False, max_epochs=2,
+    ).fit(rest, datamodule=dm, ckpt_path=ckpt)  # fmt: skip
+    assert dm._gpu_decoder is not None and dm.resume_caveat() is None
+    assert len(whole.seen) == 16 and len(rest.seen) == 5
+    assert all(torch.equal(a, b) for a, b in zip(whole.seen[11:], rest.seen, strict=True))
+    assert whole.seen[0].shape == (8, 3, 32, 32) and not torch.equal(whole.seen[0], whole.seen[8])
+
+
+def test_gpu_decode_names_a_sample_that_is_no_image(
+    local_shards: Path, tmp_path: Path, decode_on_cpu: None, monkeypatch: pytest.MonkeyPatch
+):
+    """Stored bytes that are no image (shards damaged after `make shards` checked them): the worker that
+    draws the crop stops with a one-line DataError naming the sample and the shards."""
+    read = streaming.StreamingDataset.__next__
+    monkeypatch.setattr(
+        streaming.StreamingDataset, "__next__", lambda self: {**read(self), "image": b"\xff\xd8 not a jpeg"}
+    )
+    dm = _gpu_dm(local_shards, tmp_path, 0)
+    dm.setup("fit")
+    with pytest.raises(DataError) as err:
+        next(iter(dm.train_dataloader()))
+    where = re.escape(str(local_shards / "train"))
+    assert re.fullmatch(
+        rf"cannot read sample \d+ \(label \d\) of {where} \(UnidentifiedImageError: .*\): "
+        r"write the shards again with `make shards`",
+        str(err.value),
+    ), str(err.value)
 
 
 def test_decode_device_cuda_falls_back_on_cpu(

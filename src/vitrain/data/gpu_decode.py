@@ -3,13 +3,14 @@ augment it there: random-resized crop and flip per image, then normalise as one 
 
 Where many CPU loader workers cannot keep a fast GPU fed (ImageNet at 224 px needs ~1-2k images/s per GPU),
 decoding is the largest CPU cost per image; nvJPEG moves it to the GPU. It runs in the training process
-(the datamodules' `on_before_batch_transfer`, `datamodule.decode_device=cuda`), the workers only read bytes.
+(the datamodules' `on_before_batch_transfer`, `datamodule.decode_device=cuda`), the workers read bytes.
 Images that are not JPEG (PNG, WebP) are decoded on the CPU and moved. The same code runs with
 `device="cpu"` (tests).
 
-Streaming shards draw each crop and flip here, from a generator per rank. An image folder's workers draw
-them instead (`draw_crop`, from the sample's (seed, epoch, index) seed and the size in the file's header) and
-send them with the bytes (`EncodedBatch`), so its crops do not depend on ranks, workers or a resume.
+The loader workers also draw each training image's crop box and flip (`encoded_sample`: `draw_crop` from the
+sample's (seed, epoch, index) seed and the size in the image's header, no pixel decoded) and send them with
+the bytes (`EncodedBatch`), for image folders and streaming shards alike: the crops do not depend on ranks,
+workers or a resume, and the training thread draws nothing per image.
 
 Crop, resize and flip are one batched computation (`resize_crops`), not a loop over the images: an
 antialiased bilinear resize is separable, so each image's output is Wy @ img @ Wx^T per channel, with the
@@ -23,9 +24,9 @@ training thread, while the GPU waited for it.
 
 from __future__ import annotations
 
+import io
 import logging
 import math
-import random
 import warnings
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -79,6 +80,19 @@ def draw_crop(h: int, w: int, seed: int, hflip: float = 0.5) -> tuple[tuple[int,
     generator = torch.Generator().manual_seed(seed)
     box = rrc_box(h, w, generator)
     return box, hflip > 0 and bool(torch.rand(1, generator=generator) < hflip)
+
+
+def encoded_sample(data: bytes, seed: int, hflip: float) -> tuple[Tensor, tuple[int, int, int, int], bool]:
+    """A training sample for the GPU decoder, made in a loader worker: the encoded bytes as a uint8 tensor,
+    with the crop box and flip of `draw_crop(h, w, seed, hflip)`, (h, w) read from the image's header (PIL
+    parses it; no pixel is decoded here). Bytes PIL cannot identify raise PIL's error: the caller names the
+    sample."""
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as img:
+        w, h = img.size
+    box, flip = draw_crop(h, w, seed, hflip)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8), box, flip
 
 
 class EncodedBatch(NamedTuple):
@@ -253,8 +267,8 @@ def _resize_chunk(images: list[Tensor], params: Tensor, size: int, h: int, w: in
 class GpuDecoder:
     """list of encoded images (uint8 1-D CPU tensors) -> normalised float [B,3,S,S] on `device`.
 
-    Training: a random-resized crop and flip per image, drawn from the decoder's own generator or given per
-    image (`boxes`, `flips`); then, when asked for, `auto_augment` (augment.py's RandAugment/TrivialAugment on
+    Training: each image's random-resized crop and flip as the loader workers drew them (`boxes`, `flips`,
+    from `encoded_sample`); then, when asked for, `auto_augment` (augment.py's RandAugment/TrivialAugment on
     the uint8 crops) and random erasing after normalisation, both drawing from the global generators as the
     in-memory path does. Evaluation: the centred square of the short side."""
 
@@ -263,15 +277,12 @@ class GpuDecoder:
         img_size: int,
         mean: Sequence[float],
         std: Sequence[float],
-        hflip: float = 0.5,
         device: str | torch.device = "cuda",
-        seed: int | None = None,
         auto_augment: str | None = None,
         re_prob: float = 0.0,
     ) -> None:
-        self.img_size, self.mean, self.std, self.hflip = img_size, tuple(mean), tuple(std), hflip
+        self.img_size, self.mean, self.std = img_size, tuple(mean), tuple(std)
         self.device = torch.device(device)
-        self.generator = torch.Generator().manual_seed(random.randrange(2**62) if seed is None else seed)
         self.augment = None
         if auto_augment or re_prob > 0:
             self.augment = BatchTransform(
@@ -300,23 +311,24 @@ class GpuDecoder:
         boxes: Tensor | None = None,
         flips: Tensor | None = None,
     ) -> Tensor:
-        """`boxes` int [B,4] (top, left, height, width) and `flips` bool [B], on the CPU: each image's crop and
-        flip drawn elsewhere; None: drawn here (training) or the centred square and no flip (evaluation)."""
+        """`boxes` int [B,4] (top, left, height, width) and `flips` bool [B] or None, on the CPU: each image's
+        crop and flip, drawn by the loader workers (training needs them: nothing is drawn here); evaluation
+        without boxes: the centred square of the short side, no flip."""
+        if train and boxes is None:
+            raise ValueError("training crops come with the batch: pass each image's box (encoded_sample)")
         images = self.decode(blobs)
         if boxes is None:
-            boxes = torch.tensor([self._box(img.shape[-2], img.shape[-1], train) for img in images])
-        if flips is None and train and self.hflip > 0:
-            flips = torch.rand(len(images), generator=self.generator) < self.hflip
+            boxes = torch.tensor([centred_square(*img.shape[-2:]) for img in images])
         x = resize_crops(images, boxes, self.img_size, flips)
         if train and self.augment is not None:
             return self.augment(x.round_().to(torch.uint8), train=True)
         return to_model_input(x, self.img_size, self.mean, self.std)
 
-    def _box(self, h: int, w: int, train: bool) -> tuple[int, int, int, int]:
-        if train:
-            return rrc_box(h, w, self.generator)
-        side = min(h, w)  # the centred square of the short side
-        return (h - side) // 2, (w - side) // 2, side, side
+
+def centred_square(h: int, w: int) -> tuple[int, int, int, int]:
+    """The box (top, left, height, width) of the centred square of the short side."""
+    side = min(h, w)
+    return (h - side) // 2, (w - side) // 2, side, side
 
 
 def check(device: str = "cuda", n: int = 256, size: int = 224) -> dict[str, float]:
@@ -338,8 +350,8 @@ def check(device: str = "cuda", n: int = 256, size: int = 224) -> dict[str, floa
         ]
     )
     blobs = [encode_jpeg(((base + 7 * i) % 256).to(torch.uint8), quality=90) for i in range(n)]
-    on_device = GpuDecoder(size, (0.5,) * 3, (0.5,) * 3, device=device, seed=0)
-    cpu = GpuDecoder(size, (0.5,) * 3, (0.5,) * 3, device="cpu", seed=0)
+    on_device = GpuDecoder(size, (0.5,) * 3, (0.5,) * 3, device=device)
+    cpu = GpuDecoder(size, (0.5,) * 3, (0.5,) * 3, device="cpu")
     diff = max(
         (a.cpu().float() - b.float()).abs().mean().item()
         for a, b in zip(on_device.decode(blobs[:8]), cpu.decode(blobs[:8]), strict=True)
@@ -356,13 +368,16 @@ def check(device: str = "cuda", n: int = 256, size: int = 224) -> dict[str, floa
         one = F.interpolate(crop, size=(size, size), mode="bilinear", align_corners=False, antialias=True)
         one = one[0].clamp(0, 255).flip(-1) if flip else one[0].clamp(0, 255)
         resize_diff = max(resize_diff, (one - row).abs().max().item())
+    drawn = [draw_crop(size, size, i) for i in range(n)]  # as the loader workers draw them
+    boxes = torch.tensor([box for box, _ in drawn])
+    flips = torch.tensor([flip for _, flip in drawn])
     rates = {}
     for name, decoder in (("device", on_device), ("cpu", cpu)):
-        decoder(blobs[:8])  # warm-up (nvJPEG handles, kernels)
+        decoder(blobs[:8], boxes=boxes[:8], flips=flips[:8])  # warm-up (nvJPEG handles, kernels)
         if decoder.device.type == "cuda":
             torch.cuda.synchronize()
         t = time.perf_counter()
-        decoder(blobs, train=True)
+        decoder(blobs, train=True, boxes=boxes, flips=flips)
         if decoder.device.type == "cuda":
             torch.cuda.synchronize()
         rates[name] = n / (time.perf_counter() - t)

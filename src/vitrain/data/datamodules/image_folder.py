@@ -26,7 +26,6 @@ Validation and test keep the workers' timm eval transforms.
 from __future__ import annotations
 
 import copy
-import io
 import logging
 import os
 from pathlib import Path
@@ -46,7 +45,7 @@ from vitrain.data.gpu_decode import (
     check_augment,
     check_decode_device,
     collate_encoded,
-    draw_crop,
+    encoded_sample,
     gpu_decode_device,
 )
 from vitrain.data.loaders import TensorImageDataset
@@ -98,17 +97,15 @@ class EncodedFileDataset(ImageFileDataset):
     def __getitem__(self, key: int | tuple[int, int]) -> tuple[tuple[Tensor, tuple[int, ...], bool], int]:
         epoch, index = key if isinstance(key, tuple) else (0, key)
         path, label = self.files[index]
+        seed = sample_seed(self.seed, epoch, index)
         try:
-            data = Path(path).read_bytes()
-            with Image.open(io.BytesIO(data)) as img:
-                w, h = img.size  # parsed from the header; the pixels are decoded on the GPU
+            sample = encoded_sample(Path(path).read_bytes(), seed, self.hflip)
         except Exception as e:  # only reachable with verify_images=false
             raise DataError(
                 f"cannot read {path} ({type(e).__name__}: {e}): remove or replace it "
                 "(datamodule.verify_images=true finds such files before training)"
             ) from None
-        box, flip = draw_crop(h, w, sample_seed(self.seed, epoch, index), self.hflip)
-        return (torch.frombuffer(bytearray(data), dtype=torch.uint8), box, flip), label
+        return sample, label
 
     collate = staticmethod(collate_encoded)
 
@@ -362,10 +359,9 @@ class ImageFolderDataModule(ImageDataModule):
         device = self.decode_on()
         if device is None:
             return ImageFileDataset(files, self.build_transform(train=True), hp.shuffle_seed)
-        # the crops and flips come with the batches: the decoder's own generator (seeded, so building it
-        # draws nothing from the global ones) stays unused
+        # the crops and flips come with the batches, drawn by the workers (EncodedFileDataset)
         self._gpu_decoder = GpuDecoder(
-            self.img_size, self.mean, self.std, hflip=hp.hflip, device=device, seed=hp.shuffle_seed,
-            auto_augment=hp.auto_augment, re_prob=hp.re_prob,
+            self.img_size, self.mean, self.std, device=device, auto_augment=hp.auto_augment,
+            re_prob=hp.re_prob,
         )  # fmt: skip
         return EncodedFileDataset(files, hp.shuffle_seed, hp.hflip)

@@ -3,7 +3,8 @@
 Training streams with litdata's `StreamingDataset` + `StreamingDataLoader`: chunks are fetched into a local
 cache ahead of use and evicted after, each rank and worker reads its own part of the epoch, and a resumed run
 continues the interrupted epoch with its next batch, placed from the trainer's restored (epoch, batches
-done) (`ResumableStreamingLoader`); each sample's augmentation is seeded from (seed, epoch, index). Validation and
+done) (`ResumableStreamingLoader`); each sample's augmentation is seeded from (seed, epoch, index), also with
+`decode_device=cuda`, where the workers draw each image's crop and flip for the GPU decoder. Validation and
 test read the same shards by index through the shared base's samplers, because a streaming eval would have to
 drop or pad samples to give every rank whole batches; the base's `UnrepeatedDistributedSampler` counts every
 sample exactly once.
@@ -26,7 +27,15 @@ from torch.utils.data import DataLoader, Dataset
 
 from vitrain.compat import litdata_allow_http, litdata_distributed_env
 from vitrain.data.datamodules.base import ImageDataModule, Splits
-from vitrain.data.gpu_decode import check_augment, check_decode_device, gpu_decode_device
+from vitrain.data.gpu_decode import (
+    EncodedBatch,
+    GpuDecoder,
+    check_augment,
+    check_decode_device,
+    collate_encoded,
+    encoded_sample,
+    gpu_decode_device,
+)
 from vitrain.data.sampling import sample_seed, seeded_sample
 from vitrain.data.shards import FORMAT_NAME, FORMAT_VERSION, METADATA_FILE
 from vitrain.data.transforms import timm_transform
@@ -111,23 +120,33 @@ def decode_rgb(data: bytes) -> Any:
 class SampleTransform:
     """A stored sample -> (image tensor, label). CPU: decode + timm's per-sample transform, seeded by
     (seed, epoch, index) so a sample's augmentation does not depend on rank, worker or a resume.
-    `raw=True` (GPU decode) hands the encoded bytes on as a uint8 tensor for the batch decoder."""
+    `raw=True` (GPU decode): ((encoded bytes as uint8, crop box, flip), label), the box and flip drawn from
+    the same seed and the size in the image's header (`encoded_sample`), so they too do not depend on rank,
+    worker or a resume; `source` names the shards in the error for bytes that are no image."""
 
-    def __init__(self, transform: Any, seed: int, raw: bool = False) -> None:
-        self.transform, self.seed, self.raw = transform, seed, raw
+    def __init__(
+        self, transform: Any, seed: int, raw: bool = False, hflip: float = 0.5, source: str = "the shards"
+    ) -> None:
+        self.transform, self.seed, self.raw, self.hflip, self.source = transform, seed, raw, hflip, source
 
-    def __call__(self, item: dict[str, Any], epoch: int) -> tuple[Tensor, int]:
+    def __call__(self, item: dict[str, Any], epoch: int) -> tuple[Any, int]:
+        seed = sample_seed(self.seed, epoch, item["index"])
         if self.raw:
-            return torch.frombuffer(bytearray(item["image"]), dtype=torch.uint8), item["label"]
-        with seeded_sample(sample_seed(self.seed, epoch, item["index"])):
+            try:
+                return encoded_sample(item["image"], seed, self.hflip), item["label"]
+            except Exception as e:  # PIL raises many types; `make shards` checked every image it wrote
+                raise DataError(
+                    f"cannot read sample {item['index']} (label {item['label']}) of {self.source} "
+                    f"({type(e).__name__}: {e}): write the shards again with `make shards`"
+                ) from None
+        with seeded_sample(seed):
             return self.transform(decode_rgb(item["image"])), item["label"]
 
 
-def collate(batch: list[tuple[Tensor, int]]) -> tuple[Tensor | list[Tensor], Tensor]:
-    """Stack decoded images; encoded ones (varied lengths) stay a list for the GPU decoder."""
+def collate(batch: list[tuple[Tensor, int]]) -> tuple[Tensor, Tensor]:
+    """Decoded samples -> (images, labels); GPU-decode training batches use `collate_encoded` instead."""
     images, labels = zip(*batch, strict=True)
-    same = all(isinstance(x, Tensor) and x.dim() == 3 for x in images)
-    return (torch.stack(images) if same else list(images)), torch.tensor(labels, dtype=torch.long)
+    return torch.stack(images), torch.tensor(labels, dtype=torch.long)
 
 
 class ShardStream(StreamingDataset):
@@ -200,6 +219,9 @@ class ResumableStreamingLoader(StreamingDataLoader):
             return
         assert self.batch_size
         yielded = batches_done * self.batch_size
+        # the litdata state Lightning restored from the checkpoint (unused) makes `set_epoch` a no-op, and the
+        # state below would carry the dataset's first epoch: a resume after epoch 0 replayed epoch 0's order
+        self.dataset.reset_state_dict()
         self.dataset.set_epoch(epoch + 1)
         self.load_state_dict(
             {
@@ -234,7 +256,7 @@ class StreamingDataModule(ImageDataModule):
             check_augment(auto_augment, re_prob)
         super().__init__(*args, **kwargs)
         self._meta: dict[str, Any] | None = None
-        self._gpu_decoder: Any = None
+        self._gpu_decoder: GpuDecoder | None = None
 
     @property
     def metadata(self) -> dict[str, Any]:
@@ -288,18 +310,17 @@ class StreamingDataModule(ImageDataModule):
     def load_splits(self) -> Splits:
         meta, hp = self.metadata, self.hparams
         device = self.decode_on()
-        if device is not None:
-            from vitrain.data.gpu_decode import GpuDecoder
-
-            # its crops and flips draw from a generator of its own, seeded per (seed, rank)
-            seed = sample_seed(hp.shuffle_seed, 0, self._world()[1])
+        if device is None:
+            train_sample = SampleTransform(self.build_transform(train=True), hp.shuffle_seed)
+        else:
+            # the crops and flips come with the batches, drawn by the workers (SampleTransform, raw)
             self._gpu_decoder = GpuDecoder(
-                self.img_size, self.mean, self.std, hflip=hp.hflip, device=device, seed=seed,
-                auto_augment=hp.auto_augment, re_prob=hp.re_prob,
+                self.img_size, self.mean, self.std, device=device, auto_augment=hp.auto_augment,
+                re_prob=hp.re_prob,
             )  # fmt: skip
-        train_sample = SampleTransform(
-            self.build_transform(train=True), hp.shuffle_seed, raw=device is not None
-        )
+            train_sample = SampleTransform(
+                None, hp.shuffle_seed, raw=True, hflip=hp.hflip, source=self._split_dir("train")
+            )
         eval_sample = SampleTransform(self.build_transform(train=False), hp.shuffle_seed)
         world, rank = self._world()
         train = ShardStream(
@@ -339,22 +360,13 @@ class StreamingDataModule(ImageDataModule):
             num_workers=workers,
             pin_memory=self.pin_memory(),
             persistent_workers=workers > 0,
-            collate_fn=collate,
+            collate_fn=collate_encoded if self._gpu_decoder is not None else collate,
             drop_last=True,
             # a private generator, as the base's loaders have: starting a pass draws the workers' base seed,
             # which must not move the global RNG that drop-path draws from (an uninterrupted run starts more
             # passes of its persistent workers than a resumed one)
             generator=torch.Generator().manual_seed(self.hparams.shuffle_seed),
         )
-
-    def resume_caveat(self) -> str | None:
-        if self._gpu_decoder is not None:
-            return (
-                "datamodule.decode_device=cuda: the GPU decoder's crops and flips come from a per-rank generator "
-                "that checkpoints do not keep, so they differ after a resume (the order and all else resume "
-                "exactly; decode_device=cpu resumes bitwise)"
-            )
-        return super().resume_caveat()
 
     def _position(self) -> tuple[int, int] | None:
         """(epoch, batches of it already trained on) for the training pass about to start; None outside a
@@ -364,10 +376,11 @@ class StreamingDataModule(ImageDataModule):
         return self._epoch(), self._resume_offset()
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        """GPU decode: the encoded bytes of a training batch become augmented images on the GPU."""
+        """GPU decode: the encoded bytes of a training batch become augmented images on the GPU, cropped and
+        flipped as the workers drew it."""
         x, y = batch
-        if self._gpu_decoder is not None and isinstance(x, list):
-            return self._gpu_decoder(x, train=True), y
+        if isinstance(x, EncodedBatch) and self._gpu_decoder is not None:
+            return self._gpu_decoder(x.blobs(), train=True, boxes=x.boxes, flips=x.flips), y
         return batch
 
 
