@@ -213,6 +213,18 @@ def test_head_mismatch_and_bad_image_errors(photos: Path, tmp_path: Path):
     assert not (tmp_path / "run" / "checkpoints").exists(), "stopped before training"
 
 
+def test_unreadable_file_found_by_a_worker_is_one_line(photos: Path, tmp_path: Path):
+    """With verify_images=false a bad file is met by a loader worker, whose error torch re-raises with the
+    worker's traceback as its message: the user still gets the one line that names the file."""
+    root = _tree(tmp_path, photos)
+    (root / "train" / "ship" / "trunc.jpg").write_bytes(b"\xff\xd8\xff\xe0 not really a jpeg")
+    overrides = [*_overrides(root, tmp_path), "datamodule.verify_images=false", "datamodule.batch_size=64"]
+    code, stderr = fails_in_process("train", overrides, tmp_path / "run")
+    lines = stderr.strip().splitlines()
+    assert code == 2 and len(lines) == 1, stderr[-3000:]
+    assert lines[0].startswith("error: cannot decode ") and "trunc.jpg" in lines[0], lines[0]
+
+
 class IndexSample:
     """Stands in for ImageFileDataset.__getitem__: the sample's index as its 'image', to record the order."""
 

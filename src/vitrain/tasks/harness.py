@@ -36,6 +36,17 @@ def user_error(err: BaseException) -> UserError | None:
     return None
 
 
+def one_line(problem: UserError) -> str:
+    """The error's own message. One raised in a DataLoader worker comes back re-raised with the worker's
+    traceback as its message ("Caught DataError in DataLoader worker process 0.\nOriginal Traceback ...");
+    the traceback's last line holds the original ("vitrain.errors.DataError: <message>")."""
+    text = str(problem)
+    if text.startswith("Caught ") and "\nOriginal Traceback" in text:
+        last = text.rstrip().splitlines()[-1]
+        return last.partition(": ")[2] or last
+    return text
+
+
 # what gloo and NCCL say when a peer died (connection reset) or hangs (the collective timed out)
 PEER_LOST = (
     "Connection reset by peer",
@@ -99,7 +110,7 @@ def run_task(task: Task, cfg: DictConfig) -> tuple[dict[str, float], Any]:
         problem = user_error(err)
         if problem is None or os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
-        print(f"error: {problem}", file=sys.stderr, flush=True)
+        print(f"error: {one_line(problem)}", file=sys.stderr, flush=True)
         log.debug("user error", exc_info=err)
         remove_unstarted_run_dir(output_dir)
         sys.exit(2)
