@@ -107,9 +107,11 @@ PROFILE_STEPS = 3
 def hand_loop(variant: str, batch: int, steps: int, warmup: int, cpu: bool) -> dict[str, Any]:
     """The seed run's work written by hand: ViT-B/32 (10 classes, drop path 0.1), CIFAR-sized uint8 images
     held on the device, each batch flipped, resized to 224 px and normalised there, bf16 autocast, label
-    smoothing 0.1, fused AdamW. `variant`: eager | compiled, `_patchmm` (the template's patch-embedding
-    matmul), or fp8 (compiled, patch matmul, torchao float8 linears); `+autotune` / `+cudagraphs` compile
-    with one of torch.compile's modes (COMPILE_MODES); `@N` runs it at batch N."""
+    smoothing 0.1, fused AdamW. `variant`: eager | compiled, then `_patchmm` (the template's patch-embedding
+    matmul) and `_mathattn` (timm's matmul-softmax attention instead of SDPA's kernels, as
+    `model.fused_attn=false`: ViT-B/32's sequences are 50 tokens, short for flash attention's tiles); or fp8
+    (compiled, patch matmul, torchao float8 linears). `+autotune` / `+cudagraphs` compile with one of
+    torch.compile's modes (COMPILE_MODES); `@N` runs it at batch N."""
     import timm
     import torch.nn.functional as F
 
@@ -124,6 +126,11 @@ def hand_loop(variant: str, batch: int, steps: int, warmup: int, cpu: bool) -> d
     net_kwargs = dict(TINY) if cpu else {"model_name": MODEL, "img_size": 224, "patch_size": 32}
     size = net_kwargs["img_size"]
     model = timm.create_model(**net_kwargs, num_classes=10, drop_path_rate=0.1).to(device)
+    variant, math_attention = variant.removesuffix("_mathattn"), variant.endswith("_mathattn")
+    if math_attention:
+        for module in model.modules():
+            if hasattr(module, "fused_attn"):
+                module.fused_attn = False
     if variant.endswith("_patchmm") or variant == "fp8":
         # the template's own rewrite of the patch convolution as one matmul (vitrain/models/timm_net.py)
         from vitrain.models.timm_net import patch_convs_as_matmuls
@@ -181,7 +188,7 @@ def hand_loop(variant: str, batch: int, steps: int, warmup: int, cpu: bool) -> d
     return {
         "mfu": flops * batch * steps / seconds / peak if peak else None,
         "kernels": kernels,
-        "variant": variant + (f"+{mode_name}" if mode_name else ""),
+        "variant": variant + ("_mathattn" if math_attention else "") + (f"+{mode_name}" if mode_name else ""),
         "images_per_s": batch * steps / seconds,
         "first_step_s": first,
         "batch_size": batch,
@@ -589,9 +596,9 @@ def parse() -> argparse.Namespace:
     p.add_argument(
         "--hand-variants",
         default="eager_patchmm,compiled_patchmm,compiled_patchmm@1024",
-        help="hand-written variants: eager|compiled[_patchmm][+autotune|+cudagraphs][@batch] (_patchmm: "
-        "patch convolution as a matmul, as the template does on a GPU; +MODE: a torch.compile mode; @N: at "
-        "batch N)",
+        help="hand-written variants: eager|compiled[_patchmm][_mathattn][+autotune|+cudagraphs][@batch] "
+        "(_patchmm: patch convolution as a matmul, as the template does on a GPU; _mathattn: timm's "
+        "matmul-softmax attention; +MODE: a torch.compile mode; @N: at batch N)",
     )
     p.add_argument("--hand", default="", help=argparse.SUPPRESS)
     p.add_argument("--hand-out", type=Path, default=None, help=argparse.SUPPRESS)
