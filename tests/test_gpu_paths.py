@@ -191,6 +191,18 @@ def _worker(rank: int, store: str, out: str) -> None:
             dist.all_gather_single = original
         return {"lists": lists, "gathers_at_block_start": seen}
 
+    def kept_gathered() -> list[str]:
+        """The FSDP modules that keep their gathered weights from forward to backward, for a ResNet under
+        bf16 (each BatchNorm an FSDP group of its own)."""
+        torch.manual_seed(0)
+        net = create_net({"model_name": "resnet10t", "num_classes": 4}, None)
+        parallelize(net, MeshOnly(mesh, mixed_precision="bf16"))
+        return [
+            name
+            for name, m in net.named_modules()
+            if fsdp.is_sharded(m) and m._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info is None
+        ]
+
     def rng_streams() -> dict[str, Any]:
         torch.manual_seed(42)
         offset_by_rank(rank)
@@ -206,6 +218,7 @@ def _worker(rank: int, store: str, out: str) -> None:
     _check(results, "hybrid_2x1", lambda: hybrid(1))
     _check(results, "hybrid_1x2", lambda: hybrid(2))
     _check(results, "rng", rng_streams)
+    _check(results, "kept_gathered", kept_gathered)
     _check(results, "prefetch_math", prefetch_changes_no_number)
     for prefetch in (0, 1, 2):
         _check(results, f"prefetch_{prefetch}", functools.partial(prefetch_lists_and_order, prefetch))
@@ -286,6 +299,13 @@ def test_fsdp_prefetch_lists_and_early_all_gathers(two_ranks: list[dict[str, Any
                 assert backward == {m: order[j + 1 : j + 1 + n] for j, m in enumerate(order)}
             expected = [1 + min(i + 1 + n, PREFETCH_DEPTH) for i in blocks]
             assert result["gathers_at_block_start"] == expected, n
+
+
+def test_backward_starts_with_the_root_and_last_block_gathered(two_ranks: list[dict[str, Any]]):
+    """The root and the last block keep their weights from forward to backward (re-gathering them at once
+    would be pure cost), also when BatchNorms are FSDP groups of their own (a ResNet under bf16)."""
+    for rank in two_ranks:
+        assert rank["kept_gathered"] == ["", "layer4"], rank["kept_gathered"]
 
 
 def test_fsdp_prefetch_refuses_bad_values():

@@ -167,13 +167,15 @@ def compute_dtype(mixed_precision: str | None) -> torch.dtype | None:
 
 
 def set_training_resharding(model: nn.Module, reshard_after_forward: bool) -> None:
-    """Backward starts with the root (head, norm) and the last block: they keep their gathered weights
-    from forward to backward, as gathering them again at once would be pure cost. The other blocks follow
-    `reshard_after_forward`."""
+    """Backward starts with the root (head, norm) and the last unit: they keep their gathered weights
+    from forward to backward, as gathering them again at once would be pure cost. The other units follow
+    `reshard_after_forward`. The per-BatchNorm fp32 groups (`shard_batch_norms_fp32`) are no units: the last
+    FSDP module of a ResNet under bf16 is such a norm, not the block that backward starts with."""
     sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    for i, module in enumerate(sharded):
-        keep = i in (0, len(sharded) - 1)
-        module.set_reshard_after_forward(reshard_after_forward and not keep, recurse=False)
+    units = [m for m in sharded if not isinstance(m, _BATCH_NORMS)]
+    keep = {id(units[0]), id(units[-1])} if units else set()
+    for module in sharded:
+        module.set_reshard_after_forward(reshard_after_forward and id(module) not in keep, recurse=False)
 
 
 def gather_for_eval(model: nn.Module) -> None:
