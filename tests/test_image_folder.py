@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import shutil
 import tarfile
 from pathlib import Path
@@ -311,8 +312,8 @@ def decode_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _gpu_dm(root: Path, tmp_path: Path, workers: int = 0, **kwargs) -> ImageFolderDataModule:
     dm = ImageFolderDataModule(
-        str(root), str(tmp_path / "cache"), batch_size=4, num_workers=workers, in_memory=False,
-        decode_device="cuda", **kwargs,
+        str(root), str(tmp_path / "cache"), num_workers=workers, in_memory=False, decode_device="cuda",
+        **{"batch_size": 4, **kwargs},
     )  # fmt: skip
     dm.set_input_spec(16, (0.4, 0.5, 0.6), (0.2, 0.25, 0.3))
     dm.classes  # noqa: B018 - the folder listing
@@ -361,6 +362,26 @@ def test_gpu_decode_batches_are_normalised_crops(noise: Path, tmp_path: Path, de
     assert type(small.train_set) is image_folder.EncodedFileDataset and len(small.train_set) == 5
 
 
+def test_gpu_decode_names_a_damaged_file(noise: Path, tmp_path: Path, decode_on_cpu: None):
+    """A JPEG whose header reads but whose pixels do not (a damaged file, verify_images=false) reaches the
+    batch decode: the error names that file in one line, not torchvision's "Image is incomplete"."""
+    root = tmp_path / "folder"
+    shutil.copytree(noise, root)
+    victim = sorted((root / "train").rglob("*.jpg"))[0]
+    data = victim.read_bytes()
+    victim.write_bytes(data[: len(data) // 2])  # the header intact, the scan cut
+    dm = _gpu_dm(root, tmp_path, verify_images=False)
+    with pytest.raises(DataError) as err:
+        for batch in dm.train_dataloader():  # the batch that holds it
+            dm.on_before_batch_transfer(batch, 0)
+    assert re.fullmatch(
+        rf"cannot decode {re.escape(str(victim))} \(.*\): remove or replace it \(datamodule.verify_images=true "
+        r"finds such files before training\)",
+        str(err.value),
+    ), str(err.value)
+    assert "\n" not in str(err.value) and ".cpp" not in str(err.value)
+
+
 def test_gpu_decode_boxes_are_rrc_boxes_of_the_header_size(
     noise: Path, tmp_path: Path, decode_on_cpu: None, monkeypatch: pytest.MonkeyPatch
 ):
@@ -378,7 +399,8 @@ def test_gpu_decode_boxes_are_rrc_boxes_of_the_header_size(
     with monkeypatch.context() as patch:
         patch.setattr(ImageFile.ImageFile, "load", lambda self: pytest.fail("the header read decoded pixels"))
         samples = [data[(3, i)][0] for i in range(len(data))]
-    for i, (blob, box, flip) in enumerate(samples):
+    for i, (blob, box, flip, index) in enumerate(samples):
+        assert index == i
         _, h, w = decode_image(blob).shape
         assert (box, flip) == draw_crop(h, w, sample_seed(dm.hparams.shuffle_seed, 3, i), 0.5)
     assert [s[1] for s in samples] != [data[(4, i)][0][1] for i in range(len(data))], (

@@ -6,6 +6,7 @@ after a mid-epoch resume), and the one-line errors."""
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import re
 from pathlib import Path
@@ -479,6 +480,36 @@ def test_gpu_decode_names_a_sample_that_is_no_image(
     assert re.fullmatch(
         rf"cannot read sample \d+ \(label \d\) of {where} \(UnidentifiedImageError: .*\): "
         r"write the shards again with `make shards`",
+        str(err.value),
+    ), str(err.value)
+
+
+def test_gpu_decode_names_a_sample_that_does_not_decode(
+    local_shards: Path, tmp_path: Path, decode_on_cpu: None, monkeypatch: pytest.MonkeyPatch
+):
+    """Stored bytes whose header reads but whose pixels do not (a JPEG cut short): the batch decode stops
+    with a one-line DataError naming the sample and the shards."""
+    buffer = io.BytesIO()
+    Image.frombytes("RGB", (120, 90), bytes(range(256)) * 127).save(
+        buffer, "JPEG"
+    )  # a long scan after the header
+    damaged = buffer.getvalue()[: len(buffer.getvalue()) // 2]
+    read = streaming.StreamingDataset.__next__
+
+    def one_damaged(self: streaming.StreamingDataset) -> dict:
+        item = read(self)
+        return {**item, "image": damaged} if item["index"] == 3 else item
+
+    monkeypatch.setattr(streaming.StreamingDataset, "__next__", one_damaged)
+    dm = _gpu_dm(local_shards, tmp_path, 0)
+    dm.setup("fit")
+    batches = iter(dm.train_dataloader())
+    where = re.escape(str(local_shards / "train"))
+    with pytest.raises(DataError) as err:
+        for batch in batches:  # the batch that holds sample 3
+            dm.on_before_batch_transfer(batch, 0)
+    assert re.fullmatch(
+        rf"cannot decode sample 3 of {where} \([^\n]*\): write the shards again with `make shards`",
         str(err.value),
     ), str(err.value)
 

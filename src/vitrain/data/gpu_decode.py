@@ -28,7 +28,7 @@ import io
 import logging
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -82,28 +82,32 @@ def draw_crop(h: int, w: int, seed: int, hflip: float = 0.5) -> tuple[tuple[int,
     return box, hflip > 0 and bool(torch.rand(1, generator=generator) < hflip)
 
 
-def encoded_sample(data: bytes, seed: int, hflip: float) -> tuple[Tensor, tuple[int, int, int, int], bool]:
+def encoded_sample(
+    data: bytes, seed: int, hflip: float, index: int
+) -> tuple[Tensor, tuple[int, int, int, int], bool, int]:
     """A training sample for the GPU decoder, made in a loader worker: the encoded bytes as a uint8 tensor,
     with the crop box and flip of `draw_crop(h, w, seed, hflip)`, (h, w) read from the image's header (PIL
-    parses it; no pixel is decoded here). Bytes PIL cannot identify raise PIL's error: the caller names the
-    sample."""
+    parses it; no pixel is decoded here), and the sample's `index` in its dataset (to name it should its
+    pixels not decode). Bytes PIL cannot identify raise PIL's error: the caller names the sample."""
     from PIL import Image
 
     with Image.open(io.BytesIO(data)) as img:
         w, h = img.size
     box, flip = draw_crop(h, w, seed, hflip)
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8), box, flip
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8), box, flip, index
 
 
 class EncodedBatch(NamedTuple):
     """A training batch for the GPU decoder as loader workers hand it over: the encoded images packed into
     one uint8 buffer (one shared-memory block and one pinned copy per batch, not one per image), their byte
-    lengths, and the crop box (top, left, height, width) and flip drawn for each."""
+    lengths, the crop box (top, left, height, width) and flip drawn for each, and each one's index in its
+    dataset."""
 
     data: Tensor  # uint8 [sum of lengths]
     lengths: Tensor  # int64 [B]
     boxes: Tensor  # int64 [B,4]
     flips: Tensor  # bool [B]
+    indices: Tensor  # int64 [B]
 
     def blobs(self) -> list[Tensor]:
         """Each image's bytes: views into `data`, no copy."""
@@ -111,18 +115,40 @@ class EncodedBatch(NamedTuple):
 
 
 def collate_encoded(
-    batch: list[tuple[tuple[Tensor, tuple[int, ...], bool], int]],
+    batch: list[tuple[tuple[Tensor, tuple[int, ...], bool, int], int]],
 ) -> tuple[EncodedBatch, Tensor]:
-    """((bytes, box, flip), label) samples -> (EncodedBatch, labels); module-level so workers can pickle it."""
+    """((bytes, box, flip, index), label) samples -> (EncodedBatch, labels); module-level so workers can
+    pickle it."""
     samples, labels = zip(*batch, strict=True)
-    data, boxes, flips = zip(*samples, strict=True)
+    data, boxes, flips, indices = zip(*samples, strict=True)
     encoded = EncodedBatch(
         torch.cat(data),
         torch.tensor([len(d) for d in data], dtype=torch.long),
         torch.tensor(boxes, dtype=torch.long),
         torch.tensor(flips, dtype=torch.bool),
+        torch.tensor(indices, dtype=torch.long),
     )
     return encoded, torch.tensor(labels, dtype=torch.long)
+
+
+class UndecodableImage(DataError):
+    """An image whose header reads but whose pixels do not decode (a damaged file): its place in the batch,
+    for the datamodule to name the file or sample (`decode_batch`)."""
+
+    def __init__(self, position: int, reason: str) -> None:
+        super().__init__(f"image {position} of the batch cannot be decoded ({reason})")
+        self.position, self.reason = position, reason
+
+
+def decode_batch(
+    decoder: GpuDecoder, batch: EncodedBatch, undecodable: Callable[[int, str], DataError]
+) -> Tensor:
+    """A training batch from the loader workers, decoded and augmented as they drew it; a damaged image
+    raises `undecodable(its index in the dataset, the decoder's reason)`: one line that names it."""
+    try:
+        return decoder(batch.blobs(), train=True, boxes=batch.boxes, flips=batch.flips)
+    except UndecodableImage as err:
+        raise undecodable(int(batch.indices[err.position]), err.reason) from None
 
 
 def check_decode_device(value: Any) -> None:
@@ -296,13 +322,31 @@ class GpuDecoder:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)  # torchvision 0.29: "use TorchCodec"
             if jpeg:
-                decoded = decode_jpeg([blobs[i] for i in jpeg], mode=ImageReadMode.RGB, device=self.device)
+                try:
+                    decoded = decode_jpeg(
+                        [blobs[i] for i in jpeg], mode=ImageReadMode.RGB, device=self.device
+                    )
+                except RuntimeError as err:  # one damaged image fails the batch: find it
+                    raise self._undecodable(blobs, jpeg, err) from None
                 for i, img in zip(jpeg, decoded, strict=True):
                     out[i] = img
             for i, blob in enumerate(blobs):
                 if out[i] is None:
-                    out[i] = to_device(decode_image(blob, mode=ImageReadMode.RGB), self.device)
+                    try:
+                        out[i] = to_device(decode_image(blob, mode=ImageReadMode.RGB), self.device)
+                    except RuntimeError as err:
+                        raise UndecodableImage(i, _reason(err)) from None
         return out  # type: ignore[return-value]
+
+    def _undecodable(self, blobs: list[Tensor], jpeg: list[int], err: RuntimeError) -> Exception:
+        """The first image of a failed batch decode that fails alone (error path only: one decode each), or
+        the batch's error when none does."""
+        for i in jpeg:
+            try:
+                decode_jpeg(blobs[i], mode=ImageReadMode.RGB, device=self.device)
+            except RuntimeError as single:
+                return UndecodableImage(i, _reason(single))
+        return err
 
     def __call__(
         self,
@@ -323,6 +367,13 @@ class GpuDecoder:
         if train and self.augment is not None:
             return self.augment(x.round_().to(torch.uint8), train=True)
         return to_model_input(x, self.img_size, self.mean, self.std)
+
+
+def _reason(err: Exception) -> str:
+    """torchvision's decode error without its source location ("decode_jpeg, .../decode_jpeg.cpp:171, Image
+    is incomplete or truncated" -> "Image is incomplete or truncated")."""
+    text = " ".join(str(err).split())
+    return text.rsplit(".cpp:", 1)[-1].split(", ", 1)[-1] if ".cpp:" in text else text
 
 
 def centred_square(h: int, w: int) -> tuple[int, int, int, int]:

@@ -45,6 +45,7 @@ from vitrain.data.gpu_decode import (
     check_augment,
     check_decode_device,
     collate_encoded,
+    decode_batch,
     encoded_sample,
     gpu_decode_device,
 )
@@ -99,7 +100,7 @@ class EncodedFileDataset(ImageFileDataset):
         path, label = self.files[index]
         seed = sample_seed(self.seed, epoch, index)
         try:
-            sample = encoded_sample(Path(path).read_bytes(), seed, self.hflip)
+            sample = encoded_sample(Path(path).read_bytes(), seed, self.hflip, index)
         except Exception as e:  # only reachable with verify_images=false
             raise DataError(
                 f"cannot read {path} ({type(e).__name__}: {e}): remove or replace it "
@@ -237,8 +238,14 @@ class ImageFolderDataModule(ImageDataModule):
         """GPU decode: a training batch of encoded images becomes augmented model input on the GPU."""
         x, y = batch
         if isinstance(x, EncodedBatch) and self._gpu_decoder is not None:
-            return self._gpu_decoder(x.blobs(), train=True, boxes=x.boxes, flips=x.flips), y
+            return decode_batch(self._gpu_decoder, x, self._undecodable), y
         return batch
+
+    def _undecodable(self, index: int, reason: str) -> DataError:
+        return DataError(
+            f"cannot decode {self.train_set.files[index][0]} ({reason}): remove or replace it "
+            "(datamodule.verify_images=true finds such files before training)"
+        )
 
     # --- in memory --------------------------------------------------------------------------------
 

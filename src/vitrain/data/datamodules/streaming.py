@@ -33,6 +33,7 @@ from vitrain.data.gpu_decode import (
     check_augment,
     check_decode_device,
     collate_encoded,
+    decode_batch,
     encoded_sample,
     gpu_decode_device,
 )
@@ -133,7 +134,7 @@ class SampleTransform:
         seed = sample_seed(self.seed, epoch, item["index"])
         if self.raw:
             try:
-                return encoded_sample(item["image"], seed, self.hflip), item["label"]
+                return encoded_sample(item["image"], seed, self.hflip, item["index"]), item["label"]
             except Exception as e:  # PIL raises many types; `make shards` checked every image it wrote
                 raise DataError(
                     f"cannot read sample {item['index']} (label {item['label']}) of {self.source} "
@@ -380,8 +381,14 @@ class StreamingDataModule(ImageDataModule):
         flipped as the workers drew it."""
         x, y = batch
         if isinstance(x, EncodedBatch) and self._gpu_decoder is not None:
-            return self._gpu_decoder(x.blobs(), train=True, boxes=x.boxes, flips=x.flips), y
+            return decode_batch(self._gpu_decoder, x, self._undecodable), y
         return batch
+
+    def _undecodable(self, index: int, reason: str) -> DataError:
+        return DataError(
+            f"cannot decode sample {index} of {self._split_dir('train')} ({reason}): write the shards again "
+            "with `make shards`"
+        )
 
 
 def litdata_env(world_size: int, global_rank: int) -> Any:
