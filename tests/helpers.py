@@ -171,3 +171,20 @@ class Recorder(L.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+class DecodedRecorder(L.LightningModule):
+    """A one-parameter model that records every training batch as the training step receives it (decoded
+    images): what a resumed GPU-decode loader yields, compared with an uninterrupted run's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1))
+        self.seen: list[torch.Tensor] = []
+
+    def training_step(self, batch, batch_idx):
+        self.seen.append(batch[0].clone())
+        return (self.w * batch[0].mean()).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)

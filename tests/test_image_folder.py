@@ -21,9 +21,10 @@ import torch
 from PIL import Image
 
 from data_factory import make_noise_folder
-from helpers import ROOT, TINY_VIT, Recorder, compose_cfg, fails_in_process, run_cli
+from helpers import ROOT, TINY_VIT, DecodedRecorder, Recorder, compose_cfg, fails_in_process, run_cli
 from vitrain.data.datamodules import image_folder
 from vitrain.data.datamodules.image_folder import ImageFolderDataModule
+from vitrain.data.gpu_decode import EncodedBatch
 from vitrain.errors import DataError
 from vitrain.tasks.training import train
 
@@ -338,7 +339,7 @@ def test_gpu_decode_batches_are_normalised_crops(noise: Path, tmp_path: Path, de
     dm = _gpu_dm(noise, tmp_path)
     loader = dm.train_dataloader()
     (encoded, labels), *_ = loader
-    assert isinstance(encoded, image_folder.EncodedBatch) and encoded.boxes.shape == (4, 4)
+    assert isinstance(encoded, EncodedBatch) and encoded.boxes.shape == (4, 4)
     assert {Path(p).suffix for p, _ in dm.train_set.files} == {".png", ".jpg"}
     x, y = dm.on_before_batch_transfer((encoded, labels), 0)
     assert x.shape == (4, 3, 16, 16) and x.dtype == torch.float32 and torch.equal(y, labels)
@@ -415,22 +416,6 @@ def test_gpu_decode_boxes_are_rrc_boxes_of_the_header_size(
         # sides are rounded: allow a pixel either way on the area and the ratio
         assert centred or ((ch - 1) * (cw - 1) <= h * w and (ch + 1) * (cw + 1) >= 0.08 * h * w)
         assert centred or ((cw - 1) / (ch + 1) <= 4 / 3 and (cw + 1) / (ch - 1) >= 3 / 4)
-
-
-class DecodedRecorder(L.LightningModule):
-    """Records every training batch as the training step receives it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.w = torch.nn.Parameter(torch.zeros(1))
-        self.seen: list[torch.Tensor] = []
-
-    def training_step(self, batch, batch_idx):
-        self.seen.append(batch[0].clone())
-        return (self.w * batch[0].mean()).sum()
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.0)
 
 
 def test_gpu_decode_batches_resume_and_ignore_workers(noise: Path, tmp_path: Path, decode_on_cpu: None):

@@ -18,7 +18,7 @@ from PIL import Image
 from torchvision.io import encode_jpeg
 
 from data_factory import pattern_image
-from helpers import ROOT, TINY_VIT, Recorder, compose_cfg, run_cli
+from helpers import ROOT, TINY_VIT, DecodedRecorder, Recorder, compose_cfg, run_cli
 from vitrain.data.datamodules import streaming
 from vitrain.data.datamodules.streaming import StreamingDataModule, litdata_env
 from vitrain.data.shards import FORMAT_VERSION, METADATA_FILE, write_shards
@@ -366,22 +366,6 @@ def _gpu_dm(shards: Path, tmp_path: Path, workers: int) -> StreamingDataModule:
     )
     dm.set_input_spec(32, (0.5,) * 3, (0.5,) * 3)
     return dm
-
-
-class DecodedRecorder(L.LightningModule):
-    """Records every training batch as the training step receives it (decoded)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.w = torch.nn.Parameter(torch.zeros(1))
-        self.seen: list[torch.Tensor] = []
-
-    def training_step(self, batch, batch_idx):
-        self.seen.append(batch[0].clone())
-        return (self.w * batch[0].mean()).sum()
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.0)
 
 
 def test_gpu_decode_path_runs_on_cpu(local_shards: Path):

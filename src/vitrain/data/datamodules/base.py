@@ -20,6 +20,7 @@ from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from torch.utils.data import DataLoader, Dataset
 
 from vitrain.data.augment import BatchTransform
+from vitrain.data.gpu_decode import EncodedBatch, GpuDecoder, decode_batch
 from vitrain.data.loaders import ResumableLoader, TensorImageDataset, passthrough_collate
 from vitrain.data.sampling import make_sampler, per_process_batch
 from vitrain.errors import DataError
@@ -116,6 +117,8 @@ class ImageDataModule(LightningDataModule):
         self._batch = self._eval_batch = batch_size
         #: (path, why) of files left out as unreadable; the run report counts them (`data_facts`)
         self.skipped: list[tuple[str, str]] = []
+        # `decode_device=cuda` (image folders from disk, streaming shards): decodes encoded training batches
+        self._gpu_decoder: GpuDecoder | None = None
 
     # --- classes ----------------------------------------------------------------------------------
 
@@ -340,6 +343,19 @@ class ImageDataModule(LightningDataModule):
 
     def test_dataloader(self) -> DataLoader:
         return self._loader(self.test_set, train=False)
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """GPU decode: an encoded training batch from the loader workers becomes augmented model input on the
+        GPU, cropped and flipped as the workers drew it (`decode_device=cuda`)."""
+        x, y = batch
+        if isinstance(x, EncodedBatch) and self._gpu_decoder is not None:
+            return decode_batch(self._gpu_decoder, x, self.undecodable), y
+        return batch
+
+    def undecodable(self, index: int, reason: str) -> DataError:
+        """The error for training sample `index` whose pixels the GPU decoder cannot decode; subclasses name
+        the file or the shards, and the remedy."""
+        return DataError(f"cannot decode training sample {index} ({reason})")
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """In-memory data: augment (training only), resize and normalise on the device the batch is on."""

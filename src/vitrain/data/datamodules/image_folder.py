@@ -40,12 +40,10 @@ from vitrain.data.augment import BatchTransform
 from vitrain.data.datamodules.base import ImageDataModule, Splits, check_ints
 from vitrain.data.datamodules.in_memory import device_augmentation, tensor_splits
 from vitrain.data.gpu_decode import (
-    EncodedBatch,
     GpuDecoder,
     check_augment,
     check_decode_device,
     collate_encoded,
-    decode_batch,
     encoded_sample,
     gpu_decode_device,
 )
@@ -152,7 +150,6 @@ class ImageFolderDataModule(ImageDataModule):
         self._source: Source | None = None
         self.skipped: list[tuple[str, str]] = []
         self._plan: in_memory.MemoryPlan | None = None
-        self._gpu_decoder: GpuDecoder | None = None
 
     # --- the files --------------------------------------------------------------------------------
 
@@ -234,14 +231,7 @@ class ImageFolderDataModule(ImageDataModule):
         decode. Tests replace it to run the GPU path with the decoder on the CPU."""
         return gpu_decode_device(self.hparams.decode_device, self.trainer)
 
-    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        """GPU decode: a training batch of encoded images becomes augmented model input on the GPU."""
-        x, y = batch
-        if isinstance(x, EncodedBatch) and self._gpu_decoder is not None:
-            return decode_batch(self._gpu_decoder, x, self._undecodable), y
-        return batch
-
-    def _undecodable(self, index: int, reason: str) -> DataError:
+    def undecodable(self, index: int, reason: str) -> DataError:
         return DataError(
             f"cannot decode {self.train_set.files[index][0]} ({reason}): remove or replace it "
             "(datamodule.verify_images=true finds such files before training)"

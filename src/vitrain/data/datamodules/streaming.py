@@ -28,12 +28,10 @@ from torch.utils.data import DataLoader, Dataset
 from vitrain.compat import litdata_allow_http, litdata_distributed_env
 from vitrain.data.datamodules.base import ImageDataModule, Splits
 from vitrain.data.gpu_decode import (
-    EncodedBatch,
     GpuDecoder,
     check_augment,
     check_decode_device,
     collate_encoded,
-    decode_batch,
     encoded_sample,
     gpu_decode_device,
 )
@@ -257,7 +255,6 @@ class StreamingDataModule(ImageDataModule):
             check_augment(auto_augment, re_prob)
         super().__init__(*args, **kwargs)
         self._meta: dict[str, Any] | None = None
-        self._gpu_decoder: GpuDecoder | None = None
 
     @property
     def metadata(self) -> dict[str, Any]:
@@ -376,15 +373,7 @@ class StreamingDataModule(ImageDataModule):
             return None
         return self._epoch(), self._resume_offset()
 
-    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        """GPU decode: the encoded bytes of a training batch become augmented images on the GPU, cropped and
-        flipped as the workers drew it."""
-        x, y = batch
-        if isinstance(x, EncodedBatch) and self._gpu_decoder is not None:
-            return decode_batch(self._gpu_decoder, x, self._undecodable), y
-        return batch
-
-    def _undecodable(self, index: int, reason: str) -> DataError:
+    def undecodable(self, index: int, reason: str) -> DataError:
         return DataError(
             f"cannot decode sample {index} of {self._split_dir('train')} ({reason}): write the shards again "
             "with `make shards`"
