@@ -236,6 +236,11 @@ def test_many_loggers_log_the_same_scalars(
     assert set(cfg.logger) == {"tensorboard", "csv", "mlflow", "wandb"}
     _, objects = train(cfg)
     assert len(objects.loggers) == 4
+    import wandb
+
+    # the transaction log is read once W&B's service has ended and closed it, as at the end of a CLI run
+    # (read while its core still wrote, it once lacked the epoch-end rows: a CI run of 2026-11-27)
+    wandb.teardown()
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
