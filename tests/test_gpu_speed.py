@@ -43,14 +43,15 @@ def test_compile_auto_is_on_for_gpu_training_without_fsdp():
         compile_choice("yes", _strategy("cuda"))
 
 
-def test_fused_optimizer_only_where_asked_for_or_on_gpu_parameters():
+def test_fused_optimizer_by_default_where_torch_has_the_kernel():
     net = nn.Linear(4, 2)
     adamw = {"_target_": "torch.optim.AdamW", "lr": 1e-3}
-    assert fused_default(adamw, net) == {}  # CPU parameters: torch's own default
+    assert fused_default(adamw, net) == {"fused": True}  # CPU parameters: torch's fused CPU kernel
     assert fused_default({**adamw, "fused": False}, net) == {}  # the config's word stands
+    assert fused_default({"_target_": "timm.optim.Lamb", "lr": 1e-3}, net) == {}  # no fused kernel
     with torch.device("meta"):
         meta = nn.Linear(4, 2)
-    assert fused_default(adamw, meta) == {}  # not CUDA
+    assert fused_default(adamw, meta) == {}  # no kernel there
     assert params_device_type(net) == "cpu" and params_device_type(meta) == "meta"
 
 

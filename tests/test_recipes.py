@@ -407,7 +407,9 @@ def test_flip_tta_scores_the_mean_of_image_and_mirror_logits():
 
 def test_layer_decay_param_groups():
     model = tiny_classifier(layer_decay=0.5)
-    groups = model.configure_optimizers()["optimizer"].param_groups
+    optimizer = model.configure_optimizers()["optimizer"]
+    assert optimizer.defaults["fused"] is True  # on CPU parameters too (fused_default)
+    groups = optimizer.param_groups
     name = {id(p): n for n, p in model.net.named_parameters()}
     lr_of = {name[id(p)]: g["lr"] for g in groups for p in g["params"]}
     assert lr_of["head.weight"] == pytest.approx(1e-3)
