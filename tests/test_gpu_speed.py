@@ -23,6 +23,7 @@ from vitrain.distributed.parallelize import parallelize
 from vitrain.errors import DataError, ModelError
 from vitrain.models.classifier import compile_choice, fused_default, params_device_type
 from vitrain.models.timm_net import PatchConv2d, patch_convs_as_matmuls
+from vitrain.reporting.markdown import _throughput
 from vitrain.reporting.report import mfu_note
 from vitrain.tasks.training import keep_compiled_kernels, train
 
@@ -239,6 +240,20 @@ def test_a_short_run_reports_images_per_s_and_mfu_with_its_first_step_apart(
     assert report["first_step_s"] > 0 and report["images_per_s_after_first_step"] > 0
     text = (tmp_path / "report.md").read_text()
     assert "steady state" in text and "first step" in text
+    assert report["config"]["model.progressive_resize.start_size"] is None and "progressive" not in text
+
+
+def test_throughput_line_says_when_progressive_resizing_trained_smaller_images():
+    """A run that grows its input size reports a last-window figure below its average: the line says why."""
+    figures = {"throughput_monitor_images_per_s": 1018.0, "throughput_images_per_s": 1164.0, "first_step_s": 0.15,
+               "images_per_s_after_first_step": 1237.0}  # fmt: skip
+    plain = _throughput({**figures, "config": {"model.progressive_resize.start_size": None}})
+    resized = _throughput({**figures, "config": {"model.progressive_resize.start_size": 16}})
+    assert "progressive" not in plain
+    assert (
+        "1164 images/s over all training batches (progressive resizing: the early steps trained smaller"
+        in (resized)
+    )
 
 
 def test_float8_trains_and_its_checkpoint_loads_into_a_plain_network(

@@ -230,6 +230,9 @@ def _throughput(report: dict[str, Any]) -> str:
     steady = report.get("throughput_monitor_images_per_s")
     text = f"{fmt(steady)} images/s steady state (all devices), " if steady else ""
     text += f"{fmt(report['throughput_images_per_s'])} images/s over all training batches"
+    if (report.get("config") or {}).get("model.progressive_resize.start_size") is not None:
+        # the averages count the cheaper early steps at smaller sizes; the window is the run's last steps
+        text += " (progressive resizing: the early steps trained smaller images, faster)"
     if report.get("first_step_s") is not None:
         text += f"; first step {fmt(report['first_step_s'])} s (compile, warm-up)"
         if report.get("images_per_s_after_first_step"):

@@ -28,6 +28,7 @@ CONFIG_KEYS = (
     "model.optimizer.lr",
     "model.optimizer.weight_decay",
     "model.label_smoothing",
+    "model.progressive_resize.start_size",  # set: early steps trained smaller (the report's throughput says so)
     "datamodule.batch_size",
     "datamodule.train_subset",
     "trainer.max_epochs",
