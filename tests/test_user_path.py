@@ -6,10 +6,12 @@ import re
 import shlex
 import signal
 import time
+import warnings
 from pathlib import Path
 
 import lightning as L
 import pytest
+import torch
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import OmegaConf, open_dict
 
@@ -204,6 +206,22 @@ def test_model_summary_shows_no_zero_flops(capsys):
     ModelSummary.summarize(data, 1_700_000, 1_700_000, 6.8, {"train": 10, "eval": 0}, 0)
     out = capsys.readouterr().out
     assert "FLOPs" not in out and "Total params" in out and "VisionTransformer" in out
+
+
+def test_model_summary_does_not_warn_about_mixed_precision_sizes(capsys):
+    """Under bf16-mixed the parameters are fp32: Lightning's size at 32 bits is right, its warning is not."""
+    from vitrain.callbacks.progress import ModelSummary
+
+    model = L.LightningModule()
+    model.net = torch.nn.Linear(300, 200)
+    trainer = L.Trainer(precision="bf16-mixed", accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    model.trainer = trainer
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ModelSummary().on_fit_start(trainer, model)
+    assert not [w for w in caught if "model summary" in str(w.message)], [str(w.message) for w in caught]
+    assert "Total estimated model params size (MB): 0.241" in capsys.readouterr().out  # 60,200 x 4 bytes
 
 
 @pytest.fixture(scope="module")

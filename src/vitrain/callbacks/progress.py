@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
+import warnings
 from typing import Any
 
 import lightning as L
@@ -118,6 +119,15 @@ class ProgressBar(RichProgressBar):
 class ModelSummary(RichModelSummary):
     """Rich's model summary without its FLOPs column and `Total FLOPs: 0` when FLOPs were not measured
     (Lightning measures them only with an `example_input_array`; images/s and MFU: callbacks/throughput.py)."""
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # Lightning warns on every `*-mixed` run that it sizes the parameters at 32 bits, as if that were
+        # wrong: mixed precision keeps fp32 parameters, so the size it prints is right
+        with warnings.catch_warnings():
+            warnings.filterwarnings(
+                "ignore", message=r"Precision \S+-mixed is not supported by the model summary"
+            )
+            super().on_fit_start(trainer, pl_module)
 
     @staticmethod
     def summarize(
