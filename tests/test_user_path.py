@@ -224,6 +224,35 @@ def test_model_summary_does_not_warn_about_mixed_precision_sizes(capsys):
     assert "Total estimated model params size (MB): 0.241" in capsys.readouterr().out  # 60,200 x 4 bytes
 
 
+def test_lightnings_notes_on_the_templates_own_choices_are_dropped():
+    """Its cloud-logger advert and "already configured with model summary callbacks" go; its other lines stay."""
+    from vitrain.callbacks.progress import ModelSummary
+    from vitrain.tasks.harness import drop_lightning_notes
+
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    lightning_log = logging.getLogger("lightning.pytorch")
+    handler = Keep(level=logging.INFO)
+    lightning_log.addHandler(handler)
+    level = lightning_log.level
+    lightning_log.setLevel(logging.INFO)
+    try:
+        drop_lightning_notes()
+        drop_lightning_notes()  # idempotent
+        L.Trainer(accelerator="cpu", callbacks=[ModelSummary()], enable_checkpointing=False)
+    finally:
+        lightning_log.removeHandler(handler)
+        lightning_log.setLevel(level)
+    assert any(r.startswith("GPU available") for r in records), records
+    assert not [r for r in records if "Tip" in r or "model summary callbacks" in r], records
+    notes = logging.getLogger("lightning.pytorch.utilities.rank_zero").filters
+    assert sum(type(f).__name__ == "DropLightningNotes" for f in notes) == 1
+
+
 @pytest.fixture(scope="module")
 def folder_checkpoint(tmp_path_factory, tiny_cifar: Path, data_cache: Path) -> Path:
     """A checkpoint of a short image-folder run (datamodule=image_folder: keys CIFAR-10's datamodule lacks)."""

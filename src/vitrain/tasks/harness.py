@@ -23,6 +23,25 @@ from vitrain.utils.secrets import install_secret_filter
 
 log = logging.getLogger(__name__)
 
+# Lightning's notes on choices this template makes on purpose, printed on every run: an advert for its cloud
+# logger, and that it adds no model summary of its own beside ours (callbacks.model_summary)
+LIGHTNING_NOTES_DROPPED = ("💡 Tip:", "Trainer already configured with model summary callbacks")
+# the logger Lightning's rank_zero_info writes to
+LIGHTNING_INFO_LOGGER = "lightning.pytorch.utilities.rank_zero"
+
+
+class DropLightningNotes(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(LIGHTNING_NOTES_DROPPED)
+
+
+def drop_lightning_notes() -> None:
+    """Idempotent: the filter sits on Lightning's info logger itself, every other line of it stays."""
+    logger = logging.getLogger(LIGHTNING_INFO_LOGGER)
+    if not any(isinstance(f, DropLightningNotes) for f in logger.filters):
+        logger.addFilter(DropLightningNotes())
+
+
 # a task returns its metrics and the objects it built (vitrain.tasks.build.RunObjects)
 Task = Callable[[DictConfig], tuple[dict[str, float], Any]]
 
@@ -82,6 +101,11 @@ def run_task(task: Task, cfg: DictConfig) -> tuple[dict[str, float], Any]:
     extras = cfg.get("extras") or {}
     if extras.get("ignore_warnings"):
         warnings.filterwarnings("ignore")
+    drop_lightning_notes()
+    # Lightning 2.6's own call of a torch pytree API that torch >= 2.10 deprecates: nothing a user can change
+    warnings.filterwarnings(
+        "ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning
+    )
     if extras.get("retain_freed_memory", True):
         retain_freed_memory()
     output_dir = Path(cfg.paths.output_dir)
