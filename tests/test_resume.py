@@ -1,5 +1,6 @@
 """A killed run resumes to the same weights as the run left alone; SIGTERM saves before exiting."""
 
+import json
 import os
 import shutil
 import signal
@@ -41,33 +42,51 @@ def _assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]
     assert not different, f"weights differ: {different[:5]}"
 
 
+def _epoch_figures(run_dir: Path) -> dict[int, dict[str, float]]:
+    """The epoch-level training figures each epoch logged (the run's metric record: kept across a resume)."""
+    figures: dict[int, dict[str, float]] = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        if "train/acc1" in row:
+            figures[int(row["epoch"])] = {k: row[k] for k in ("train/acc1", "train/acc5", "train/loss_epoch")}
+    return figures
+
+
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory, tiny_cifar: Path, data_cache: Path) -> dict[str, torch.Tensor]:
+def uninterrupted_dir(tmp_path_factory, tiny_cifar: Path, data_cache: Path) -> Path:
     run_dir = tmp_path_factory.mktemp("uninterrupted")
     done = _run(_overrides(tiny_cifar, data_cache, run_dir))
     assert done.returncode == 0, done.stderr[-3000:]
-    return _final_weights(run_dir)
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(uninterrupted_dir: Path) -> dict[str, torch.Tensor]:
+    return _final_weights(uninterrupted_dir)
 
 
 @pytest.mark.slow
 def test_sigkill_at_epoch_boundary_then_resume_is_bitwise_identical(
-    tmp_path: Path, tiny_cifar: Path, data_cache: Path, uninterrupted
+    tmp_path: Path, tiny_cifar: Path, data_cache: Path, uninterrupted, uninterrupted_dir: Path
 ):
     overrides = _overrides(tiny_cifar, data_cache, tmp_path)
     killed = _run(
         [*overrides, "+callbacks.fault._target_=fault_injection.KillAt", "+callbacks.fault.epoch=1"]
     )
     assert killed.returncode == -signal.SIGKILL
-    assert torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)["epoch"] == 0
+    saved = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)
+    # saved at the epoch's end: no metric state to carry into the next epoch
+    assert saved["epoch"] == 0 and "training_epoch_metric_states" not in saved
 
     resumed = _run([*overrides, "ckpt_path=last"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     _assert_bitwise_equal(_final_weights(tmp_path), uninterrupted)
+    assert _epoch_figures(tmp_path)[1] == _epoch_figures(uninterrupted_dir)[1]
 
 
 @pytest.mark.slow
 def test_sigterm_mid_epoch_saves_last_and_resumes_exactly(
-    tmp_path: Path, tiny_cifar: Path, data_cache: Path, uninterrupted
+    tmp_path: Path, tiny_cifar: Path, data_cache: Path, uninterrupted, uninterrupted_dir: Path
 ):
     overrides = _overrides(tiny_cifar, data_cache, tmp_path)
     stopped = _run(
@@ -81,6 +100,9 @@ def test_sigterm_mid_epoch_saves_last_and_resumes_exactly(
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     # every batch trained exactly once: the same weights as the run that was never stopped
     _assert_bitwise_equal(_final_weights(tmp_path), uninterrupted)
+    # and the interrupted epoch's training figures cover all its batches, not only those after the resume
+    assert "training_epoch_metric_states" in saved
+    assert _epoch_figures(tmp_path)[1] == _epoch_figures(uninterrupted_dir)[1]
 
 
 def test_truncated_checkpoint_gives_a_clear_error(tmp_path: Path, tiny_cifar: Path, data_cache: Path):

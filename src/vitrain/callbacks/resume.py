@@ -20,6 +20,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from vitrain.callbacks.epoch_metrics import CHECKPOINT_KEY, restore_states, states_to_save
 from vitrain.compat import replace_sigterm_broadcast
 
 log = logging.getLogger(__name__)
@@ -41,10 +42,15 @@ class ExactResume(Callback):
     (rank 0 draws as a single process does). Only rank 0 writes the checkpoint file, so the states of all
     ranks are gathered into it (`rng_states_per_rank`, a few KB each; one collective per save), and each rank
     restores its own. A checkpoint from another world size restores rank 0's state, offset by rank.
+
+    A checkpoint saved in the middle of an epoch also carries the epoch's training metric states so far
+    (callbacks/epoch_metrics.py): the resumed epoch's `train/acc1` and `train/loss_epoch` cover all its
+    batches, as the uninterrupted run's do.
     """
 
     def __init__(self) -> None:
         self._pending: dict[str, Any] | None = None
+        self._pending_metrics: dict[str, Any] | None = None
         self._after_last_batch: dict[str, Any] | None = None
         self._cuda: bool | None = None
 
@@ -66,6 +72,9 @@ class ExactResume(Callback):
         per_rank = gather_from_ranks(mine, trainer.world_size)
         checkpoint["rng_states"] = per_rank[0]
         checkpoint["rng_states_per_rank"] = per_rank
+        metric_states = states_to_save(trainer, pl_module)  # a collective too, on every rank alike
+        if metric_states:
+            checkpoint[CHECKPOINT_KEY] = metric_states
 
     def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
         per_rank = checkpoint.get("rng_states_per_rank")
@@ -73,8 +82,12 @@ class ExactResume(Callback):
             self._pending = per_rank[trainer.global_rank]
         elif checkpoint.get("rng_states") is not None:
             self._pending = {**checkpoint["rng_states"], "offset_by_rank": True}
+        self._pending_metrics = checkpoint.get(CHECKPOINT_KEY)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._pending_metrics:  # the model is on its device by now, as the states must be
+            restore_states(pl_module, self._pending_metrics, trainer.global_rank)
+            self._pending_metrics = None
         if self._pending is not None:
             offset = self._pending.pop("offset_by_rank", False)
             if not torch.cuda.is_available():

@@ -15,7 +15,7 @@ from timm.loss import SoftTargetCrossEntropy
 from timm.optim import param_groups_layer_decay, param_groups_weight_decay
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torchmetrics import MeanMetric, MetricCollection
+from torchmetrics import MeanMetric, Metric, MetricCollection
 from torchmetrics.classification import MulticlassAccuracy
 
 from vitrain.checkpoints import CheckpointError
@@ -224,6 +224,11 @@ class ImageClassifier(L.LightningModule):
             if self.resize is not None:
                 self.log("train/img_size", torch.tensor(float(x.shape[-1])))
         return loss
+
+    def training_epoch_metrics(self) -> dict[str, Metric]:
+        """What training steps accumulate and the epoch's end logs: carried across a mid-epoch resume
+        (vitrain/callbacks/epoch_metrics.py)."""
+        return {"train_metrics": self.train_metrics, "train_loss": self.train_loss}
 
     def training_progress(self) -> float:
         """The run's progress in [0, 1]: the LR schedule's own (which follows `trainer.max_time` when set,
