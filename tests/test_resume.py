@@ -1,5 +1,6 @@
 """A killed run resumes to the same weights as the run left alone; SIGTERM saves before exiting."""
 
+import csv
 import json
 import os
 import shutil
@@ -103,6 +104,14 @@ def test_sigterm_mid_epoch_saves_last_and_resumes_exactly(
     # and the interrupted epoch's training figures cover all its batches, not only those after the resume
     assert "training_epoch_metric_states" in saved
     assert _epoch_figures(tmp_path)[1] == _epoch_figures(uninterrupted_dir)[1]
+    # logger=csv: the rows of the run before the resume are kept, the resumed run's appended
+    with (tmp_path / "csv" / "metrics.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    steps = {int(r["step"]) for r in rows}
+    assert {0, 39, 41, 3 * 28 - 1} <= steps, sorted(steps)
+    assert [r["train/acc1"] for r in rows if r.get("train/acc1")] == [
+        str(figures["train/acc1"]) for figures in _epoch_figures(uninterrupted_dir).values()
+    ]
 
 
 def test_truncated_checkpoint_gives_a_clear_error(tmp_path: Path, tiny_cifar: Path, data_cache: Path):

@@ -7,24 +7,31 @@
 - a logger that cannot start (W&B without a login, an unreachable MLflow server) ends the run with one
   line that says what to do;
 - `MLFlowLogger(log_best_checkpoint=True)` uploads the best checkpoint;
+- `CSVLogger` keeps the rows of the run a resumed run continues (Lightning's starts `metrics.csv` over);
 - W&B keeps one global run per process: it is finished after every task, so the next job of a sweep
   gets its own run instead of logging into the previous one.
 """
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import logging
 import math
 import os
 import sys
+import warnings
 from argparse import Namespace
 from pathlib import Path
 from typing import Any
 
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger as _LightningCSVLogger
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.loggers import MLFlowLogger as _LightningMLFlowLogger
+from lightning.pytorch.loggers.csv_logs import ExperimentWriter
+from lightning.pytorch.loggers.logger import rank_zero_experiment
 from lightning.pytorch.utilities import rank_zero_only
 
 from vitrain.errors import UserError
@@ -74,6 +81,38 @@ class MetricRecord(Logger):
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self.path.open("a") as f:
             f.write(json.dumps({"step": step, **values}) + "\n")
+
+
+class CSVLogger(_LightningCSVLogger):
+    """Lightning's CSVLogger, except that a run resumed in its run dir keeps the rows written before it.
+
+    Lightning's writer deletes `metrics.csv` when its folder is not empty (it takes it for a new run in an
+    old folder): a resumed run lost its curves up to the resume. Here the rows are put back and the new ones
+    appended under the same header. Steps the interrupted run trained after its last checkpoint appear
+    twice (the resumed run trains them again), as in TensorBoard.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._rows_kept = False
+
+    @property
+    @rank_zero_experiment
+    def experiment(self) -> ExperimentWriter:
+        if self._rows_kept:
+            return _LightningCSVLogger.experiment.fget(self)  # type: ignore[attr-defined]
+        self._rows_kept = True
+        path = Path(self.log_dir) / ExperimentWriter.NAME_METRICS_FILE
+        before = path.read_text() if path.is_file() else ""
+        with warnings.catch_warnings():  # "Previous log files in this directory will be deleted": not here
+            warnings.filterwarnings(
+                "ignore", message=r".*Previous log files in this directory will be deleted"
+            )
+            writer = _LightningCSVLogger.experiment.fget(self)  # type: ignore[attr-defined]
+        if before:
+            path.write_text(before)
+            writer.metrics_keys = next(csv.reader(io.StringIO(before)), [])
+        return writer
 
 
 class LoggerError(UserError):
