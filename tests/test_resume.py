@@ -104,6 +104,14 @@ def test_sigterm_mid_epoch_saves_last_and_resumes_exactly(
     # and the interrupted epoch's training figures cover all its batches, not only those after the resume
     assert "training_epoch_metric_states" in saved
     assert _epoch_figures(tmp_path)[1] == _epoch_figures(uninterrupted_dir)[1]
+    # the report says where this session started; the epoch it resumed in is timed from the resume (it used
+    # to be timed from the clock's origin: no on_train_epoch_start for an epoch resumed in its middle)
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["epochs"] == 3 and report["resumed_at"] == {"epoch": 1, "step": 40, "mid_epoch": True}
+    stats = json.loads((tmp_path / "run_stats.json").read_text())["fit"]
+    assert [e["epoch"] for e in stats["epochs"]] == [1, 2] and stats["epochs"][0]["partial"] is True
+    assert all(e["wall_time_s"] <= stats["wall_time_s"] for e in stats["epochs"])
+    assert report["time_per_epoch_s"] == stats["epochs"][1]["wall_time_s"]  # whole epochs only
     # logger=csv: the rows of the run before the resume are kept, the resumed run's appended
     with (tmp_path / "csv" / "metrics.csv").open() as f:
         rows = list(csv.DictReader(f))

@@ -73,6 +73,17 @@ class RunStats(Callback):
             self._epoch["train_time"] += self._sync(trainer) - self._stretch
             self._stretch = None
 
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # a run resumed in the middle of an epoch gets no `on_train_epoch_start` for it: its clock starts here
+        self._epoch_t0 = self._sync(trainer)
+        if trainer.global_step > 0:  # restored from a checkpoint: this process's figures are this session's
+            done = trainer.fit_loop.epoch_loop.batch_progress.current.completed
+            self.stats["fit"]["resumed_at"] = {
+                "epoch": trainer.current_epoch,
+                "step": trainer.global_step,
+                "mid_epoch": 0 < done < trainer.num_training_batches,
+            }
+
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._epoch_t0 = self._sync(trainer)
         self._epoch = {"train_time": 0.0, "images": 0}
@@ -116,6 +127,7 @@ class RunStats(Callback):
         wall = self._sync(trainer) - self._epoch_t0
         train_time, images = self._epoch["train_time"], self._epoch["images"]
         fit = self.stats["fit"]
+        resumed = fit.get("resumed_at") or {}
         fit["epochs"].append(
             {
                 "epoch": trainer.current_epoch,
@@ -123,6 +135,12 @@ class RunStats(Callback):
                 "train_time_s": round(train_time, 3),
                 "images": images,
                 "images_per_s": round(images / train_time, 2) if train_time > 0 else None,
+                # the epoch this session resumed in the middle of: its times cover the batches after that
+                **(
+                    {"partial": True}
+                    if resumed.get("mid_epoch") and resumed["epoch"] == trainer.current_epoch
+                    else {}
+                ),
             }
         )
         fit["images"] += images

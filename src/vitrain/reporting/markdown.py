@@ -115,7 +115,7 @@ def render_markdown(report: dict[str, Any]) -> str:
                 ],
                 ["data", _data(report.get("data"))],
                 ["skipped files", _skipped(report.get("data"))],
-                ["epochs", report["epochs"]],
+                ["epochs", _epochs(report)],
                 [
                     "training wall time",
                     f"{fmt(report['wall_time_s'])} s (fit), {fmt(report['time_per_epoch_s'])} s per epoch",
@@ -222,6 +222,17 @@ def render_markdown(report: dict[str, Any]) -> str:
     if plots:
         lines += ["", "## Curves", "", *(f"![{name}]({path})" for name, path in plots.items())]
     return scrub("\n".join(lines) + "\n")
+
+
+def _epochs(report: dict[str, Any]) -> str:
+    """Epochs trained; for a resumed run, where this session started: times and images/s are its own."""
+    resumed = report.get("resumed_at")
+    if not resumed:
+        return fmt(report["epochs"])
+    return (
+        f"{fmt(report['epochs'])} (resumed at epoch {resumed['epoch']}, step {resumed['step']}: wall time and "
+        "images/s cover the resumed session; the metrics cover the whole run)"
+    )
 
 
 def _throughput(report: dict[str, Any]) -> str:

@@ -110,6 +110,7 @@ def build_report(run_dir: Path, scalars: Scalars | None = None) -> dict[str, Any
     peak_key = "max_reserved_gb" if memory.get("device_type") == "cuda" else "peak_rss_gb"
     flops = stats.get("flops") or {}
     mfu = _last(scalars, "train/device/mfu")
+    whole = [e["wall_time_s"] for e in epochs if not e.get("partial")]
     monitor_ips = _last(scalars, "train/samples_per_sec") or (
         _last(scalars, "train/device/samples_per_sec") * (world or 1)
         if _last(scalars, "train/device/samples_per_sec")
@@ -133,11 +134,14 @@ def build_report(run_dir: Path, scalars: Scalars | None = None) -> dict[str, Any
             "accumulate_grad_batches": stats.get("accumulate_grad_batches"),
         },
         "data": stats.get("data"),
-        "epochs": len(epochs) or None,
+        # epochs trained in all (a resumed run's session ran the last of them)
+        "epochs": epochs[-1]["epoch"] + 1 if epochs else None,
+        "resumed_at": fit.get("resumed_at"),
         "global_step": fit.get("global_step"),
         "wall_time_s": fit.get("wall_time_s"),
         "train_time_s": fit.get("train_time_s"),
-        "time_per_epoch_s": round(statistics.mean(e["wall_time_s"] for e in epochs), 3) if epochs else None,
+        # whole epochs only: the one a session resumed in the middle of ran partly in another process
+        "time_per_epoch_s": round(statistics.mean(whole), 3) if whole else None,
         "epoch_times_s": [e["wall_time_s"] for e in epochs],
         "throughput_images_per_s": fit.get("images_per_s"),
         "throughput_monitor_images_per_s": monitor_ips,
