@@ -17,6 +17,7 @@ import lightning as L
 from lightning.pytorch.callbacks import Callback, RichModelSummary, RichProgressBar, Timer
 from lightning.pytorch.utilities import rank_zero_only
 
+from vitrain.callbacks.epoch_metrics import epoch_in_progress
 from vitrain.callbacks.throughput import batch_size
 
 log = logging.getLogger("vitrain.progress")
@@ -41,18 +42,22 @@ class ProgressLog(Callback):
         self._epoch_batches = 0
         self._epoch_images = 0
         self._epoch_t0 = 0.0
+        self._resumed_mid_epoch = False
 
     @rank_zero_only
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._lines = self.always or not sys.stdout.isatty()
-        self._t0 = self._last_t = time.perf_counter()
+        self._t0 = self._last_t = self._epoch_t0 = time.perf_counter()
         self._step0 = self._last_step = trainer.global_step
         self._images_since = 0
+        # resumed in the middle of an epoch: no on_train_epoch_start for it, and its line covers the rest only
+        self._resumed_mid_epoch = epoch_in_progress(trainer)
 
     @rank_zero_only
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._epoch_loss, self._epoch_batches, self._epoch_images = None, 0, 0
         self._epoch_t0 = time.perf_counter()
+        self._resumed_mid_epoch = False
 
     @rank_zero_only
     def on_train_batch_end(
@@ -93,8 +98,9 @@ class ProgressLog(Callback):
         if not self._epoch_batches:
             return
         seconds = time.perf_counter() - self._epoch_t0
+        since = " (time, train loss and images/s since the resume)" if self._resumed_mid_epoch else ""
         parts = [
-            f"epoch {trainer.current_epoch + 1} done in {_duration(seconds)}",
+            f"epoch {trainer.current_epoch + 1} done in {_duration(seconds)}{since}",
             f"step {trainer.global_step}",
         ]
         if self._epoch_loss is not None:

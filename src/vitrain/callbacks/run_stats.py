@@ -22,6 +22,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, Timer
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from vitrain.callbacks.epoch_metrics import epoch_in_progress
 from vitrain.callbacks.throughput import ImageThroughputMonitor, batch_size
 from vitrain.utils.measuring import UtilisationSampler, device_memory, metric_floats, reset_peak_memory
 from vitrain.utils.run_files import CONFIG_KEYS, STATS_FILE, select_key, write_json
@@ -77,11 +78,10 @@ class RunStats(Callback):
         # a run resumed in the middle of an epoch gets no `on_train_epoch_start` for it: its clock starts here
         self._epoch_t0 = self._sync(trainer)
         if trainer.global_step > 0:  # restored from a checkpoint: this process's figures are this session's
-            done = trainer.fit_loop.epoch_loop.batch_progress.current.completed
             self.stats["fit"]["resumed_at"] = {
                 "epoch": trainer.current_epoch,
                 "step": trainer.global_step,
-                "mid_epoch": 0 < done < trainer.num_training_batches,
+                "mid_epoch": epoch_in_progress(trainer),
             }
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
