@@ -125,6 +125,17 @@ def run_cli(
 PLAIN = (str, int, float, bool, type(None), torch.Tensor)
 
 
+def epoch_figures(run_dir: Path) -> dict[int, dict[str, float]]:
+    """The epoch-level training figures each epoch logged, from the run's metric record (kept across a
+    resume, whatever the loggers)."""
+    figures: dict[int, dict[str, float]] = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        if "train/acc1" in row:
+            figures[int(row["epoch"])] = {k: row[k] for k in ("train/acc1", "train/acc5", "train/loss_epoch")}
+    return figures
+
+
 def assert_plain(value: Any, where: str = "checkpoint") -> None:
     """Only dicts, lists, tuples, scalars, strings and tensors: no config or numpy objects anywhere."""
     if isinstance(value, dict):

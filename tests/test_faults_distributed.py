@@ -1,6 +1,5 @@
 """Faults in multi-process runs: SIGTERM saves once for all ranks; a dead or hung peer ends the run."""
 
-import json
 import os
 import time
 from pathlib import Path
@@ -8,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import ROOT, run_cli, tiny_overrides
+from helpers import ROOT, epoch_figures, run_cli, tiny_overrides
 from warm import ScriptRun
 
 TESTS = str(ROOT / "tests")
@@ -25,15 +24,6 @@ def _ddp(tiny_cifar: Path, data_cache: Path, run_dir: Path) -> list[str]:
         "logger=csv",
         f"hydra.run.dir={run_dir}",
     ]
-
-
-def _epoch_figures(run_dir: Path) -> dict[int, dict[str, float]]:
-    figures: dict[int, dict[str, float]] = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        if "train/acc1" in row:
-            figures[int(row["epoch"])] = {k: row[k] for k in ("train/acc1", "train/acc5", "train/loss_epoch")}
-    return figures
 
 
 def test_sigterm_two_process_ddp_saves_last_then_resumes(tmp_path: Path, tiny_cifar: Path, data_cache: Path):
@@ -56,7 +46,7 @@ def test_sigterm_two_process_ddp_saves_last_then_resumes(tmp_path: Path, tiny_ci
     final = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)
     assert final["epoch"] == 1 and final["global_step"] == 2 * 28  # 224 images / global batch 8, 2 epochs
     assert saved["training_epoch_metric_states"]["train_metrics.acc1"]["tp"].sum() > 0
-    resumed_epoch, alone_epoch = _epoch_figures(tmp_path)[0], _epoch_figures(tmp_path / "alone")[0]
+    resumed_epoch, alone_epoch = epoch_figures(tmp_path)[0], epoch_figures(tmp_path / "alone")[0]
     # accuracies are counts (exact); the mean loss is summed in another order over the ranks
     assert resumed_epoch["train/acc1"] == alone_epoch["train/acc1"]
     assert resumed_epoch["train/acc5"] == alone_epoch["train/acc5"]

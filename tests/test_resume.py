@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import ROOT, fails_in_process, run_cli, tiny_overrides
+from helpers import ROOT, epoch_figures, fails_in_process, run_cli, tiny_overrides
 from warm import run_script
 
 TESTS = str(ROOT / "tests")
@@ -43,16 +43,6 @@ def _assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]
     assert not different, f"weights differ: {different[:5]}"
 
 
-def _epoch_figures(run_dir: Path) -> dict[int, dict[str, float]]:
-    """The epoch-level training figures each epoch logged (the run's metric record: kept across a resume)."""
-    figures: dict[int, dict[str, float]] = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        if "train/acc1" in row:
-            figures[int(row["epoch"])] = {k: row[k] for k in ("train/acc1", "train/acc5", "train/loss_epoch")}
-    return figures
-
-
 @pytest.fixture(scope="module")
 def uninterrupted_dir(tmp_path_factory, tiny_cifar: Path, data_cache: Path) -> Path:
     run_dir = tmp_path_factory.mktemp("uninterrupted")
@@ -82,7 +72,7 @@ def test_sigkill_at_epoch_boundary_then_resume_is_bitwise_identical(
     resumed = _run([*overrides, "ckpt_path=last"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     _assert_bitwise_equal(_final_weights(tmp_path), uninterrupted)
-    assert _epoch_figures(tmp_path)[1] == _epoch_figures(uninterrupted_dir)[1]
+    assert epoch_figures(tmp_path)[1] == epoch_figures(uninterrupted_dir)[1]
 
 
 @pytest.mark.slow
@@ -103,7 +93,7 @@ def test_sigterm_mid_epoch_saves_last_and_resumes_exactly(
     _assert_bitwise_equal(_final_weights(tmp_path), uninterrupted)
     # and the interrupted epoch's training figures cover all its batches, not only those after the resume
     assert "training_epoch_metric_states" in saved
-    assert _epoch_figures(tmp_path)[1] == _epoch_figures(uninterrupted_dir)[1]
+    assert epoch_figures(tmp_path)[1] == epoch_figures(uninterrupted_dir)[1]
     # the report says where this session started; the epoch it resumed in is timed from the resume (it used
     # to be timed from the clock's origin: no on_train_epoch_start for an epoch resumed in its middle)
     report = json.loads((tmp_path / "report.json").read_text())
@@ -123,7 +113,7 @@ def test_sigterm_mid_epoch_saves_last_and_resumes_exactly(
     steps = {int(r["step"]) for r in rows}
     assert {0, 39, 41, 3 * 28 - 1} <= steps, sorted(steps)
     assert [r["train/acc1"] for r in rows if r.get("train/acc1")] == [
-        str(figures["train/acc1"]) for figures in _epoch_figures(uninterrupted_dir).values()
+        str(figures["train/acc1"]) for figures in epoch_figures(uninterrupted_dir).values()
     ]
 
 
