@@ -62,16 +62,13 @@ def states_to_save(trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str
     return saved
 
 
-def restore_states(pl_module: L.LightningModule, saved: dict[str, Any], global_rank: int) -> int:
-    """Put the summed states into rank 0's metrics (the others keep their zeros); how many metrics."""
+def restore_states(pl_module: L.LightningModule, saved: dict[str, Any], global_rank: int) -> None:
+    """Put the summed states into rank 0's metrics (the others keep their zeros); a metric whose states
+    are not those saved (another model) starts from zero."""
     if global_rank != 0:
-        return 0
-    restored = 0
+        return
     for name, metric in training_epoch_metrics(pl_module).items():
         states = saved.get(name)
-        if not states or set(states) != set(metric.metric_state):
-            continue
-        for key, value in states.items():
-            setattr(metric, key, value.to(metric.device))
-        restored += 1
-    return restored
+        if states and set(states) == set(metric.metric_state):
+            for key, value in states.items():
+                setattr(metric, key, value.to(metric.device))
