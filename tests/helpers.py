@@ -5,6 +5,8 @@ import json
 import os
 import subprocess
 import sys
+import urllib.parse
+import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -199,3 +201,25 @@ class DecodedRecorder(L.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+# --- MLflow: what a tracking server holds, read back -------------------------------------------------
+
+
+def mlflow_get(server: str, endpoint: str, **params: str) -> dict[str, Any]:
+    """GET on the tracking server's REST API (no MLflow client involved)."""
+    url = f"{server}/api/2.0/mlflow/{endpoint}?{urllib.parse.urlencode(params)}"
+    with urllib.request.urlopen(url, timeout=30) as response:
+        return json.loads(response.read())
+
+
+def mlflow_runs(server: str, experiment_name: str) -> list[dict[str, Any]]:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(server)
+    experiment = client.get_experiment_by_name(experiment_name)
+    assert experiment is not None, f"no experiment {experiment_name} on the server"
+    return [
+        mlflow_get(server, "runs/get", run_id=r.info.run_id)["run"]
+        for r in client.search_runs([experiment.experiment_id])
+    ]

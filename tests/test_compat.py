@@ -222,3 +222,70 @@ def test_litdata_allow_http(monkeypatch: pytest.MonkeyPatch):
     assert "client_options=_OBSTORE_CLIENT_OPTIONS" in inspect.getsource(downloader), (
         f"{UPGRADE} litdata no longer builds its obstore clients from _OBSTORE_CLIENT_OPTIONS"
     )
+
+
+def test_set_wandb_run_id(tmp_path: Path):
+    from lightning.pytorch.loggers import WandbLogger
+
+    logger = WandbLogger(project="p", save_dir=str(tmp_path))
+    assert "_wandb_init" in vars(logger) and "_id" in vars(logger), f"{UPGRADE} WandbLogger's init arguments"
+    compat.set_wandb_run_id(logger, "abc123")
+    assert logger.version == "abc123" and logger._wandb_init["id"] == "abc123"
+    assert logger._wandb_init["resume"] == "allow", f"{UPGRADE} WandbLogger no longer resumes a given id"
+    assert logger._wandb_init == WandbLogger(project="p", save_dir=str(tmp_path), id="abc123")._wandb_init
+
+
+def test_set_mlflow_run_id(tmp_path: Path):
+    from lightning.pytorch.loggers import MLFlowLogger
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    first = MLFlowLogger(experiment_name="e", tracking_uri=uri, artifact_location=(tmp_path / "a").as_uri())
+    run_id = first.run_id  # starts a run
+    logger = MLFlowLogger(experiment_name="e", tracking_uri=uri)
+    compat.set_mlflow_run_id(logger, run_id)
+    assert logger.run_id == run_id and logger.experiment_id == first.experiment_id, (
+        f"{UPGRADE} MLFlowLogger run"
+    )
+    with pytest.raises(RuntimeError, match="has started"):
+        compat.set_mlflow_run_id(logger, "another")
+
+
+def test_mlflow_params(tmp_path: Path):
+    """What Lightning's MLFlowLogger logs for a nested config is what `mlflow_params` says it logs."""
+    from lightning.pytorch.loggers import MLFlowLogger
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    logger = MLFlowLogger(experiment_name="e", tracking_uri=uri, artifact_location=(tmp_path / "a").as_uri())
+    params = {
+        "model": {"net": {"name": "vit", "dims": [1, 2]}, "lr": 0.001},
+        "ckpt_path": None,
+        "x": "y" * 300,
+    }
+    logger.log_hyperparams(params)
+    logged = logger.experiment.get_run(logger.run_id).data.params
+    assert logged == compat.mlflow_params(params), (
+        f"{UPGRADE} MLFlowLogger.log_hyperparams converts otherwise"
+    )
+
+
+def test_tensorboard_purge_from(tmp_path: Path):
+    """An open writer's purge event hides what an earlier writer of the run logged from that step on."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
+
+    killed = SummaryWriter(str(tmp_path))
+    for step in range(10):
+        killed.add_scalar("loss", float(step), step)
+    killed.close()
+    resumed = SummaryWriter(str(tmp_path))
+    resumed.add_text("note", "opened before the step to resume from was known", 0)
+    compat.tensorboard_purge_from(resumed, 5)
+    for step in range(5, 8):
+        resumed.add_scalar("loss", 100.0 + step, step)
+    resumed.close()
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    shown = [(e.step, e.value) for e in events.Scalars("loss")]
+    assert shown == [(s, float(s)) for s in range(5)] + [(s, 100.0 + s) for s in range(5, 8)], (
+        f"{UPGRADE} the purge event is not honoured: {shown}"
+    )

@@ -3,8 +3,6 @@
 import csv
 import json
 import struct
-import urllib.parse
-import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from helpers import compose_cfg, tiny_overrides
+from helpers import compose_cfg, mlflow_get, mlflow_runs, tiny_overrides
 from vitrain.loggers import LoggerError
 from vitrain.tasks.training import train
 
@@ -156,25 +154,6 @@ def test_wandb_without_a_login_fails_in_one_line(
 # --- MLflow: a real tracking server --------------------------------------------------------------------
 
 
-def mlflow_get(server: str, endpoint: str, **params: str) -> dict[str, Any]:
-    """GET on the tracking server's REST API (no MLflow client involved)."""
-    url = f"{server}/api/2.0/mlflow/{endpoint}?{urllib.parse.urlencode(params)}"
-    with urllib.request.urlopen(url, timeout=30) as response:
-        return json.loads(response.read())
-
-
-def mlflow_runs(server: str, experiment_name: str) -> list[dict[str, Any]]:
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(server)
-    experiment = client.get_experiment_by_name(experiment_name)
-    assert experiment is not None, f"no experiment {experiment_name} on the server"
-    return [
-        mlflow_get(server, "runs/get", run_id=r.info.run_id)["run"]
-        for r in client.search_runs([experiment.experiment_id])
-    ]
-
-
 def test_mlflow_logs_params_metrics_and_the_best_checkpoint_to_a_server(
     tmp_path: Path, tiny_cifar: Path, data_cache: Path, mlflow_server: str, monkeypatch: pytest.MonkeyPatch
 ):
@@ -257,3 +236,103 @@ def test_many_loggers_log_the_same_scalars(
     }
     for name, keys in logged.items():
         assert SCALARS | {"test/acc1"} <= keys, (name, sorted(keys))
+
+
+# --- a resumed run continues its W&B / MLflow run ----------------------------------------------------------
+
+
+def test_a_resumed_run_continues_its_mlflow_run(
+    tmp_path: Path, tiny_cifar: Path, data_cache: Path, mlflow_server: str, monkeypatch: pytest.MonkeyPatch
+):
+    """One MLflow run for a run and its resume, running again, its params kept (MLflow refuses to change
+    one) and what the resume changed as tags; a new run dir started from that checkpoint is a new run."""
+    # a password in the server's URI (the test server has no auth and ignores it) stays out of the run dir
+    password = "pw-vitrain-0123456789"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server.replace("://", f"://vitrain:{password}@"))
+    experiment = f"test-resume-{uuid.uuid4().hex[:8]}"
+    overrides = [
+        *tiny_overrides(tiny_cifar, data_cache),
+        "logger=mlflow",
+        f"logger.mlflow.experiment_name={experiment}",
+        "test=false",
+    ]
+    first = tmp_path / "first"
+    train(compose_cfg("train", [*overrides, "trainer.max_epochs=1"], first))
+    [before] = mlflow_runs(mlflow_server, experiment)
+    recorded = json.loads((first / "logger_runs.json").read_text())
+    assert recorded["mlflow"] == {
+        "run_id": before["info"]["run_id"],
+        "tracking_uri": mlflow_server.replace("://", "://***@"),
+    }
+
+    train(compose_cfg("train", [*overrides, "trainer.max_epochs=2", "ckpt_path=last"], first))
+    [run] = mlflow_runs(mlflow_server, experiment)
+    assert run["info"]["run_id"] == before["info"]["run_id"] and run["info"]["status"] == "FINISHED"
+    history = mlflow_get(
+        mlflow_server, "metrics/get-history", run_id=run["info"]["run_id"], metric_key="val/acc1"
+    )["metrics"]
+    assert len(history) == 2 and history[0]["step"] < history[1]["step"], history
+    params = {p["key"]: p["value"] for p in run["data"]["params"]}
+    tags = {t["key"]: t["value"] for t in run["data"]["tags"]}
+    assert params["trainer/max_epochs"] == "1" and tags["resumed/trainer/max_epochs"] == "2"
+    assert params["ckpt_path"] == "None" and tags["resumed/ckpt_path"] == "last"
+    assert "resumed/model/net/embed_dim" not in tags
+
+    elsewhere = [*overrides, "trainer.max_epochs=3", f"ckpt_path={first / 'checkpoints' / 'last.ckpt'}"]
+    train(compose_cfg("train", elsewhere, tmp_path / "second"))
+    assert len(mlflow_runs(mlflow_server, experiment)) == 2
+    assert not files_containing(tmp_path, password), (
+        "the tracking server's password reached a file of the run"
+    )
+
+
+def wandb_run_ids(run_dir: Path) -> list[str]:
+    """The run id of each offline W&B run under `run_dir`, oldest first."""
+    folders = sorted(run_dir.glob("wandb/offline-run-*"))
+    return [folder.name.rsplit("-", 1)[1] for folder in folders]
+
+
+def test_a_resumed_run_continues_its_wandb_run(
+    tmp_path: Path, tiny_cifar: Path, data_cache: Path, wandb_offline: None
+):
+    """The resumed session logs under the first one's W&B run id (offline: a second folder with the same id,
+    which `wandb sync` appends to that run); a run that names its id keeps it."""
+    overrides = [*tiny_overrides(tiny_cifar, data_cache), "logger=wandb", "test=false"]
+    train(compose_cfg("train", [*overrides, "trainer.max_epochs=1"], tmp_path))
+    import wandb
+
+    wandb.teardown()
+    [first] = wandb_run_ids(tmp_path)
+    assert json.loads((tmp_path / "logger_runs.json").read_text())["wandb"] == {
+        "id": first,
+        "project": "vitrain",
+    }
+    train(compose_cfg("train", [*overrides, "trainer.max_epochs=2", "ckpt_path=last"], tmp_path))
+    wandb.teardown()
+    assert wandb_run_ids(tmp_path) == [first, first]
+    train(
+        compose_cfg(
+            "train", [*overrides, "trainer.max_epochs=3", "ckpt_path=last", "logger.wandb.id=mine"], tmp_path
+        )
+    )
+    wandb.teardown()
+    assert wandb_run_ids(tmp_path) == [first, first, "mine"]
+
+
+def test_continue_logger_runs_only_into_the_recorded_project_or_server(tmp_path: Path):
+    from lightning.pytorch.loggers import WandbLogger
+
+    from vitrain.loggers import MLFlowLogger, continue_logger_runs
+
+    local = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    (tmp_path / "logger_runs.json").write_text(
+        json.dumps({"wandb": {"id": "w1", "project": "p"}, "mlflow": {"run_id": "m1", "tracking_uri": local}})
+    )
+    same = [WandbLogger(project="p", save_dir=str(tmp_path)), MLFlowLogger(tracking_uri=local)]
+    other = [
+        WandbLogger(project="q", save_dir=str(tmp_path)),
+        MLFlowLogger(save_dir=str(tmp_path / "elsewhere")),
+    ]
+    continue_logger_runs([*same, *other], tmp_path)
+    assert same[0].version == "w1" and same[1].configured_run_id is None and same[1].continues
+    assert other[0].version is None and not other[1].continues

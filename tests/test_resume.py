@@ -117,6 +117,56 @@ def test_sigterm_mid_epoch_saves_last_and_resumes_exactly(
     ]
 
 
+def _curves(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every (step, value) of the loss, accuracy and LR curves in the run's metric record, in the order
+    written, repeats included (the report itself keeps the last of a repeated step)."""
+    curves: dict[str, list[tuple[int, float]]] = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        for key, value in row.items():
+            if key.startswith("lr") or key.split("/")[-1].startswith(("loss", "acc")):
+                curves.setdefault(key, []).append((row["step"], value))
+    return curves
+
+
+@pytest.mark.slow
+def test_a_kill_after_the_last_save_logs_no_step_twice(
+    tmp_path: Path, tiny_cifar: Path, data_cache: Path, uninterrupted, uninterrupted_dir: Path
+):
+    """SIGKILL at step 40, 12 steps after the epoch's save: the resumed run trains steps 28-39 again, and
+    every logger that can drop what the killed run logged of them does. The curves equal the run left
+    alone's, once each: TensorBoard (hidden as `purge_step` hides), CSV, the metric record."""
+    overrides = [*_overrides(tiny_cifar, data_cache, tmp_path), "logger=[csv,tensorboard]"]
+    killed = _run(
+        [*overrides, "+callbacks.fault._target_=fault_injection.KillAtStep", "+callbacks.fault.step=40"]
+    )
+    assert killed.returncode == -signal.SIGKILL
+    assert torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 28
+    assert max(step for step, _ in _curves(tmp_path)["train/loss_step"]) >= 38, (
+        "the killed run logged past 28"
+    )
+
+    resumed = _run([*overrides, "ckpt_path=last"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    _assert_bitwise_equal(_final_weights(tmp_path), uninterrupted)
+    expected = _curves(uninterrupted_dir)
+    assert _curves(tmp_path) == expected
+
+    with (tmp_path / "csv" / "metrics.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert [(int(r["step"]), float(r["train/loss_step"])) for r in rows if r["train/loss_step"]] == expected[
+        "train/loss_step"
+    ]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    for key in ("train/loss_step", "val/acc1"):
+        shown = [(e.step, e.value) for e in events.Scalars(key)]
+        assert [step for step, _ in shown] == [step for step, _ in expected[key]], key
+        assert [value for _, value in shown] == pytest.approx([value for _, value in expected[key]], rel=1e-6)
+
+
 def test_truncated_checkpoint_gives_a_clear_error(tmp_path: Path, tiny_cifar: Path, data_cache: Path):
     bad = tmp_path / "last.ckpt"
     bad.write_bytes(b"PK\x03\x04 truncated")

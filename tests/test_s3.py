@@ -5,6 +5,7 @@ import os
 import socket
 import time
 import urllib.request
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -774,15 +775,20 @@ def test_resume_from_s3_on_an_empty_disk(
     data_cache: Path,
     s3_bucket: str,
     s3_env: str,
+    mlflow_server: str,
     monkeypatch: pytest.MonkeyPatch,
 ):
-    """resume=auto finds the run's `last` in the bucket when the local disk has none; ckpt_path=s3://... too."""
-    from helpers import compose_cfg
+    """resume=auto finds the run's `last` in the bucket when the local disk has none, and continues the
+    run's MLflow run; ckpt_path=s3://... too, in a new run dir: a new MLflow run."""
+    from helpers import compose_cfg, mlflow_runs
     from vitrain.tasks.training import train
 
     monkeypatch.setenv("S3_BUCKET", s3_bucket)
     monkeypatch.setenv("VITRAIN_RUN_ID", "spot-1")  # the relaunched job's name (SLURM, torchrun, by hand)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
+    experiment = f"test-s3-resume-{uuid.uuid4().hex[:8]}"
     base = [o for o in _train_overrides(tiny_cifar, data_cache) if not o.startswith("trainer.max_epochs")]
+    base += ["logger=mlflow", f"logger.mlflow.experiment_name={experiment}"]
 
     def run(machine: str, *extra: str) -> dict:
         cfg = compose_cfg(
@@ -799,11 +805,18 @@ def test_resume_from_s3_on_an_empty_disk(
     assert list((tmp_path / "second" / "cache" / "s3" / s3_bucket).rglob("last.ckpt")), (
         "downloaded into the cache"
     )
+    [logged] = mlflow_runs(mlflow_server, experiment)  # the second machine continued the first's run
+    assert logged["info"]["status"] == "FINISHED"
+    assert {t["key"]: t["value"] for t in logged["data"]["tags"]}["resumed/trainer/max_epochs"] == "2"
+    assert (tmp_path / "second" / "run" / "logger_runs.json").read_text() == (
+        tmp_path / "first" / "run" / "logger_runs.json"
+    ).read_text()
 
     monkeypatch.delenv("VITRAIN_RUN_ID")
     uri = f"s3://{s3_bucket}/runs/run/checkpoints/last.ckpt"
     again = run("third", f"ckpt_path={uri}", "trainer.max_epochs=3")
     assert again["epoch"] == 2 and again["global_step"] == 3 * 28
+    assert len(mlflow_runs(mlflow_server, experiment)) == 2
 
 
 @pytest.mark.parametrize("case", ["missing", "sha256"])

@@ -16,9 +16,11 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.fabric.utilities.load import _METADATA_FILENAME
+from lightning.fabric.utilities.logger import _convert_params, _flatten_dict
 from lightning.fabric.utilities.throughput import Throughput
 from lightning.pytorch.callbacks import ThroughputMonitor, WeightAveraging
 from lightning.pytorch.callbacks.throughput_monitor import _plugin_to_compute_dtype
+from lightning.pytorch.loggers import MLFlowLogger, WandbLogger
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import RunningStage
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -39,12 +41,16 @@ __all__ = [
     "litdata_distributed_env",
     "load_dcp_folder",
     "mkldnn_bf16_supported",
+    "mlflow_params",
     "plugin_compute_dtype",
     "replace_sigterm_broadcast",
     "set_averaging_device",
     "set_data_parallel_size",
     "set_latest_averaging_update",
+    "set_mlflow_run_id",
+    "set_wandb_run_id",
     "should_update_logs",
+    "tensorboard_purge_from",
     "uninstall_hydra_subprocess_cmd",
     "upstream_hydra_subprocess_cmd",
 ]
@@ -180,6 +186,47 @@ def set_latest_averaging_update(
         callback._latest_update_step = step
     if epoch is not None:
         callback._latest_update_epoch = epoch
+
+
+# --- Lightning: loggers ------------------------------------------------------------------------------
+# A logger continues an existing run when made with its id (`WandbLogger(id=...)`, `MLFlowLogger(run_id=...)`);
+# a resumed run knows which one only once its checkpoint to resume from is found, after the loggers are built
+# (vitrain/loggers.py), so the id is set on the logger before it starts its run.
+
+
+def set_wandb_run_id(logger: WandbLogger, run_id: str) -> None:
+    """What `WandbLogger(id=run_id)` sets (W&B's `resume="allow"` is Lightning's default); before its run
+    starts."""
+    if logger._experiment is not None:
+        raise RuntimeError("the W&B run has started: its id can no longer change")
+    logger._wandb_init["id"] = run_id
+    logger._id = run_id
+
+
+def set_mlflow_run_id(logger: MLFlowLogger, run_id: str) -> None:
+    """What `MLFlowLogger(run_id=run_id)` sets; before its run starts."""
+    if logger._initialized:
+        raise RuntimeError("the MLflow run has started: its id can no longer change")
+    logger._run_id = run_id
+
+
+def tensorboard_purge_from(writer: Any, step: int) -> None:
+    """Write what `SummaryWriter(purge_step=step)` writes when it opens: a SessionLog START at `step`, on
+    reading which TensorBoard drops the run's earlier-written events at `step` and after. For a writer that is
+    already open (the loggers start theirs before the checkpoint's step is known); the writer keeps its
+    file writer private (`_get_file_writer`), and the event protos are tensorboardX's or TensorBoard's."""
+    if type(writer).__module__.startswith("tensorboardX"):
+        from tensorboardX.proto.event_pb2 import Event, SessionLog
+    else:
+        from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+    writer._get_file_writer().add_event(Event(step=step, session_log=SessionLog(status=SessionLog.START)))
+    writer.flush()
+
+
+def mlflow_params(params: dict[str, Any]) -> dict[str, str]:
+    """`params` as `MLFlowLogger.log_hyperparams` logs them: flattened with "/", values as text cut at 250
+    characters. A run continued on MLflow may not change a logged param (MLflow refuses); the caller compares."""
+    return {key: str(value)[:250] for key, value in _flatten_dict(_convert_params(params)).items()}
 
 
 # --- Lightning: strategies ---------------------------------------------------------------------------

@@ -8,6 +8,10 @@
   line that says what to do;
 - `MLFlowLogger(log_best_checkpoint=True)` uploads the best checkpoint;
 - `CSVLogger` keeps the rows of the run a resumed run continues (Lightning's starts `metrics.csv` over);
+- a resume drops what the interrupted run logged after its checkpoint (`forget_steps_from`): the resumed
+  run logs those steps again;
+- a resumed run continues the W&B and MLflow runs it logged to before (`logger_runs.json` in the run dir
+  says which); MLflow keeps the params it had, a value changed by the resume goes to a `resumed/<key>` tag;
 - W&B keeps one global run per process: it is finished after every task, so the next job of a sweep
   gets its own run instead of logging into the previous one.
 """
@@ -28,14 +32,17 @@ from typing import Any
 
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger as _LightningCSVLogger
-from lightning.pytorch.loggers import Logger
+from lightning.pytorch.loggers import Logger, TensorBoardLogger, WandbLogger
 from lightning.pytorch.loggers import MLFlowLogger as _LightningMLFlowLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.loggers.logger import rank_zero_experiment
 from lightning.pytorch.utilities import rank_zero_only
 
+from vitrain.compat import mlflow_params, set_mlflow_run_id, set_wandb_run_id, tensorboard_purge_from
 from vitrain.errors import UserError
-from vitrain.utils.run_files import METRICS_FILE
+from vitrain.utils.atomic import write_atomic
+from vitrain.utils.run_files import LOGGER_RUNS_FILE, METRICS_FILE, read_json, write_json
+from vitrain.utils.secrets import scrub
 
 log = logging.getLogger(__name__)
 
@@ -82,14 +89,30 @@ class MetricRecord(Logger):
         with self.path.open("a") as f:
             f.write(json.dumps({"step": step, **values}) + "\n")
 
+    @rank_zero_only
+    def forget_steps_from(self, step: int) -> None:
+        """Drop the lines of `step` and later (`forget_steps_from` below)."""
+        if self.path.is_file():
+            kept = [line for line in self.path.read_text().splitlines() if _step_of_line(line) < step]
+            write_atomic(self.path, "".join(line + "\n" for line in kept))
+
+
+def _step_of_line(line: str) -> float:
+    """The step of a metric record line; infinite for a line a crash cut short (dropped with the rest)."""
+    try:
+        step = json.loads(line).get("step")
+    except ValueError:
+        return math.inf
+    return -1 if step is None else float(step)
+
 
 class CSVLogger(_LightningCSVLogger):
     """Lightning's CSVLogger, except that a run resumed in its run dir keeps the rows written before it.
 
     Lightning's writer deletes `metrics.csv` when its folder is not empty (it takes it for a new run in an
     old folder): a resumed run lost its curves up to the resume. Here the rows are put back and the new ones
-    appended under the same header. Steps the interrupted run trained after its last checkpoint appear
-    twice (the resumed run trains them again), as in TensorBoard.
+    appended under the same header; the rows of steps the resumed run trains again go
+    (`forget_steps_from`).
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -113,6 +136,24 @@ class CSVLogger(_LightningCSVLogger):
             path.write_text(before)
             writer.metrics_keys = next(csv.reader(io.StringIO(before)), [])
         return writer
+
+    @rank_zero_only
+    def forget_steps_from(self, step: int) -> None:
+        """Drop the rows of `step` and later (`forget_steps_from` below)."""
+        writer = self.experiment
+        writer.save()  # rows still in memory first
+        path = Path(writer.metrics_file_path)
+        if not path.is_file():
+            return
+        with path.open(newline="") as f:
+            rows = list(csv.DictReader(f))
+        kept = [row for row in rows if not row.get("step") or int(row["step"]) < step]
+        if len(kept) < len(rows):
+            out = io.StringIO()
+            table = csv.DictWriter(out, fieldnames=writer.metrics_keys)
+            table.writeheader()
+            table.writerows(kept)
+            write_atomic(path, out.getvalue())
 
 
 class LoggerError(UserError):
@@ -138,6 +179,70 @@ def log_run_config(loggers: list[Logger], config: dict[str, Any]) -> None:
             ) from err
 
 
+def forget_steps_from(loggers: list[Logger], step: int) -> None:
+    """On a resume from a checkpoint at global step `step`: what the interrupted run logged at that logging
+    step and after is dropped, since the resumed run trains those batches again and logs them anew (bitwise
+    the same values); else a run killed without a save (SIGKILL, a dead node) shows them twice. Lightning
+    logs the batch that makes optimizer step N + 1 at step N, and an epoch's validation at its last batch's.
+
+    TensorBoard: hidden as `SummaryWriter(purge_step=step)` hides them; CSV and the metric record
+    (`metrics.jsonl`): their rows removed. W&B and MLflow have no call that removes a logged point: there a
+    resumed run's repeated steps appear twice.
+    """
+    for logger in loggers:
+        if isinstance(logger, TensorBoardLogger):
+            tensorboard_purge_from(logger.experiment, step)
+        elif isinstance(logger, CSVLogger | MetricRecord):
+            logger.forget_steps_from(step)
+
+
+def logger_runs(loggers: list[Logger]) -> dict[str, dict[str, str]]:
+    """The W&B and MLflow runs these loggers log to, once `log_run_config` has started them."""
+    runs: dict[str, dict[str, str]] = {}
+    for logger in loggers:
+        if isinstance(logger, WandbLogger):
+            runs["wandb"] = {"id": str(logger.version), "project": str(logger.name)}
+        elif isinstance(logger, MLFlowLogger):
+            # the server, as a log line would show it: no password of a `user:pass@` URI on disk
+            runs["mlflow"] = {"run_id": str(logger.run_id), "tracking_uri": scrub(logger.tracking_uri)}
+    return runs
+
+
+@rank_zero_only
+def record_logger_runs(loggers: list[Logger], run_dir: str | Path) -> None:
+    """Write which W&B / MLflow runs this run logs to into `<run dir>/logger_runs.json`, for its resume.
+    Kinds it does not log to now keep their entry: a resume without W&B, then one with it, continues it."""
+    runs = logger_runs(loggers)
+    if runs:
+        path = Path(run_dir) / LOGGER_RUNS_FILE
+        write_json(path, {**(read_json(path) or {}), **runs})
+
+
+def continue_logger_runs(loggers: list[Logger], run_dir: str | Path) -> None:
+    """A resumed run logs into the W&B and MLflow runs its run dir logged to before, not into new ones.
+
+    Not where the config names a run (`logger.wandb.id`, `logger.mlflow.run_id`), nor into another project
+    or tracking server than the one recorded. Call before the loggers start their runs (`log_run_config`).
+    """
+    recorded = read_json(Path(run_dir) / LOGGER_RUNS_FILE) or {}
+    wandb_run, mlflow_run = recorded.get("wandb") or {}, recorded.get("mlflow") or {}
+    for logger in loggers:
+        if (
+            isinstance(logger, WandbLogger)
+            and logger.version is None
+            and wandb_run.get("project") == logger.name
+        ):
+            set_wandb_run_id(logger, wandb_run["id"])
+            log.info("W&B: continuing run %s (the run this resume continues)", wandb_run["id"])
+        elif (
+            isinstance(logger, MLFlowLogger)
+            and logger.configured_run_id is None
+            and mlflow_run.get("tracking_uri") == scrub(logger.tracking_uri)
+        ):
+            logger.continue_run(mlflow_run["run_id"])
+            log.info("MLflow: continuing run %s (the run this resume continues)", mlflow_run["run_id"])
+
+
 def finish_runs(failed: bool = False) -> None:
     """End the process-wide W&B run, if one is open (W&B otherwise ends it only at exit)."""
     wandb = sys.modules.get("wandb")
@@ -152,6 +257,10 @@ class MLFlowLogger(_LightningMLFlowLogger):
     last (here the `last.ckpt` one), and fails on a sharded (FSDP) checkpoint, which is a folder.
     Without a tracking URI (argument or MLFLOW_TRACKING_URI) runs go to a local SQLite store under
     `save_dir`: MLflow 3 refuses Lightning's default, the `./mlruns` file store.
+
+    A run that existed before (`run_id`, or a resume: `continue_run`) is set running again and keeps its
+    params: MLflow refuses to change one, so a value the resume changed (`ckpt_path`, `trainer.max_epochs`)
+    goes to the tag `resumed/<key>` and new keys are added.
     """
 
     def __init__(
@@ -169,9 +278,33 @@ class MLFlowLogger(_LightningMLFlowLogger):
             tracking_uri = f"sqlite:///{Path(save_dir).resolve() / 'mlflow.db'}"
             artifact_location = artifact_location or (Path(save_dir).resolve() / "artifacts").as_uri()
         super().__init__(tracking_uri=tracking_uri, artifact_location=artifact_location, **kwargs)
+        self.tracking_uri: str = tracking_uri
+        self.configured_run_id: str | None = kwargs.get("run_id")
+        self.continues = self.configured_run_id is not None
         self.log_best_checkpoint = log_best_checkpoint
         self._best_callback: ModelCheckpoint | None = None
         self._uploaded: str | None = None
+
+    def continue_run(self, run_id: str) -> None:
+        """Log into the existing run `run_id` (before this logger started one)."""
+        set_mlflow_run_id(self, run_id)
+        self.continues = True
+
+    @rank_zero_only
+    def log_hyperparams(self, params: dict[str, Any] | Namespace) -> None:
+        if not self.continues:
+            super().log_hyperparams(params)
+            return
+        client = self.experiment
+        client.update_run(self.run_id, status="RUNNING")  # an interrupted run was marked FAILED or KILLED
+        logged = client.get_run(self.run_id).data.params
+        values = mlflow_params(vars(params) if isinstance(params, Namespace) else params)
+        changed = {key: value for key, value in values.items() if key in logged and logged[key] != value}
+        for key, value in changed.items():
+            client.set_tag(self.run_id, f"resumed/{key}", value)
+        if changed:
+            log.info("MLflow: params the resume changed are tagged resumed/<key>: %s", ", ".join(changed))
+        super().log_hyperparams({key: value for key, value in values.items() if key not in logged})
 
     def after_save_checkpoint(self, checkpoint_callback: ModelCheckpoint) -> None:
         super().after_save_checkpoint(checkpoint_callback)

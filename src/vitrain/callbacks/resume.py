@@ -22,6 +22,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from vitrain.callbacks.epoch_metrics import CHECKPOINT_KEY, restore_states, states_to_save
 from vitrain.compat import replace_sigterm_broadcast
+from vitrain.loggers import forget_steps_from
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,8 @@ class ExactResume(Callback):
 
     A checkpoint saved in the middle of an epoch also carries the epoch's training metric states so far
     (callbacks/epoch_metrics.py): the resumed epoch's `train/acc1` and `train/loss_epoch` cover all its
-    batches, as the uninterrupted run's do.
+    batches, as the uninterrupted run's do. The loggers drop what the interrupted run logged after the
+    checkpoint (vitrain/loggers.py `forget_steps_from`): those steps are trained and logged again.
     """
 
     def __init__(self) -> None:
@@ -98,6 +100,8 @@ class ExactResume(Callback):
                 offset_by_rank(trainer.global_rank)
             if trainer.is_global_zero:
                 log_resume(trainer)
+                # the steps after the checkpoint, logged by a run killed before its next save, come again
+                forget_steps_from(trainer.loggers, trainer.global_step)
         else:
             offset_by_rank(trainer.global_rank)
 

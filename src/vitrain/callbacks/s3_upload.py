@@ -25,6 +25,8 @@ from vitrain.errors import UserError
 from vitrain.s3.client import S3Options, S3Uri, parse_s3_uri
 from vitrain.s3.errors import S3Error, S3ObjectNotFound
 from vitrain.s3.store import S3Store
+from vitrain.utils.atomic import write_atomic
+from vitrain.utils.run_files import LOGGER_RUNS_FILE
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +173,20 @@ class S3CheckpointUpload(Callback):
             log.info("S3: no %s yet: nothing to resume", uri)
             return None
         log.info("Resuming from %s (downloaded from %s)", path, uri)
+        self._fetch_logger_runs(trainer, cache_dir)
         return path
+
+    def _fetch_logger_runs(self, trainer: L.Trainer, cache_dir: Path) -> None:
+        """The run's `logger_runs.json` beside the checkpoint, so the resume continues its W&B / MLflow runs
+        on this machine too (vitrain/loggers.py); a run without one continues without it."""
+        local = self._root() / LOGGER_RUNS_FILE
+        if local.exists():
+            return
+        try:
+            fetched = S3Store(self.options).fetch(self.run_uri(trainer).child(LOGGER_RUNS_FILE), cache_dir)
+        except S3ObjectNotFound:
+            return
+        write_atomic(local, fetched.read_bytes())
 
     def run_stats_entry(self) -> dict[str, Any]:
         """This callback's part of run_stats.json (vitrain/callbacks/run_stats.py)."""
@@ -224,6 +239,10 @@ class S3CheckpointUpload(Callback):
         self._runner = UploadRunner(store, prune=self.prune, fatal=self.fatal)
         self._worker = UploadWorker(self._runner)
         log.info("S3: uploading checkpoints to %s/", self.base)
+        # what a resume on another machine reads besides `last` (written before fit): up now, not at the end
+        runs_file = self._root() / LOGGER_RUNS_FILE
+        if runs_file.is_file():
+            self._offer(runs_file, slot=f"file:{runs_file}", kind="file")
 
     def run_uri(self, trainer: L.Trainer) -> S3Uri:
         """`s3://<bucket>/<prefix>/<run name>`: where this run's files go, and where a resume looks."""

@@ -40,6 +40,8 @@ class RunObjects:
     trainer: L.Trainer
     #: where the run keeps a copy of its checkpoints off this machine (the S3 upload callback), if anywhere
     remote: RemoteCopy | None = None
+    #: the checkpoint `fit` starts from (None: from scratch), decided before the loggers start their runs
+    resume_from: str | None = None
     #: the best checkpoint after fit (None: none was saved)
     best_model_path: str | None = None
     #: the batch-size search's result (`+tune=batch_size`, vitrain/tasks/tuning.py)

@@ -1,9 +1,11 @@
 """The training task: `train(cfg)` as a short list of named phases.
 
 1. `search_batch_size`: `+tune=batch_size` only (vitrain/tasks/tuning.py), before anything is built;
-2. `seed`, then `build` (vitrain/tasks/build.py) and `prepare`: the per-process batch, the loggers' run;
-3. `fit`: from the checkpoint `checkpoint_to_resume` names (vitrain/tasks/runs.py); the decisions global rank
-   zero made travel to the processes Lightning starts (vitrain/tasks/decisions.py);
+2. `seed`, then `build` (vitrain/tasks/build.py) and `prepare`: the per-process batch, the checkpoint to
+   resume from (`checkpoint_to_resume`, vitrain/tasks/runs.py), the loggers' runs (a resume continues its
+   W&B / MLflow runs);
+3. `fit`: from that checkpoint; the decisions global rank zero made travel to the processes Lightning starts
+   (vitrain/tasks/decisions.py);
 4. `test` the best checkpoint;
 5. `finish_run`: report.md/json and plots, and the report files to S3.
 """
@@ -21,7 +23,7 @@ from omegaconf import DictConfig
 from vitrain.checkpoints import CheckpointError, state_dict_mismatch
 from vitrain.data.datamodules.base import ImageDataModule
 from vitrain.errors import UserError
-from vitrain.loggers import finish_runs, log_run_config
+from vitrain.loggers import continue_logger_runs, finish_runs, log_run_config, record_logger_runs
 from vitrain.reporting.report import write_report
 from vitrain.tasks import tuning
 from vitrain.tasks.build import RunObjects, build, use_tensor_cores_for_fp32
@@ -75,10 +77,15 @@ def seed(cfg: DictConfig) -> None:
 
 def prepare(objects: RunObjects) -> None:
     """What comes between building and fitting: in the launching process, before the other ranks start."""
-    trainer, datamodule = objects.trainer, objects.datamodule
+    cfg, trainer, datamodule = objects.cfg, objects.trainer, objects.datamodule
     if isinstance(datamodule, ImageDataModule):  # before Lightning starts the other local ranks
         datamodule.split_batches(trainer.world_size)
+    if cfg.get("train"):
+        objects.resume_from = checkpoint_to_resume(cfg, trainer, objects.remote)
+        if objects.resume_from:
+            continue_logger_runs(objects.loggers, cfg.paths.output_dir)
     log_run_config(objects.loggers, objects.model.run_config)  # rank zero: W&B / MLflow start their run here
+    record_logger_runs(objects.loggers, cfg.paths.output_dir)
     use_tensor_cores_for_fp32(trainer)
     compiles = getattr(objects.model, "compiles", None)
     if compiles is not None and compiles(trainer.strategy):
@@ -97,10 +104,9 @@ def keep_compiled_kernels(cfg: DictConfig) -> None:
 
 
 def fit(objects: RunObjects, carried: dict[str, str]) -> None:
-    """`trainer.fit`, from the checkpoint to resume from (if any). The processes Lightning's launcher starts
-    follow global rank zero's decisions: `carried` and the resume."""
-    cfg, trainer = objects.cfg, objects.trainer
-    ckpt_path = checkpoint_to_resume(cfg, trainer, objects.remote)
+    """`trainer.fit`, from the checkpoint to resume from (if any, `prepare` found it). The processes
+    Lightning's launcher starts follow global rank zero's decisions: `carried` and the resume."""
+    cfg, trainer, ckpt_path = objects.cfg, objects.trainer, objects.resume_from
     with decisions.holding({RESUME_FROM: ckpt_path or "", **carried}):
         try:
             trainer.fit(model=objects.model, datamodule=objects.datamodule, ckpt_path=ckpt_path)

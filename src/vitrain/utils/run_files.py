@@ -12,6 +12,7 @@ from vitrain.utils.atomic import write_atomic
 
 STATS_FILE = "run_stats.json"  # written by callbacks.run_stats.RunStats
 METRICS_FILE = "metrics.jsonl"  # written by vitrain.loggers.MetricRecord
+LOGGER_RUNS_FILE = "logger_runs.json"  # the W&B / MLflow runs a resume continues (vitrain.loggers)
 SEARCH_FILE = "batch_size_search.json"  # written by vitrain.tasks.tuning (`+tune=batch_size`)
 REPORT_JSON = "report.json"
 REPORT_MD = "report.md"
