@@ -289,3 +289,13 @@ def test_tensorboard_purge_from(tmp_path: Path):
     assert shown == [(s, float(s)) for s in range(5)] + [(s, 100.0 + s) for s in range(5, 8)], (
         f"{UPGRADE} the purge event is not honoured: {shown}"
     )
+
+
+def test_wandb_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    from lightning.pytorch.loggers import WandbLogger
+
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    assert compat.wandb_offline(WandbLogger(project="p", save_dir=str(tmp_path), offline=True))
+    assert not compat.wandb_offline(WandbLogger(project="p", save_dir=str(tmp_path)))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    assert compat.wandb_offline(WandbLogger(project="p", save_dir=str(tmp_path)))

@@ -292,47 +292,57 @@ def wandb_run_ids(run_dir: Path) -> list[str]:
     return [folder.name.rsplit("-", 1)[1] for folder in folders]
 
 
-def test_a_resumed_run_continues_its_wandb_run(
+def test_a_resumed_offline_wandb_run_is_a_new_run(
     tmp_path: Path, tiny_cifar: Path, data_cache: Path, wandb_offline: None
 ):
-    """The resumed session logs under the first one's W&B run id (offline: a second folder with the same id,
-    which `wandb sync` appends to that run); a run that names its id keeps it."""
+    """W&B cannot continue an offline run, and `wandb sync` of a second offline folder with the same id
+    would replace the first one's history: a resumed offline session is a run of its own (a run that names
+    its id keeps it). The record says the run was offline."""
     overrides = [*tiny_overrides(tiny_cifar, data_cache), "logger=wandb", "test=false"]
     train(compose_cfg("train", [*overrides, "trainer.max_epochs=1"], tmp_path))
     import wandb
 
     wandb.teardown()
     [first] = wandb_run_ids(tmp_path)
-    assert json.loads((tmp_path / "logger_runs.json").read_text())["wandb"] == {
-        "id": first,
-        "project": "vitrain",
-    }
+    recorded = json.loads((tmp_path / "logger_runs.json").read_text())["wandb"]
+    assert recorded == {"id": first, "project": "vitrain", "offline": True}
     train(compose_cfg("train", [*overrides, "trainer.max_epochs=2", "ckpt_path=last"], tmp_path))
     wandb.teardown()
-    assert wandb_run_ids(tmp_path) == [first, first]
-    train(
-        compose_cfg(
-            "train", [*overrides, "trainer.max_epochs=3", "ckpt_path=last", "logger.wandb.id=mine"], tmp_path
-        )
-    )
+    [_, second] = wandb_run_ids(tmp_path)
+    assert second != first
+    named = [*overrides, "trainer.max_epochs=3", "ckpt_path=last", "logger.wandb.id=mine"]
+    train(compose_cfg("train", named, tmp_path))
     wandb.teardown()
-    assert wandb_run_ids(tmp_path) == [first, first, "mine"]
+    assert wandb_run_ids(tmp_path) == [first, second, "mine"]
 
 
-def test_continue_logger_runs_only_into_the_recorded_project_or_server(tmp_path: Path):
+def test_continue_logger_runs_only_into_the_recorded_project_or_server(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """An online W&B run is continued (W&B's `resume="allow"` with its id: `test_compat.py` checks that
+    Lightning passes both to `wandb.init`), in its own project only; an MLflow run on its own server only."""
     from lightning.pytorch.loggers import WandbLogger
 
     from vitrain.loggers import MLFlowLogger, continue_logger_runs
 
+    monkeypatch.delenv("WANDB_MODE", raising=False)
     local = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    wandb_run = {"id": "w1", "project": "p", "offline": False}
     (tmp_path / "logger_runs.json").write_text(
-        json.dumps({"wandb": {"id": "w1", "project": "p"}, "mlflow": {"run_id": "m1", "tracking_uri": local}})
+        json.dumps({"wandb": wandb_run, "mlflow": {"run_id": "m1", "tracking_uri": local}})
     )
     same = [WandbLogger(project="p", save_dir=str(tmp_path)), MLFlowLogger(tracking_uri=local)]
     other = [
         WandbLogger(project="q", save_dir=str(tmp_path)),
         MLFlowLogger(save_dir=str(tmp_path / "elsewhere")),
     ]
-    continue_logger_runs([*same, *other], tmp_path)
+    offline = WandbLogger(project="p", save_dir=str(tmp_path), offline=True)
+    continue_logger_runs([*same, *other, offline], tmp_path)
     assert same[0].version == "w1" and same[1].configured_run_id is None and same[1].continues
     assert other[0].version is None and not other[1].continues
+    assert offline.version is None, "an offline session does not take an online run's id"
+
+    (tmp_path / "logger_runs.json").write_text(json.dumps({"wandb": {**wandb_run, "offline": True}}))
+    was_offline = WandbLogger(project="p", save_dir=str(tmp_path))
+    continue_logger_runs([was_offline], tmp_path)
+    assert was_offline.version is None, "a run that was offline is not continued online"

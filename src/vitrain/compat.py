@@ -8,6 +8,7 @@ every other module. Upgrading Lightning, torch or litdata: run tests/test_compat
 from __future__ import annotations
 
 import importlib
+import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -53,6 +54,7 @@ __all__ = [
     "tensorboard_purge_from",
     "uninstall_hydra_subprocess_cmd",
     "upstream_hydra_subprocess_cmd",
+    "wandb_offline",
 ]
 
 # --- Lightning: trainer and module ------------------------------------------------------------------
@@ -201,6 +203,12 @@ def set_wandb_run_id(logger: WandbLogger, run_id: str) -> None:
         raise RuntimeError("the W&B run has started: its id can no longer change")
     logger._wandb_init["id"] = run_id
     logger._id = run_id
+
+
+def wandb_offline(logger: WandbLogger) -> bool:
+    """Whether the logger will start its run offline: `WandbLogger(offline=True)` or `WANDB_MODE=offline`
+    (Lightning turns its flag into the variable only when the run starts)."""
+    return bool(logger._offline) or os.environ.get("WANDB_MODE", "") in ("offline", "dryrun")
 
 
 def set_mlflow_run_id(logger: MLFlowLogger, run_id: str) -> None:

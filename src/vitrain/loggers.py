@@ -10,8 +10,9 @@
 - `CSVLogger` keeps the rows of the run a resumed run continues (Lightning's starts `metrics.csv` over);
 - a resume drops what the interrupted run logged after its checkpoint (`forget_steps_from`): the resumed
   run logs those steps again;
-- a resumed run continues the W&B and MLflow runs it logged to before (`logger_runs.json` in the run dir
-  says which); MLflow keeps the params it had, a value changed by the resume goes to a `resumed/<key>` tag;
+- a resumed run continues the W&B (online) and MLflow runs it logged to before (`logger_runs.json` in the
+  run dir says which); MLflow keeps the params it had, a value changed by the resume goes to a `resumed/<key>`
+  tag;
 - W&B keeps one global run per process: it is finished after every task, so the next job of a sweep
   gets its own run instead of logging into the previous one.
 """
@@ -38,7 +39,13 @@ from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.loggers.logger import rank_zero_experiment
 from lightning.pytorch.utilities import rank_zero_only
 
-from vitrain.compat import mlflow_params, set_mlflow_run_id, set_wandb_run_id, tensorboard_purge_from
+from vitrain.compat import (
+    mlflow_params,
+    set_mlflow_run_id,
+    set_wandb_run_id,
+    tensorboard_purge_from,
+    wandb_offline,
+)
 from vitrain.errors import UserError
 from vitrain.utils.atomic import write_atomic
 from vitrain.utils.run_files import LOGGER_RUNS_FILE, METRICS_FILE, read_json, write_json
@@ -201,7 +208,8 @@ def logger_runs(loggers: list[Logger]) -> dict[str, dict[str, str]]:
     runs: dict[str, dict[str, str]] = {}
     for logger in loggers:
         if isinstance(logger, WandbLogger):
-            runs["wandb"] = {"id": str(logger.version), "project": str(logger.name)}
+            offline = bool(getattr(logger.experiment, "offline", False))
+            runs["wandb"] = {"id": str(logger.version), "project": str(logger.name), "offline": offline}
         elif isinstance(logger, MLFlowLogger):
             # the server, as a log line would show it: no password of a `user:pass@` URI on disk
             runs["mlflow"] = {"run_id": str(logger.run_id), "tracking_uri": scrub(logger.tracking_uri)}
@@ -222,18 +230,15 @@ def continue_logger_runs(loggers: list[Logger], run_dir: str | Path) -> None:
     """A resumed run logs into the W&B and MLflow runs its run dir logged to before, not into new ones.
 
     Not where the config names a run (`logger.wandb.id`, `logger.mlflow.run_id`), nor into another project
-    or tracking server than the one recorded. Call before the loggers start their runs (`log_run_config`).
+    or tracking server than the one recorded. W&B offline: a new run. W&B cannot resume an offline run, and
+    `wandb sync` of a second offline folder with the same id replaces the first one's history (wandb issues
+    2423, 3841). Call before the loggers start their runs (`log_run_config`).
     """
     recorded = read_json(Path(run_dir) / LOGGER_RUNS_FILE) or {}
     wandb_run, mlflow_run = recorded.get("wandb") or {}, recorded.get("mlflow") or {}
     for logger in loggers:
-        if (
-            isinstance(logger, WandbLogger)
-            and logger.version is None
-            and wandb_run.get("project") == logger.name
-        ):
-            set_wandb_run_id(logger, wandb_run["id"])
-            log.info("W&B: continuing run %s (the run this resume continues)", wandb_run["id"])
+        if isinstance(logger, WandbLogger) and wandb_run and logger.version is None:
+            continue_wandb_run(logger, wandb_run)
         elif (
             isinstance(logger, MLFlowLogger)
             and logger.configured_run_id is None
@@ -241,6 +246,21 @@ def continue_logger_runs(loggers: list[Logger], run_dir: str | Path) -> None:
         ):
             logger.continue_run(mlflow_run["run_id"])
             log.info("MLflow: continuing run %s (the run this resume continues)", mlflow_run["run_id"])
+
+
+def continue_wandb_run(logger: WandbLogger, recorded: dict[str, Any]) -> None:
+    if recorded.get("project") != logger.name:
+        return
+    if recorded.get("offline") or wandb_offline(logger):
+        log.info(
+            "W&B: a new run for this session: W&B cannot continue a run offline (%s was %s); "
+            "sync each offline-run folder as its own run",
+            recorded["id"],
+            "offline" if recorded.get("offline") else "online, this session is offline",
+        )
+        return
+    set_wandb_run_id(logger, recorded["id"])
+    log.info("W&B: continuing run %s (the run this resume continues)", recorded["id"])
 
 
 def finish_runs(failed: bool = False) -> None:
