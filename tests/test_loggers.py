@@ -322,14 +322,17 @@ def test_continue_logger_runs_only_into_the_recorded_project_or_server(
     """An online W&B run is continued (W&B's `resume="allow"` with its id: `test_compat.py` checks that
     Lightning passes both to `wandb.init`), in its own project only; an MLflow run on its own server only."""
     from lightning.pytorch.loggers import WandbLogger
+    from mlflow.tracking import MlflowClient
 
     from vitrain.loggers import MLFlowLogger, continue_logger_runs
 
     monkeypatch.delenv("WANDB_MODE", raising=False)
     local = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(local)
+    mlflow_run = client.create_run(client.create_experiment("e", (tmp_path / "a").as_uri())).info.run_id
     wandb_run = {"id": "w1", "project": "p", "offline": False}
     (tmp_path / "logger_runs.json").write_text(
-        json.dumps({"wandb": wandb_run, "mlflow": {"run_id": "m1", "tracking_uri": local}})
+        json.dumps({"wandb": wandb_run, "mlflow": {"run_id": mlflow_run, "tracking_uri": local}})
     )
     same = [WandbLogger(project="p", save_dir=str(tmp_path)), MLFlowLogger(tracking_uri=local)]
     other = [
@@ -339,6 +342,7 @@ def test_continue_logger_runs_only_into_the_recorded_project_or_server(
     offline = WandbLogger(project="p", save_dir=str(tmp_path), offline=True)
     continue_logger_runs([*same, *other, offline], tmp_path)
     assert same[0].version == "w1" and same[1].configured_run_id is None and same[1].continues
+    assert same[1].run_id == mlflow_run
     assert other[0].version is None and not other[1].continues
     assert offline.version is None, "an offline session does not take an online run's id"
 
@@ -346,3 +350,24 @@ def test_continue_logger_runs_only_into_the_recorded_project_or_server(
     was_offline = WandbLogger(project="p", save_dir=str(tmp_path))
     continue_logger_runs([was_offline], tmp_path)
     assert was_offline.version is None, "a run that was offline is not continued online"
+
+
+def test_a_deleted_mlflow_run_is_not_continued(tmp_path: Path, tiny_cifar: Path, data_cache: Path):
+    """The run dir's MLflow run was deleted on the server: the resume logs to a new run, with a warning,
+    instead of failing to start."""
+    from mlflow.tracking import MlflowClient
+
+    overrides = [
+        *tiny_overrides(tiny_cifar, data_cache),
+        "logger=mlflow",
+        f"logger.mlflow.save_dir={tmp_path / 'store'}",
+        "test=false",
+    ]
+    train(compose_cfg("train", [*overrides, "trainer.max_epochs=1"], tmp_path / "run"))
+    recorded = json.loads((tmp_path / "run" / "logger_runs.json").read_text())["mlflow"]
+    client = MlflowClient(recorded["tracking_uri"])
+    client.delete_run(recorded["run_id"])
+    train(compose_cfg("train", [*overrides, "trainer.max_epochs=2", "ckpt_path=last"], tmp_path / "run"))
+    again = json.loads((tmp_path / "run" / "logger_runs.json").read_text())["mlflow"]
+    assert again["run_id"] != recorded["run_id"]
+    assert client.get_run(again["run_id"]).info.status == "FINISHED"

@@ -226,6 +226,7 @@ def record_logger_runs(loggers: list[Logger], run_dir: str | Path) -> None:
         write_json(path, {**(read_json(path) or {}), **runs})
 
 
+@rank_zero_only
 def continue_logger_runs(loggers: list[Logger], run_dir: str | Path) -> None:
     """A resumed run logs into the W&B and MLflow runs its run dir logged to before, not into new ones.
 
@@ -245,7 +246,6 @@ def continue_logger_runs(loggers: list[Logger], run_dir: str | Path) -> None:
             and mlflow_run.get("tracking_uri") == scrub(logger.tracking_uri)
         ):
             logger.continue_run(mlflow_run["run_id"])
-            log.info("MLflow: continuing run %s (the run this resume continues)", mlflow_run["run_id"])
 
 
 def continue_wandb_run(logger: WandbLogger, recorded: dict[str, Any]) -> None:
@@ -305,10 +305,25 @@ class MLFlowLogger(_LightningMLFlowLogger):
         self._best_callback: ModelCheckpoint | None = None
         self._uploaded: str | None = None
 
-    def continue_run(self, run_id: str) -> None:
-        """Log into the existing run `run_id` (before this logger started one)."""
+    def continue_run(self, run_id: str) -> bool:
+        """Log into the existing run `run_id` (before this logger started one); False, with a warning, when
+        the server no longer has it (deleted): then this logger starts a new run."""
+        from mlflow.exceptions import MlflowException
+        from mlflow.tracking import MlflowClient
+
+        try:
+            gone = MlflowClient(self.tracking_uri).get_run(run_id).info.lifecycle_stage == "deleted"
+        except MlflowException as err:
+            gone = err.error_code == "RESOURCE_DOES_NOT_EXIST"  # else (unreachable): the start says so
+        if gone:
+            log.warning(
+                "MLflow: run %s of this run dir is deleted on the server: logging to a new run", run_id
+            )
+            return False
         set_mlflow_run_id(self, run_id)
         self.continues = True
+        log.info("MLflow: continuing run %s (the run this resume continues)", run_id)
+        return True
 
     @rank_zero_only
     def log_hyperparams(self, params: dict[str, Any] | Namespace) -> None:
