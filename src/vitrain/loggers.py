@@ -203,9 +203,9 @@ def forget_steps_from(loggers: list[Logger], step: int) -> None:
             logger.forget_steps_from(step)
 
 
-def logger_runs(loggers: list[Logger]) -> dict[str, dict[str, str]]:
+def logger_runs(loggers: list[Logger]) -> dict[str, dict[str, Any]]:
     """The W&B and MLflow runs these loggers log to, once `log_run_config` has started them."""
-    runs: dict[str, dict[str, str]] = {}
+    runs: dict[str, dict[str, Any]] = {}
     for logger in loggers:
         if isinstance(logger, WandbLogger):
             offline = bool(getattr(logger.experiment, "offline", False))
@@ -249,6 +249,7 @@ def continue_logger_runs(loggers: list[Logger], run_dir: str | Path) -> None:
 
 
 def continue_wandb_run(logger: WandbLogger, recorded: dict[str, Any]) -> None:
+    """The recorded W&B run, when both it and this session are online and in the same project."""
     if recorded.get("project") != logger.name:
         return
     if recorded.get("offline") or wandb_offline(logger):
