@@ -277,7 +277,9 @@ class MLFlowLogger(_LightningMLFlowLogger):
     Why not Lightning's `log_model=True`: it uploads the checkpoints of whichever ModelCheckpoint saved
     last (here the `last.ckpt` one), and fails on a sharded (FSDP) checkpoint, which is a folder.
     Without a tracking URI (argument or MLFLOW_TRACKING_URI) runs go to a local SQLite store under
-    `save_dir`: MLflow 3 refuses Lightning's default, the `./mlruns` file store.
+    `save_dir`: MLflow 3 refuses Lightning's default, the `./mlruns` file store. `synchronous=False` (the
+    config's default) queues metrics to a background thread, so the training loop does not wait on the
+    server at every `log_every_n_steps`; they are flushed when the run ends (`finalize`).
 
     A run that existed before (`run_id`, or a resume: `continue_run`) is set running again and keeps its
     params: MLflow refuses to change one, so a value the resume changed (`ckpt_path`, `trainer.max_epochs`)
@@ -328,19 +330,24 @@ class MLFlowLogger(_LightningMLFlowLogger):
 
     @rank_zero_only
     def log_hyperparams(self, params: dict[str, Any] | Namespace) -> None:
-        if not self.continues:
-            super().log_hyperparams(params)
-            return
+        """The params, always synchronously (with `synchronous=False` too): a server that refuses them fails
+        the run's start, not a background thread later."""
+        from mlflow.entities import Param
+
         client = self.experiment
-        client.update_run(self.run_id, status="RUNNING")  # an interrupted run was marked FAILED or KILLED
-        logged = client.get_run(self.run_id).data.params
         values = mlflow_params(vars(params) if isinstance(params, Namespace) else params)
-        changed = {key: value for key, value in values.items() if key in logged and logged[key] != value}
-        for key, value in changed.items():
-            client.set_tag(self.run_id, f"resumed/{key}", value)
-        if changed:
-            log.info("MLflow: params the resume changed are tagged resumed/<key>: %s", ", ".join(changed))
-        super().log_hyperparams({key: value for key, value in values.items() if key not in logged})
+        if self.continues:
+            client.update_run(self.run_id, status="RUNNING")  # an interrupted run was marked FAILED or KILLED
+            logged = client.get_run(self.run_id).data.params
+            changed = {key: value for key, value in values.items() if key in logged and logged[key] != value}
+            for key, value in changed.items():
+                client.set_tag(self.run_id, f"resumed/{key}", value)
+            if changed:
+                log.info("MLflow: params the resume changed are tagged resumed/<key>: %s", ", ".join(changed))
+            values = {key: value for key, value in values.items() if key not in logged}
+        batch = [Param(key, value) for key, value in values.items()]
+        for start in range(0, len(batch), 100):  # MLflow takes at most 100 params per call
+            client.log_batch(self.run_id, params=batch[start : start + 100])
 
     def after_save_checkpoint(self, checkpoint_callback: ModelCheckpoint) -> None:
         super().after_save_checkpoint(checkpoint_callback)
@@ -349,6 +356,9 @@ class MLFlowLogger(_LightningMLFlowLogger):
 
     @rank_zero_only
     def finalize(self, status: str = "success") -> None:
+        import mlflow
+
+        mlflow.flush_async_logging()  # `synchronous=False`: the queued metrics reach the run before it ends
         if self.log_best_checkpoint and status == "success" and self._best_callback is not None:
             self.upload_best_checkpoint(self._best_callback.best_model_path)
         super().finalize(status)
