@@ -337,8 +337,8 @@ def check_recipes(ctx: Ctx) -> Outcome:
 
 def check_ddp(ctx: Ctx) -> Outcome:
     """DDP on N GPUs: 2 epochs, then resume from last.ckpt for a 3rd: every rank loads it to the CPU (no N
-    copies on GPU 0: per-rank memory stays balanced), the checkpoint holds cuda:0 tensors that our IO maps
-    to the CPU."""
+    copies on GPU 0: per-rank memory stays balanced); the checkpoint holds CPU tensors (the background save
+    copies the state to host memory) and our IO loads to the CPU whatever a file holds."""
     overrides = [
         *ctx.base(epochs=2),
         *ctx.on("ddp"),
@@ -351,7 +351,7 @@ def check_ddp(ctx: Ctx) -> Outcome:
     last = checkpoint_in(run_dir)
     from vitrain.checkpoints import AtomicCheckpointIO
 
-    raw = torch.load(last, weights_only=True)  # plain data; where the tensors were saved (rank 0: cuda:0)
+    raw = torch.load(last, weights_only=True)  # plain data; where the tensors were saved (host memory)
     fig["saved_on"] = sorted({p.rsplit(" on ", 1)[1] for p in device_tensors(raw)})
     del raw
     on_device = device_tensors(AtomicCheckpointIO().load_checkpoint(last))

@@ -20,6 +20,7 @@ ORDER = [
     "ddp_scaling",
     "fsdp_memory",
     "fsdp_host",
+    "checkpoint_stall",
     "startup",
     "accuracy",
     "levers",
@@ -36,6 +37,7 @@ TITLES = {
     "ddp_scaling": "3. DDP scaling on CPU",
     "fsdp_memory": "4. FSDP memory",
     "fsdp_host": "4b. FSDP's host cost per step",
+    "checkpoint_stall": "4c. Checkpoint stall: a save written in place or in the background",
     "startup": "5. Start-up",
     "accuracy": "6. Accuracy under a 10-minute budget",
     "levers": "Levers (what each speed option is worth here)",
@@ -98,16 +100,18 @@ def render(run: dict[str, Any] | None, results: list[dict[str, Any]]) -> str:
                 "",
             ]
         for rerun in run.get("reruns", []):
+            replaced = rerun.get("replaced", [])
             out += [
-                f"Re-run afterwards: {', '.join(rerun['benchmarks'])} by `{rerun['command']}` on {rerun['date']} "
-                f"({rerun['seconds'] / 60:.1f} minutes; load {rerun['load_before']} -> {rerun['load_after']}). "
-                "The results it replaced:",
+                f"{'Re-run' if replaced else 'Added'} afterwards: {', '.join(rerun['benchmarks'])} by "
+                f"`{rerun['command']}` on {rerun['date']} ({rerun['seconds'] / 60:.1f} minutes; load "
+                f"{rerun['load_before']} -> {rerun['load_after']})."
+                + (" The results it replaced:" if replaced else " It replaced no earlier result."),
                 "",
                 *[
                     f"- {r['name']} ({r['date']}, load {r['load_before']} -> {r['load_after']}): {r['line']}"
-                    for r in rerun.get("replaced", [])
+                    for r in replaced
                 ],
-                "",
+                *([""] if replaced else []),
             ]
     gpu = f"{m['gpus']} x {m['gpu']}" if m.get("gpu") else "none"
     out += [

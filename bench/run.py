@@ -35,6 +35,7 @@ SUITE = [
     "ddp_scaling",
     "fsdp_memory",
     "fsdp_host",
+    "checkpoint_stall",
     "float8",
     "gpu",
 ]

@@ -1,5 +1,9 @@
 """Lightning callbacks that kill their own process at a known point; tests add them with
-`+callbacks.fault._target_=fault_injection.KillAt` (tests/ is put on PYTHONPATH)."""
+`+callbacks.fault._target_=fault_injection.KillAt` (tests/ is put on PYTHONPATH).
+
+A kill "after a save" first waits for the checkpoints the trainer writes in the background
+(`wait_for_writes`): the tests are about what a resume does with a checkpoint on disk. A real kill within a
+save's few seconds of writing resumes from the checkpoint before it (docs/reliability.md)."""
 
 import os
 import signal
@@ -10,6 +14,8 @@ from pathlib import Path
 
 import lightning as L
 from lightning.pytorch.callbacks import Callback
+
+from vitrain.checkpoints import wait_for_writes
 
 
 class KillAt(Callback):
@@ -29,6 +35,7 @@ class KillAt(Callback):
             if self.once_file.exists():
                 return
             self.once_file.touch()
+        wait_for_writes(trainer)
         os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -58,6 +65,7 @@ class SignalRankAt(Callback):
         if trainer.global_rank == self.rank and trainer.global_step == self.step:
             if self.stamp_file is not None:
                 self.stamp_file.write_text(repr(time.monotonic()))
+            wait_for_writes(trainer)
             os.kill(os.getpid(), self.signum)
 
 
@@ -106,4 +114,5 @@ class KillAtStep(Callback):
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
         if trainer.global_step == self.step:
+            wait_for_writes(trainer)
             os.kill(os.getpid(), signal.SIGKILL)

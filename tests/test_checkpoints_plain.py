@@ -15,6 +15,7 @@ import torch
 from helpers import TINY_VIT, assert_plain, compose_cfg
 from vitrain import checkpoints
 from vitrain.callbacks.resume import ExactResume
+from vitrain.errors import UserError
 
 
 def test_single_process_checkpoints_are_plain(tiny_checkpoint: Path):
@@ -123,3 +124,80 @@ def test_a_checkpoint_written_before_the_move_rebuilds_its_run(saved: str, now: 
     assert cfg.datamodule._target_ == now and cfg.datamodule.batch_size == 8
     assert hydra.utils.get_class(now).__name__ == saved.rsplit(".", 1)[1]
     assert cfg.model._target_ == "vitrain.models.classifier.ImageClassifier"
+
+
+# --- writing in the background (AtomicCheckpointIO(background=True), the trainer's default) ------------------
+
+
+@pytest.fixture
+def slow_disk(monkeypatch: pytest.MonkeyPatch):
+    """Checkpoint writes that wait until the test releases them: a disk as slow as the test wants."""
+    import threading
+
+    release = threading.Event()
+    write = checkpoints._write
+
+    def held(checkpoint: dict, target: Path) -> None:
+        assert release.wait(60), "the test never released the write"
+        write(checkpoint, target)
+
+    monkeypatch.setattr(checkpoints, "_write", held)
+    return release
+
+
+def test_a_background_save_returns_before_the_write_and_keeps_the_state_it_was_given(
+    tmp_path: Path, slow_disk
+):
+    io = checkpoints.AtomicCheckpointIO(background=True)
+    previous_best = tmp_path / "epoch000.ckpt"
+    torch.save({"epoch": 0}, previous_best)
+    weights = torch.arange(4.0)
+    best, last = tmp_path / "epoch001.ckpt", tmp_path / "last.ckpt"
+    io.save_checkpoint({"state_dict": {"w": weights}, "epoch": 1}, best)
+    io.remove_checkpoint(previous_best)  # ModelCheckpoint replacing its best: queued behind the write
+    weights.add_(100)  # training goes on while the files are written
+    io.save_checkpoint({"state_dict": {"w": weights}, "epoch": 2}, last)
+    assert not best.exists() and not last.exists(), "the saves waited for the disk"
+    assert previous_best.exists(), "the previous best went before the new one was written"
+    slow_disk.set()
+    io.wait()
+    assert not previous_best.exists()
+    assert torch.equal(io.load_checkpoint(best)["state_dict"]["w"], torch.arange(4.0)), "a point-in-time copy"
+    assert torch.equal(io.load_checkpoint(last)["state_dict"]["w"], torch.arange(4.0) + 100)
+    io.teardown()
+
+
+def test_a_load_waits_for_the_write_of_the_same_checkpoint(tmp_path: Path, slow_disk):
+    import threading
+
+    io = checkpoints.AtomicCheckpointIO(background=True)
+    path = tmp_path / "best.ckpt"
+    io.save_checkpoint({"state_dict": {"w": torch.ones(3)}}, path)
+    threading.Timer(0.2, slow_disk.set).start()
+    assert torch.equal(io.load_checkpoint(path)["state_dict"]["w"], torch.ones(3))  # not "does not exist"
+    io.teardown()
+
+
+def test_a_failed_background_write_is_raised_in_the_training_thread(tmp_path: Path):
+    io = checkpoints.AtomicCheckpointIO(background=True)
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("a file where the checkpoint folder should be")
+    io.save_checkpoint({"state_dict": {"w": torch.ones(3)}}, blocker / "last.ckpt")
+    with pytest.raises(OSError):
+        io.teardown()
+    io.teardown()  # raised once; the IO is reusable
+    io.save_checkpoint({"state_dict": {"w": torch.ones(3)}}, tmp_path / "last.ckpt")
+    io.wait()
+    assert (tmp_path / "last.ckpt").is_file()
+    io.teardown()
+
+
+def test_auto_writes_in_the_background_only_a_state_on_an_accelerator(tmp_path: Path, slow_disk):
+    io = checkpoints.AtomicCheckpointIO()  # background="auto", the trainer's default
+    slow_disk.set()
+    io.save_checkpoint({"state_dict": {"w": torch.ones(2)}}, tmp_path / "cpu.ckpt")
+    assert not io.busy and (tmp_path / "cpu.ckpt").is_file(), "a state in host memory is written in place"
+    meta = {"state_dict": {"w": torch.ones(2, device="meta")}}  # a device other than the CPU, without a GPU
+    assert io.writes_in_background(meta) and not io.writes_in_background({"state_dict": {"w": torch.ones(2)}})
+    with pytest.raises(UserError, match="choose true, false or auto"):
+        checkpoints.AtomicCheckpointIO(background="yes")

@@ -31,7 +31,8 @@ def test_sigterm_two_process_ddp_saves_last_then_resumes(tmp_path: Path, tiny_ci
     states so far, summed into the checkpoint; rank 0 resumes from the sum)."""
     alone = run_cli("train.py", _ddp(tiny_cifar, data_cache, tmp_path / "alone"), env={"PYTHONPATH": TESTS})
     assert alone.returncode == 0, alone.stderr[-3000:]
-    overrides = _ddp(tiny_cifar, data_cache, tmp_path)
+    # checkpoints written in the background (what `auto` does on GPUs): the SIGTERM save is on disk at exit
+    overrides = [*_ddp(tiny_cifar, data_cache, tmp_path), "trainer.plugins.0.background=true"]
     stopped = run_cli(
         "train.py",
         [*overrides, "+callbacks.fault._target_=fault_injection.SigtermAt", "+callbacks.fault.step=5"],

@@ -79,7 +79,8 @@ def test_sigkill_at_epoch_boundary_then_resume_is_bitwise_identical(
 def test_sigterm_mid_epoch_saves_last_and_resumes_exactly(
     tmp_path: Path, tiny_cifar: Path, data_cache: Path, uninterrupted, uninterrupted_dir: Path
 ):
-    overrides = _overrides(tiny_cifar, data_cache, tmp_path)
+    # checkpoints written in the background (`auto` on a GPU): the SIGTERM save is on disk before the exit
+    overrides = [*_overrides(tiny_cifar, data_cache, tmp_path), "trainer.plugins.0.background=true"]
     stopped = _run(
         [*overrides, "+callbacks.fault._target_=fault_injection.SigtermAt", "+callbacks.fault.step=40"],
     )
@@ -136,7 +137,11 @@ def test_a_kill_after_the_last_save_logs_no_step_twice(
     """SIGKILL at step 40, 12 steps after the epoch's save: the resumed run trains steps 28-39 again, and
     every logger that can drop what the killed run logged of them does. The curves equal the run left
     alone's, once each: TensorBoard (hidden as `purge_step` hides), CSV, the metric record."""
-    overrides = [*_overrides(tiny_cifar, data_cache, tmp_path), "logger=[csv,tensorboard]"]
+    overrides = [
+        *_overrides(tiny_cifar, data_cache, tmp_path),
+        "logger=[csv,tensorboard]",
+        "trainer.plugins.0.background=true",  # as on a GPU: the kill comes once the save is on disk
+    ]
     killed = _run(
         [*overrides, "+callbacks.fault._target_=fault_injection.KillAtStep", "+callbacks.fault.step=40"]
     )

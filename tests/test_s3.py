@@ -789,6 +789,7 @@ def test_resume_from_s3_on_an_empty_disk(
     experiment = f"test-s3-resume-{uuid.uuid4().hex[:8]}"
     base = [o for o in _train_overrides(tiny_cifar, data_cache) if not o.startswith("trainer.max_epochs")]
     base += ["logger=mlflow", f"logger.mlflow.experiment_name={experiment}"]
+    base += ["trainer.plugins.0.background=true"]  # uploads follow the background writes
 
     def run(machine: str, *extra: str) -> dict:
         cfg = compose_cfg(

@@ -131,6 +131,7 @@ def test_sbatch_signalled_mid_epoch_requeues_and_resumes_to_the_same_weights(
         f"--output={tmp_path}/%x-%j.out",
         str(SBATCH_1NODE),
         *_overrides(tiny_cifar, data_cache, logs),
+        "trainer.plugins.0.background=true",  # the requeue waits for the save's background write
         "+callbacks.fault._target_=fault_injection.SlurmSignalAt",
         "+callbacks.fault.step=25",
         env=_job_env(),

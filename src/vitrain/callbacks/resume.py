@@ -21,6 +21,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from vitrain.callbacks.epoch_metrics import CHECKPOINT_KEY, restore_states, states_to_save
+from vitrain.checkpoints import wait_for_writes
 from vitrain.compat import replace_sigterm_broadcast
 from vitrain.loggers import forget_steps_from
 
@@ -250,6 +251,7 @@ class CheckpointOnSigterm(Callback):
         trainer.save_checkpoint(path)  # ends in a barrier: every rank has written its part
         if not trainer.is_global_zero:
             return
+        wait_for_writes(trainer)  # on disk before it is said to be, and before SLURM requeues the job
         if self._agreed == self._REQUEUE:
             log.warning(f"SLURM requeue signal: saved {path} at step {trainer.global_step}")
             requeue_slurm_job()

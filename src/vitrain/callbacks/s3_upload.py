@@ -5,11 +5,14 @@ the callback list, and `on_save_checkpoint` fires before the write; wrapping the
 ModelParallelStrategy, which writes sharded folders without it. So every hook of ours that runs after a
 possible save looks at each ModelCheckpoint's `best_model_path` / `last_model_path` and uploads the ones
 whose (size, mtime, inode) changed. `Trainer.save_checkpoint` returns only after a barrier, so at that point
-the file, or every shard of a folder (checked against the DCP `.metadata`), is complete on disk.
+the file, or every shard of a folder (checked against the DCP `.metadata`), is complete on disk, except one
+that `AtomicCheckpointIO` still writes in the background: it appears (renamed into place, whole) at a later
+hook, and the end of training waits for it (`wait_for_writes`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Mapping, Sequence
@@ -21,6 +24,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from vitrain.callbacks.upload_jobs import UploadRunner
 from vitrain.callbacks.upload_queue import Signature, UploadJob, UploadWorker, sharded_complete, signature
+from vitrain.checkpoints import wait_for_writes
 from vitrain.errors import UserError
 from vitrain.s3.client import S3Options, S3Uri, parse_s3_uri
 from vitrain.s3.errors import S3Error, S3ObjectNotFound
@@ -129,6 +133,7 @@ class S3CheckpointUpload(Callback):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # Still inside fit on every rank: the last chance for all ranks to fail together when `fatal`.
         if self._worker is not None:
+            wait_for_writes(trainer)
             self._collect(trainer, retry=True)
             self._wait()
         if self.fatal and self._must_stop(trainer):
@@ -137,6 +142,7 @@ class S3CheckpointUpload(Callback):
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._worker is None:
             return
+        wait_for_writes(trainer)
         self._collect(trainer, retry=True)  # ModelCheckpoint's own on_train_end save
         self.upload_run_files(trainer, wait=False)
         self._wait()
@@ -155,6 +161,8 @@ class S3CheckpointUpload(Callback):
         if self._worker is None:
             return
         if not isinstance(exception, KeyboardInterrupt):  # keep what was saved before the crash
+            with contextlib.suppress(Exception):  # a write that failed is the run's error, raised elsewhere
+                wait_for_writes(trainer)
             self._collect(trainer, retry=True)
             self._wait(timeout=self.wait_timeout if self.wait_timeout is not None else 600.0)
             self._report()
