@@ -1,6 +1,8 @@
 """Writing checkpoints atomically, and reading them back: a file or a sharded (FSDP) folder (which checkpoint, local
 or s3://, is vitrain/tasks/runs.py's question)."""
 
+from __future__ import annotations
+
 import errno
 import io
 import pickle
@@ -8,7 +10,7 @@ import zipfile
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
@@ -17,6 +19,9 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from vitrain.compat import META_FILENAME, load_dcp_folder
 from vitrain.errors import UserError
 from vitrain.utils.atomic import write_atomic
+
+if TYPE_CHECKING:
+    import lightning as L
 
 
 class CheckpointError(UserError):
@@ -29,7 +34,8 @@ READ_ERRORS = (RuntimeError, EOFError, OSError, pickle.UnpicklingError, zipfile.
 
 class AtomicCheckpointIO(TorchCheckpointIO):
     """Writes a checkpoint next to its target, fsyncs it, then renames it over the target (`write_atomic`);
-    by default in a background thread, so training does not wait for the disk.
+    for a training state on a GPU in a background thread (`background="auto"`), so training does not wait
+    for the disk.
 
     Lightning's own save goes through an fsspec transaction whose temporary file lives in the system temp
     dir: when that is another filesystem (a tmpfs, a container layer) the final move is a copy, and a
@@ -84,8 +90,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         return bool(devices - {"cpu"})
 
     def remove_checkpoint(self, path: Any) -> None:
+        self._finish_done()
         if self._pending:  # queued behind the writes it follows
-            self._finish_done()
             self._submit(super().remove_checkpoint, path)
         else:
             super().remove_checkpoint(path)
@@ -166,7 +172,7 @@ def _write(checkpoint: dict[str, Any], target: Path) -> None:
         raise
 
 
-def wait_for_writes(trainer: Any) -> None:
+def wait_for_writes(trainer: L.Trainer) -> None:
     """Until the checkpoints the trainer is writing in the background are on disk (a no-op for another IO)."""
     io_plugin = trainer.strategy.checkpoint_io
     if isinstance(io_plugin, AtomicCheckpointIO):
