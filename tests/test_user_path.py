@@ -364,8 +364,9 @@ def test_failed_download_leaves_no_empty_data_dir(tmp_path: Path, monkeypatch):
 
 
 def test_a_failed_start_is_one_line_and_leaves_no_run_dir(tmp_path: Path, data_cache: Path, capsys, caplog):
-    """No config tree before the error, no "Output dir" after, no run directory left behind."""
-    run_dir = tmp_path / "run"
+    """No config tree before the error, no "Output dir" after, no run directory left behind (nor the
+    `<task>/runs/` folders Hydra made for it)."""
+    run_dir = tmp_path / "logs" / "train" / "runs" / "2026-01-01_00-00-00"
     (run_dir / ".hydra").mkdir(parents=True)  # what Hydra writes before the task starts
     (run_dir / "train.log").write_text("")
     overrides = [*tiny_overrides(tmp_path / "nowhere", data_cache), "extras.print_config=true"]
@@ -374,7 +375,7 @@ def test_a_failed_start_is_one_line_and_leaves_no_run_dir(tmp_path: Path, data_c
     assert code == 2 and len(err.strip().splitlines()) == 1 and "not found" in err, err
     assert "CONFIG" not in capsys.readouterr().out
     assert not any("Output dir" in r.getMessage() for r in caplog.records)
-    assert not run_dir.exists()
+    assert list((tmp_path / "logs").iterdir()) == []
 
 
 def test_a_checkpoint_dir_outside_the_run_dir_is_warned_about(

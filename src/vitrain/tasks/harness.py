@@ -166,7 +166,10 @@ def remove_unstarted_run_dir(output_dir: Path) -> None:
                 handler.close()
                 logging.getLogger().removeHandler(handler)
         shutil.rmtree(output_dir)
-    except OSError:
+        if output_dir.parent.name == "runs":  # Hydra's `<log_dir>/<task>/runs/`, made for this run: if empty
+            output_dir.parent.rmdir()
+            output_dir.parent.parent.rmdir()
+    except OSError:  # a parent that holds other runs (not empty) stays
         pass
 
 
