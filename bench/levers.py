@@ -6,7 +6,9 @@ bf16 autocast (`trainer.precision`), AdamW `foreach` instead of `fused` (`model.
 instead of channels-last convolutions (`model.channels_last`),
 `torch.compile` (`model.compile`, whose compile time is reported against the time it saves). And one
 lever outside the network, measured on whole `src/train.py` runs since it is set when a process starts:
-glibc malloc's defaults instead of `extras.retain_freed_memory` (vitrain/utils/host_memory.py).
+glibc malloc's defaults instead of `extras.retain_freed_memory` (vitrain/utils/host_memory.py). On a host
+without an NVIDIA driver, also torch's NVML-based CUDA check left on as Lightning sets it (a failing library
+load at every AdamW step; vitrain/utils/cuda_check.py turns it off there).
 """
 
 from __future__ import annotations
@@ -54,6 +56,24 @@ SMOKE = [
 
 
 MALLOC = "retained -> glibc default malloc (whole runs)"
+NVML = "no driver: NVML check per step left on"
+
+
+def with_env(fn: Any, key: str, value: str) -> Any:
+    """`fn` run with the environment variable `key` set to `value`, then restored."""
+
+    def run() -> Any:
+        old = os.environ.get(key)
+        os.environ[key] = value
+        try:
+            return fn()
+        finally:
+            if old is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = old
+
+    return run
 
 
 class Variant:
@@ -143,9 +163,11 @@ def main() -> None:
         args.rounds, args.steps, args.compile = 1, 2, 0
     result = Result("levers", args)
     # as src/train.py does (extras.retain_freed_memory): the in-process loops run with the template's malloc
+    from vitrain.utils.cuda_check import NVML_CHECK, skip_failing_nvml_check
     from vitrain.utils.host_memory import retain_freed_memory
 
     retain_freed_memory()
+    nvml_skipped = skip_failing_nvml_check()  # as src/train.py does
     cfg = compose(
         [SMALL_VIT, "extras.print_config=false", *(SMOKE if args.smoke else [])],
         scratch_dir("levers"),
@@ -177,7 +199,12 @@ def main() -> None:
     variants = {"as configured": Variant(cfg, x, y, **shipped)}
     for name, change in changes.items():
         variants[name] = Variant(cfg, x, y, **{**copy.deepcopy(shipped), **change})
-    runs = interleave({k: (lambda v=v: v.steps_per_s(args.steps)) for k, v in variants.items()}, args.rounds)
+    if nvml_skipped:  # the network as configured, with the check Lightning turns on
+        variants[NVML] = Variant(cfg, x, y, **shipped)
+    calls = {k: (lambda v=v: v.steps_per_s(args.steps)) for k, v in variants.items()}
+    if nvml_skipped:
+        calls[NVML] = with_env(calls[NVML], NVML_CHECK, "1")
+    runs = interleave(calls, args.rounds)
     # whole runs, as configured vs glibc's defaults: the "as configured" figures above stay the in-process ones
     workdir = scratch_dir("levers-malloc")
     train_steps = 2 if args.smoke else args.train_steps

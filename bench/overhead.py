@@ -167,10 +167,12 @@ def main() -> None:
     if args.smoke:
         args.blocks, args.block, args.warmup = 2, 2, 1
     result = Result("overhead", args)
-    # as src/train.py does (extras.retain_freed_memory): the in-process loops run with the template's malloc
+    # as src/train.py does: the in-process loops run with the template's malloc and CUDA check
+    from vitrain.utils.cuda_check import skip_failing_nvml_check
     from vitrain.utils.host_memory import retain_freed_memory
 
     retain_freed_memory()
+    skip_failing_nvml_check()
     workdir = scratch_dir("overhead")
     cfg = template_cfg(args, workdir / "run", args.warmup + args.blocks * args.block + 1)
     device = torch.device("cuda" if torch.cuda.is_available() and args.accelerator != "cpu" else "cpu")

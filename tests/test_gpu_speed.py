@@ -310,3 +310,55 @@ def test_float8_is_refused_where_it_cannot_run(monkeypatch: pytest.MonkeyPatch):
     with pytest.raises(ModelError, match=r"model\.float8='yes' must be true or false"):
         ImageClassifier(net={"model_name": "vit_tiny_patch16_224"}, optimizer={"_target_": "torch.optim.AdamW"},
                         float8="yes")  # fmt: skip
+
+
+NVML_PROBE = """
+import ctypes, json, os, sys
+import lightning, torch  # Lightning turns torch's NVML-based CUDA check on
+from vitrain.utils.cuda_check import NVML_CHECK, skip_failing_nvml_check
+
+try:
+    ctypes.CDLL("libnvidia-ml.so.1")
+    nvml = True
+except OSError:
+    nvml = False
+loads = []
+real_cdll = ctypes.CDLL
+ctypes.CDLL = lambda name, *a, **k: (loads.append(name), real_cdll(name, *a, **k))[1]
+net = torch.nn.Linear(4, 2)
+opt = torch.optim.AdamW(net.parameters(), fused=True)
+
+def step():
+    net(torch.randn(3, 4)).sum().backward()
+    opt.step()
+
+before = os.environ[NVML_CHECK]
+step()
+per_step_before = len(loads)
+skipped = skip_failing_nvml_check()
+loads.clear()
+step()
+print(json.dumps({"nvml": nvml, "before": before, "loads_before": per_step_before, "skipped": skipped,
+                  "after": os.environ[NVML_CHECK], "loads_after": len(loads),
+                  "cuda": torch.cuda.is_available()}))
+"""
+
+
+def test_no_failing_nvml_load_per_optimizer_step_without_a_driver():
+    """Lightning's NVML-based CUDA check loads `libnvidia-ml` at every AdamW step; where it cannot load
+    (no NVIDIA driver) the harness turns the check off: the same answer, no load per step."""
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    env.pop("PYTORCH_NVML_BASED_CUDA_CHECK", None)  # as a user's shell has it: Lightning's import sets it
+    out = subprocess.run(
+        [sys.executable, "-c", NVML_PROBE], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen["before"] == "1"
+    if seen["nvml"]:  # a host with NVML (a driver): the check is cheap there and stays on
+        assert not seen["skipped"] and seen["after"] == "1"
+        return
+    assert seen["loads_before"] >= 1, "torch no longer loads NVML per step: the skip may be dropped"
+    assert seen["after"] == "0" and seen["loads_after"] == 0
+    assert seen["cuda"] is False
