@@ -72,6 +72,7 @@ SECTIONS: dict[str, int] = {
     "streaming_gpu_decode": 100,
     "streaming": 100,
     "seed_1024": 90,
+    "seed_blocks": 80,
     "seed_fp8": 120,
     "hand_fp8": 110,
     "seed_before": 100,
@@ -83,6 +84,7 @@ WHAT = {
     "seed_before": "`experiment=cifar`, 2026-11-26 settings (eager, pageable batches, foreach AdamW)",
     "seed": "`experiment=cifar` (today's defaults)",
     "seed_1024": "`experiment=cifar datamodule.batch_size=1024`",
+    "seed_blocks": "`experiment=cifar model.compile_scope=blocks` (each block compiled, one graph for all)",
     "seed_fp8": "`experiment=cifar model.float8=true` (torchao float8 matmuls)",
     "seed_eager": "`experiment=cifar model.compile=false` (pinned batches, fused AdamW, eager)",
     "folder": "`datamodule=image_folder` from disk, photo-sized JPEGs, timm transforms in workers",
@@ -442,6 +444,10 @@ def section(ctx: Ctx, name: str, timeout: float) -> dict[str, Any]:
     elif name == "seed_1024":
         base = ctx.common(name, batch=1024 if not ctx.cpu else 16)
         extra = ctx.cifar_data()
+    elif name == "seed_blocks":
+        extra = [*ctx.cifar_data(), "model.compile_scope=blocks"]
+        if ctx.cpu:  # the CPU smoke runs eagerly (compile=auto is off there): compile to check the path
+            extra.append("model.compile=true")
     elif name == "seed_fp8":
         if ctx.cpu:
             raise RuntimeError("float8 needs a GPU with float8 tensor cores")

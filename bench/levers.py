@@ -4,7 +4,9 @@ against the experiment as configured, interleaved in one run (a plain loop: no f
 Variants: SDPA attention instead of timm's matmul-softmax attention (`model.fused_attn`), fp32 instead of
 bf16 autocast (`trainer.precision`), AdamW `foreach` instead of `fused` (`model.optimizer.fused`), NCHW
 instead of channels-last convolutions (`model.channels_last`),
-`torch.compile` (`model.compile`, whose compile time is reported against the time it saves). And one
+`torch.compile` (`model.compile`, whose compile time is reported against the time it saves), and compiled
+block by block (`model.compile_scope=blocks`); for the seed's network (ViT-B/32) the compile time of both
+scopes, each in a fresh process and compiler cache. And one
 lever outside the network, measured on whole `src/train.py` runs since it is set when a process starts:
 glibc malloc's defaults instead of `extras.retain_freed_memory` (vitrain/utils/host_memory.py). On a host
 without an NVIDIA driver, also torch's NVML-based CUDA check left on as Lightning sets it (a failing library
@@ -24,6 +26,8 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(scratch_dir("inductor")))
 import contextlib
 import copy
 import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -31,6 +35,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from common import (
+    ROOT,
     SMALL_VIT,
     SMOKE_NET,
     Result,
@@ -45,6 +50,7 @@ from common import (
     short_run,
 )
 
+from vitrain.distributed.parallelize import apply_compile, transformer_blocks
 from vitrain.models.classifier import compile_choice
 from vitrain.tasks.precision import resolve_precision
 
@@ -57,6 +63,60 @@ SMOKE = [
 
 MALLOC = "retained -> glibc default malloc (whole runs)"
 NVML = "no driver: NVML check per step left on"
+BLOCKS = "torch.compile per block"
+# the seed's network, for the compile time of `model.compile_scope` (network vs blocks)
+SEED_NET = "vit_base_patch32_224"
+
+COMPILE_PROBE = """
+import json, sys, time
+import timm, torch, torch.nn.functional as F
+from vitrain.distributed.parallelize import apply_compile, transformer_blocks
+
+scope, name, batch, steps = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+torch.manual_seed(0)
+net = timm.create_model(name, num_classes=10, drop_path_rate=0.1)
+optimizer = torch.optim.AdamW(net.parameters(), fused=True)
+apply_compile(net, transformer_blocks(net), per_unit=scope == "blocks")
+x, y = torch.randn(batch, 3, 224, 224), torch.randint(0, 10, (batch,))
+
+
+def step():
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = F.cross_entropy(net(x), y)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+t0 = time.perf_counter()
+step()
+first = time.perf_counter() - t0
+step()
+t0 = time.perf_counter()
+for _ in range(steps):
+    step()
+print(json.dumps({"compile_s": first, "step_s": (time.perf_counter() - t0) / steps}))
+"""
+
+
+def compile_probe(scope: str, model: str, batch: int, steps: int) -> dict[str, float]:
+    """First step (the compile) and step time of `model` compiled as `scope`, in a fresh process with a fresh
+    compiler cache: the second scope must not find the first one's kernels."""
+    env = {
+        **os.environ,
+        "TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp(dir=scratch_dir("inductor-probe")),
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", COMPILE_PROBE, scope, model, str(batch), str(steps)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=1800,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"compile probe ({scope}) failed: {done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def with_env(fn: Any, key: str, value: str) -> Any:
@@ -88,7 +148,7 @@ class Variant:
         fused_attn: bool | None,
         bf16: bool,
         fused_adamw: bool,
-        compile: bool,
+        compile: bool | str,
         channels_last: bool,
     ) -> None:
         import hydra
@@ -112,7 +172,8 @@ class Variant:
         self.x, self.y, self.bf16 = x, y, bf16
         self.compile_s: float | None = None
         if compile:
-            self.net.compile()
+            # as model.compile_scope does (vitrain/distributed/parallelize.py): the whole network, or each block
+            apply_compile(self.net, transformer_blocks(self.net), per_unit=compile == "blocks")
             t0 = time.perf_counter()
             self.step()  # the first call compiles forward and backward
             self.compile_s = time.perf_counter() - t0
@@ -196,6 +257,7 @@ def main() -> None:
     }
     if args.compile and not shipped["compile"]:
         changes["torch.compile"] = {"compile": True}
+        changes[BLOCKS] = {"compile": "blocks"}
     variants = {"as configured": Variant(cfg, x, y, **shipped)}
     for name, change in changes.items():
         variants[name] = Variant(cfg, x, y, **{**copy.deepcopy(shipped), **change})
@@ -232,6 +294,21 @@ def main() -> None:
             "torch.compile: worth it when the run is much longer than the compile time "
             "(`steps to repay compile` x the step time)"
         )
+    scopes: dict[str, dict[str, float]] = {}
+    if args.compile:  # model.compile_scope on the seed's network, each in a fresh process and cache
+        scopes = {scope: compile_probe(scope, SEED_NET, 16, 5) for scope in ("network", "blocks")}
+        net_s, blocks_s = scopes["network"], scopes["blocks"]
+        figures[f"{SEED_NET} first step (compile) s, network / blocks"] = (
+            f"{net_s['compile_s']:.1f} / {blocks_s['compile_s']:.1f}"
+        )
+        figures[f"{SEED_NET} compile time, blocks / network"] = round(
+            blocks_s["compile_s"] / net_s["compile_s"], 2
+        )
+        figures[f"{SEED_NET} steps/s, blocks / network"] = round(net_s["step_s"] / blocks_s["step_s"], 3)
+        notes.append(
+            f"model.compile_scope on the seed's network ({SEED_NET}, batch 16, bf16 autocast, one fresh process "
+            "and compiler cache each, one run each): the first step holds the compile"
+        )
     line = (
         "; ".join(f"{k}: {v:.2f}x" for k, v in rel.items())
         + " (steps/s relative to the experiment as configured)"
@@ -245,6 +322,7 @@ def main() -> None:
         shipped=shipped,
         rounds={k: [round(v, 3) for v in vs] for k, vs in runs.items()},
         malloc_rounds={k: [round(v, 3) for v in vs] for k, vs in malloc.items()},
+        compile_scopes={k: {n: round(x, 3) for n, x in v.items()} for k, v in scopes.items()},
         batch_size=batch,
         img_size=size,
     )

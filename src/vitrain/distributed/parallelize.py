@@ -8,6 +8,9 @@ unit, then the root. Without a sharding strategy (one device, DDP) only (1) and 
 takes the whole network, unless progressive resizing changes the input size: a ViT's patch and position
 embeddings specialise the whole-network graph to each size (one compile per size), while a block sees only
 the token count, which the second size makes dynamic (two compiles in all).
+`compile_scope=blocks` compiles the units on one device too: a third of the whole network's compile time for
+ViT-B/32 on a CPU, at the same step time there (docs/benchmarks.md, "Levers"); on a GPU the seed run's whole
+network compile is the one measured (`auto`).
 
 `parallelize(net, strategy, ...)` reads what to do from the strategy (an FSDP2Strategy carries its mesh
 and options), so the model imports no strategy: `ImageClassifier.configure_model` hands its network here
@@ -18,6 +21,7 @@ replaceable per model family).
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from typing import Any
 
 from torch import nn
@@ -35,6 +39,7 @@ def parallelize(
     compile: bool = False,
     activation_checkpointing: bool = False,
     resizes: bool = False,
+    compile_scope: str = "auto",
 ) -> nn.Module:
     """Apply activation checkpointing, compile and (for an FSDP2 strategy) sharding to `net`, in place.
 
@@ -52,7 +57,8 @@ def parallelize(
     if activation_checkpointing:
         units = apply_activation_checkpointing(net, units)
     if compile:
-        units = apply_compile(net, units, per_unit=mesh is not None or resizes)
+        per_unit = compile_scope == "blocks" or (compile_scope == "auto" and (mesh is not None or resizes))
+        units = apply_compile(net, units, per_unit=per_unit)
     if mesh is not None:
         apply_fsdp(net, mesh, units, **options)
     net._vitrain_parallelized = True
@@ -71,16 +77,36 @@ def apply_activation_checkpointing(root: nn.Module, units: list[nn.Module]) -> l
 
 def apply_compile(root: nn.Module, units: list[nn.Module], per_unit: bool) -> list[nn.Module]:
     """`nn.Module.compile` in place (state-dict keys and checkpoints stay those of the plain model): each
-    unit when the model will be sharded or resized, otherwise the whole network (one graph, the fastest).
-    Units compiled one by one get a stochastic depth whose rate is a tensor (`uniform_drop_paths`): with
-    timm's per-block float rates each block would compile a graph of its own."""
+    unit (`per_unit`: the model will be sharded or resized, or `compile_scope=blocks`; the rest stays eager),
+    otherwise the whole network (one graph).
+
+    One by one, only units with a twin are compiled (`twin_units`): alike units share one graph, a unit of
+    its own shape would compile one more. Those units get a stochastic depth whose rate is a tensor
+    (`uniform_drop_paths`): with timm's per-block float rates each block would compile a graph of its own."""
     if per_unit and units:
-        uniform_drop_paths(units)
-        for unit in units:
+        twins = twin_units(units)
+        if not twins:
+            log.warning("compile per block: %s has no repeated blocks, nothing compiled", type(root).__name__)
+        uniform_drop_paths(twins)
+        for unit in twins:
             unit.compile()
     else:
         root.compile()
     return units
+
+
+def twin_units(units: list[nn.Module]) -> list[nn.Module]:
+    """The units that have a twin: another unit of the same class with parameters of the same names and
+    shapes. A hybrid ViT's convolutional stem is a list of conv layers of growing width, which `shard_units`
+    takes as units too (for sharding, right); compiled one by one each would be a graph of its own on one
+    code object, and past Dynamo's recompile limit (8) the rest ran eagerly behind every graph's guards:
+    `experiment=cifar_cpu`'s network compiled block by block stepped at 0.56x its eager speed that way."""
+
+    def signature(unit: nn.Module) -> tuple:
+        return type(unit), tuple((name, tuple(p.shape), p.dtype) for name, p in unit.named_parameters())
+
+    counts = Counter(signature(unit) for unit in units)
+    return [unit for unit in units if counts[signature(unit)] >= 2]
 
 
 def _replace(root: nn.Module, old: nn.Module, new: nn.Module) -> nn.Module:

@@ -68,6 +68,7 @@ class ImageClassifier(L.LightningModule):
         label_smoothing: float = 0.0,
         weights_file: str | None = None,
         compile: bool | str = "auto",
+        compile_scope: str = "auto",
         fused_attn: bool | None = None,
         mixup: Mapping[str, Any] | None = None,
         layer_decay: float | None = None,
@@ -85,6 +86,10 @@ class ImageClassifier(L.LightningModule):
                 node is not None or name == "optimizer"
             ):
                 raise ModelError(f"model.{name} must be a config node with a _target_, not {node!r}")
+        if compile_scope not in COMPILE_SCOPES:
+            raise ModelError(
+                f"model.compile_scope={compile_scope!r} must be one of {', '.join(COMPILE_SCOPES)}"
+            )
         if not isinstance(float8, bool):
             raise ModelError(f"model.float8={float8!r} must be true or false")
         self.save_hyperparameters(logger=False)  # the plain values above (read from this frame's locals)
@@ -159,6 +164,15 @@ class ImageClassifier(L.LightningModule):
                 "model.channels_last=true is not supported with trainer=fsdp (FSDP2 shards each parameter "
                 "along its first dimension, as a contiguous tensor): leave it false"
             )
+        if (
+            self.hparams.get("compile_scope") == "network"
+            and getattr(strategy, "fsdp_options", None) is not None
+            and self.compiles(strategy)
+        ):
+            raise ModelError(
+                "model.compile_scope=network with trainer=fsdp: FSDP2's hooks sit between the blocks, so the "
+                "network is compiled block by block there: set model.compile_scope=blocks or auto"
+            )
         resamples = (
             getattr(self.net, "dynamic_img_size", False) and getattr(self.net, "pos_embed", None) is not None
         )
@@ -187,7 +201,13 @@ class ImageClassifier(L.LightningModule):
             patch_convs_as_matmuls(self.net)
         if self.hparams.get("float8") and not getattr(self.net, "_vitrain_parallelized", False):
             convert_to_float8(self.net)  # before compile and sharding, which take the converted layers
-        parallelize(self.net, strategy, compile=self.compiles(strategy), resizes=self.resize is not None)
+        parallelize(
+            self.net,
+            strategy,
+            compile=self.compiles(strategy),
+            resizes=self.resize is not None,
+            compile_scope=self.hparams.get("compile_scope", "auto"),
+        )
 
     def compiles(self, strategy: Strategy | None) -> bool:
         """Whether the network is compiled for training under `strategy` (`model.compile`, `compile_choice`)."""
@@ -314,6 +334,10 @@ class ImageClassifier(L.LightningModule):
         """Refuse, in one line, a checkpoint trained on other classes than the data now given (runs before
         the weights are loaded, which would fail on the head's shape with a long message)."""
         check_classes(checkpoint.get("class_names"), self.class_names, "ckpt_path")
+
+
+# model.compile_scope: what `parallelize` compiles (vitrain/distributed/parallelize.py)
+COMPILE_SCOPES = ("auto", "network", "blocks")
 
 
 def compile_choice(value: bool | str, strategy: Strategy | None) -> bool:
