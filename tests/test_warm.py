@@ -92,6 +92,19 @@ def test_an_import_time_variable_or_fresh_true_gives_a_new_interpreter(tmp_path:
         assert done.returncode == 0 and not json.loads(done.stdout)["warm"]
 
 
+def test_the_nvml_check_variable_keeps_a_run_warm(tmp_path: Path):
+    """Lightning sets PYTORCH_NVML_BASED_CUDA_CHECK on import and the harness may unset it in the test process
+    (vitrain/utils/cuda_check.py): torch reads it when asked, so a run with either value is warm, and sees it."""
+    script = tmp_path / "probe.py"
+    script.write_text(
+        PROBE.replace('os.environ.get("PROBE")', 'os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")')
+    )
+    for value in ("0", "1"):
+        done = warm.run_script([script, "0"], _env(PYTORCH_NVML_BASED_CUDA_CHECK=value), tmp_path, timeout=60)
+        seen = json.loads(done.stdout)
+        assert done.returncode == 0 and seen["warm"] and seen["probe"] == value
+
+
 def test_a_timeout_kills_the_run_and_what_it_started(tmp_path: Path):
     script = tmp_path / "probe.py"
     script.write_text(PROBE)

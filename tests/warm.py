@@ -48,11 +48,15 @@ PRELOAD = ["torch", "lightning", "timm", "torchmetrics", "hydra", "omegaconf"]
 # TORCHELASTIC_* and TORCH_NCCL_* are what torchrun sets for its workers, read when used, not on import;
 # KMP_DUPLICATE_LIB_OK and KMP_INIT_AT_FORK are what scikit-learn and joblib set in their own process on
 # import (Optuna imports scikit-learn): only Intel's/LLVM's OpenMP reads them, and the OpenMP runtime that
-# torch and scikit-learn ship here is GNU libgomp, which reads no KMP_* variable
+# torch and scikit-learn ship here is GNU libgomp, which reads no KMP_* variable;
+# PYTORCH_NVML_BASED_CUDA_CHECK is set by Lightning's import and unset by vitrain's harness where NVML cannot
+# load (vitrain/utils/cuda_check.py): torch reads it at each CUDA availability question, not on import
 IMPORT_TIME = re.compile(
     r"^(OMP_|MKL_|KMP_|GOMP_|HF_|HUGGINGFACE_|TORCH|PYTORCH_|CUDA_|NCCL_|LD_|MALLOC_|PYTHON)"
 )
-RUN_TIME = re.compile(r"^(PYTHONPATH$|TORCHELASTIC_|TORCH_NCCL_|KMP_DUPLICATE_LIB_OK$|KMP_INIT_AT_FORK$)")
+RUN_TIME = re.compile(
+    r"^(PYTHONPATH$|TORCHELASTIC_|TORCH_NCCL_|KMP_DUPLICATE_LIB_OK$|KMP_INIT_AT_FORK$|PYTORCH_NVML_BASED_CUDA_CHECK$)"
+)
 SERVER_ENV = {"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
 # signals a zygote ignores: what is sent to a run's process group is for the run and its children
 _SHIELDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
