@@ -31,6 +31,7 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -117,23 +118,6 @@ def compile_probe(scope: str, model: str, batch: int, steps: int) -> dict[str, f
     if done.returncode != 0:
         raise RuntimeError(f"compile probe ({scope}) failed: {done.stderr[-2000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def with_env(fn: Any, key: str, value: str) -> Any:
-    """`fn` run with the environment variable `key` set to `value`, then restored."""
-
-    def run() -> Any:
-        old = os.environ.get(key)
-        os.environ[key] = value
-        try:
-            return fn()
-        finally:
-            if old is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = old
-
-    return run
 
 
 class Variant:
@@ -265,7 +249,13 @@ def main() -> None:
         variants[NVML] = Variant(cfg, x, y, **shipped)
     calls = {k: (lambda v=v: v.steps_per_s(args.steps)) for k, v in variants.items()}
     if nvml_skipped:
-        calls[NVML] = with_env(calls[NVML], NVML_CHECK, "1")
+        nvml = variants[NVML]
+
+        def nvml_steps() -> float:
+            with mock.patch.dict(os.environ, {NVML_CHECK: "1"}):
+                return nvml.steps_per_s(args.steps)
+
+        calls[NVML] = nvml_steps
     runs = interleave(calls, args.rounds)
     # whole runs, as configured vs glibc's defaults: the "as configured" figures above stay the in-process ones
     workdir = scratch_dir("levers-malloc")
