@@ -4,6 +4,7 @@ run, the repository's sbatch script signalled mid-epoch, requeued and resumed to
 
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -139,8 +140,12 @@ def test_sbatch_signalled_mid_epoch_requeues_and_resumes_to_the_same_weights(
     )
     job = submitted.stdout.strip().split(";")[0]
     output = tmp_path / f"requeue-{job}.out"
-    # SLURM holds a requeued batch job for about two minutes (BeginTime) before it may start again: release it
+    # SLURM holds a requeued batch job for about two minutes (BeginTime) before it may start again: release it.
+    # Not within the second of the kill: slurmd revoked the first attempt's credential then, and refuses a start
+    # whose time (in whole seconds) is not after it ("Killing non-startable batch job: Job credential revoked":
+    # the job FAILED)
     slurm.wait(job, lambda info: int(info.get("Restarts", 0)) >= 1 and info["JobState"] == "PENDING")
+    time.sleep(2)
     slurm.run("scontrol", "update", f"JobId={job}", "StartTime=now")
     info = slurm.wait(job, lambda info: info["JobState"] in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"))
     text = output.read_text()
