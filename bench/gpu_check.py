@@ -534,6 +534,37 @@ def check_gpu_decode(ctx: Ctx) -> Outcome:
     )
 
 
+def check_data_on_device(ctx: Ctx) -> Outcome:
+    """In-memory data held on the GPU (`datamodule.data_on_device`, on by default for CIFAR): the training
+    loader's batches are those of the host loader, byte for byte, sliced on the GPU without a host sync."""
+    if ctx.cpu:
+        return Outcome(
+            SKIP, "CPU dry run (tests/test_data.py runs the loader with the data on the meta device)"
+        )
+    from lightning.pytorch import Trainer
+
+    from vitrain.data.datamodules.cifar import CIFAR10DataModule
+
+    def loader(on_device: bool) -> Any:
+        dm = CIFAR10DataModule(
+            str(ctx.data), str(ctx.cache), batch_size=64, val_size=64, data_on_device=on_device
+        )
+        dm.trainer = Trainer(accelerator="cuda", devices=1, logger=False, enable_progress_bar=False)
+        dm.setup("fit")
+        return dm.train_dataloader()
+
+    host, held = loader(False), loader(True)
+    expect(held.dataset.x.is_cuda and not host.dataset.x.is_cuda, "the data was not held on the GPU")
+    torch.cuda.set_sync_debug_mode("error")  # a synchronising call in the loader raises
+    try:
+        on_gpu = [(x.clone(), y.clone()) for x, y in held]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    pairs = list(zip([(x.cuda(), y.cuda()) for x, y in host], on_gpu, strict=True))
+    expect(all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in pairs), "batches differ")
+    return Outcome(PASS, f"{len(pairs)} batches of 64 equal to the host loader's, sliced on the GPU, no sync")
+
+
 CHECKS: dict[str, Callable[[Ctx], Outcome]] = {
     "environment": check_environment,
     "single_gpu": check_single_gpu,
@@ -544,6 +575,7 @@ CHECKS: dict[str, Callable[[Ctx], Outcome]] = {
     "fsdp_compile": check_fsdp_compile,
     "batch_size_search": check_batch_size_search,
     "gpu_decode": check_gpu_decode,
+    "data_on_device": check_data_on_device,
 }
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import json
+import pickle
 import socket
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from data_factory import (
     pattern_image,
 )
 from vitrain.data.augment import BatchTransform, random_crop_flip, to_model_input
+from vitrain.data.datamodules.base import on_device_choice
 from vitrain.data.datamodules.cifar import CIFAR10_MEAN, CIFAR10_STD, CIFAR10DataModule
 from vitrain.data.readers.cifar import DOWNLOAD_TIMEOUT_S, load_cifar, load_cifar10
 from vitrain.data.readers.cifar_spec import CIFAR100
@@ -555,3 +557,59 @@ def test_cifar100_trains_on_two_processes(tmp_path: Path, strategy: str):
     report = json.loads((run / "report.json").read_text())
     assert report["world_size"] == 2 and report["global_step"] == 2
     assert report["data"]["num_classes"] == 100 and report["data"]["images"]["val"] == 20
+
+
+def test_data_on_device_choice():
+    """auto holds in-memory data on the GPU when it takes at most a tenth of it (and half its free memory) and
+    no loader workers are asked for; true refuses in one line what cannot be done."""
+    gib = 2**30
+    assert on_device_choice("auto", 180 * 2**20, free=70 * gib, total=80 * gib, workers=0) is True
+    assert on_device_choice("auto", 180 * 2**20, free=70 * gib, total=80 * gib, workers=2) is False
+    assert on_device_choice("auto", 9 * gib, free=70 * gib, total=80 * gib, workers=0) is False  # > a tenth
+    assert on_device_choice("auto", 1 * gib, free=1 * gib, total=80 * gib, workers=0) is False  # > free / 2
+    assert on_device_choice(True, 9 * gib, free=70 * gib, total=80 * gib, workers=0) is True
+    with pytest.raises(DataError, match=r"^datamodule.data_on_device=true with datamodule.num_workers=2: "):
+        on_device_choice(True, 1, free=70 * gib, total=80 * gib, workers=2)
+    with pytest.raises(
+        DataError, match=r"the in-memory images take 40.0 GB, more than half of the GPU's 70.0"
+    ):
+        on_device_choice(True, 40 * gib, free=70 * gib, total=80 * gib, workers=0)
+
+
+def test_data_on_device_stays_on_the_host_without_a_gpu(folders: Path, tmp_path: Path):
+    dm = CIFAR10DataModule(str(folders), str(tmp_path / "cache"), batch_size=8, val_size=10)
+    dm.trainer = _trainer(devices=1)
+    dm.setup("fit")
+    assert dm.data_device(dm.train_set) is None  # auto on a CPU run
+    assert dm.train_dataloader().dataset is dm.train_set
+    dm.hparams.data_on_device = True
+    with pytest.raises(
+        DataError, match=r"^datamodule.data_on_device=true needs a GPU to train on; this run "
+    ):
+        dm.train_dataloader()
+    dm.hparams.data_on_device = "gpu"
+    with pytest.raises(DataError, match=r"^datamodule.data_on_device='gpu' must be true, false or auto$"):
+        dm.val_dataloader()
+
+
+def test_data_held_on_a_device_is_sliced_there(
+    folders: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """The loader of data held on a device (the meta device stands in for a GPU here; bench/gpu_check.py
+    `data_on_device` compares the batches with the host loader's on a real one): the dataset copied there
+    once, batches sliced there, no workers and no pinning; loader workers are given the host tensors only."""
+    dm = CIFAR10DataModule(str(folders), str(tmp_path / "cache"), batch_size=8, val_size=10, num_workers=0)
+    dm.trainer = _trainer(devices=1)
+    dm.setup("fit")
+    host = [y for _, y in dm.train_dataloader()]
+    meta = torch.device("meta")
+    monkeypatch.setattr(dm, "data_device", lambda dataset: meta)
+    monkeypatch.setattr(dm, "pin_memory", lambda: True)
+    loader = dm.train_dataloader()
+    assert loader.num_workers == 0 and loader.pin_memory is False
+    assert loader.dataset is dm.train_set.to(meta) and loader.dataset.x.device == meta
+    batches = list(loader)
+    assert [x.device for x, _ in batches] == [meta] * len(host)
+    assert [tuple(x.shape) for x, _ in batches] == [(8, 3, 32, 32)] * len(host)
+    clone = pickle.loads(pickle.dumps(dm.train_set))
+    assert clone._copies == {} and torch.equal(clone.x, dm.train_set.x)

@@ -42,19 +42,41 @@ class ResumableLoader(DataLoader):
 
 
 class TensorImageDataset(Dataset):
-    """Images and labels held as tensors; `__getitems__` lets the DataLoader slice a whole batch at once."""
+    """Images and labels held as tensors; `__getitems__` lets the DataLoader slice a whole batch at once.
+
+    On a GPU (`to`) a batch is sliced there: no host copy, pinning or host-to-device copy per step, which the
+    training thread otherwise does for every batch (`num_workers=0`), as a hand-written loop with its data on
+    the GPU does. Only the batch's indices travel, from pinned memory behind the host's back."""
 
     def __init__(self, x: Tensor, y: Tensor) -> None:
         self.x, self.y = x, y
+        self._copies: dict[torch.device, TensorImageDataset] = {}
 
     def __len__(self) -> int:
         return len(self.y)
+
+    @property
+    def nbytes(self) -> int:
+        return self.x.nbytes + self.y.nbytes
+
+    def to(self, device: torch.device) -> TensorImageDataset:
+        """This dataset with its tensors on `device` (copied once; later calls return the same copy)."""
+        if self.x.device == device:
+            return self
+        if device not in self._copies:
+            self._copies[device] = TensorImageDataset(self.x.to(device), self.y.to(device))
+        return self._copies[device]
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_copies": {}}  # loader workers get the host tensors only
 
     def __getitem__(self, i: int) -> tuple[Tensor, Tensor]:
         return self.x[i], self.y[i]
 
     def __getitems__(self, indices: list[int]) -> tuple[Tensor, Tensor]:
         idx = torch.as_tensor(indices, dtype=torch.long)
+        if self.x.device.type == "cuda":
+            idx = idx.pin_memory().to(self.x.device, non_blocking=True)
         # index_select: ~5x faster than x[idx] advanced indexing for a batch of rows on the CPU
         return self.x.index_select(0, idx), self.y.index_select(0, idx)
 

@@ -9,6 +9,7 @@ of (seed, epoch).
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,6 +27,8 @@ from vitrain.data.sampling import make_sampler, per_process_batch
 from vitrain.errors import DataError
 from vitrain.utils.config import plain
 
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class Splits:
@@ -34,6 +37,26 @@ class Splits:
     train: Dataset
     val: Dataset
     test: Dataset
+
+
+def on_device_choice(value: bool | str, nbytes: int, free: int, total: int, workers: int) -> bool:
+    """Whether in-memory data of `nbytes` is held on a GPU with `free` of `total` bytes (`data_on_device`
+    true or auto; see `ImageDataModule.data_device`). `auto` keeps a tenth of the GPU at most, so the model's
+    own memory is not squeezed, and respects loader workers the config asks for (they cannot take GPU
+    tensors); `true` refuses in one line what cannot be done."""
+    if value == "auto":
+        return workers == 0 and nbytes <= min(total // 10, free // 2)
+    if workers:
+        raise DataError(
+            f"datamodule.data_on_device=true with datamodule.num_workers={workers}: loader workers cannot "
+            "slice GPU tensors; set num_workers=0 (batches of in-memory data are slices: workers rarely help)"
+        )
+    if nbytes > free // 2:
+        raise DataError(
+            f"datamodule.data_on_device=true: the in-memory images take {nbytes / 2**30:.1f} GB, more than half "
+            f"of the GPU's {free / 2**30:.1f} GB free; set it to auto or false"
+        )
+    return True
 
 
 def check_ints(**values: object) -> None:
@@ -87,6 +110,7 @@ class ImageDataModule(LightningDataModule):
         shuffle_seed: int = 0,
         num_workers: int | None = 0,
         pin_memory: bool | str = "auto",
+        data_on_device: bool | str = "auto",
         drop_last: bool = True,
         img_size: int | None = None,
         mean: list[float] | None = None,
@@ -292,10 +316,13 @@ class ImageDataModule(LightningDataModule):
         hp = self.hparams
         world, rank = self._world()
         in_memory = isinstance(dataset, TensorImageDataset)
+        held_on = self.data_device(dataset) if in_memory else None
+        if held_on is not None:
+            dataset = dataset.to(held_on)
         sampler = make_sampler(
             dataset, train=train, num_replicas=world, rank=rank, seed=hp.shuffle_seed, tag_epoch=not in_memory
         )
-        workers = self.num_workers()
+        workers = 0 if held_on is not None else self.num_workers()
         # training: a ResumableLoader, which continues a resumed epoch from the trainer's restored counters
         # (epoch, batches completed) when its first batch is asked for; no loader state is needed
         extra: dict[str, Any] = {}
@@ -308,7 +335,7 @@ class ImageDataModule(LightningDataModule):
             sampler=sampler,
             drop_last=train and hp.drop_last,
             num_workers=workers,
-            pin_memory=self.pin_memory(),
+            pin_memory=self.pin_memory() and held_on is None,
             persistent_workers=workers > 0,
             collate_fn=passthrough_collate if in_memory else getattr(dataset, "collate", None),
             # a private generator: creating the iterator draws a seed, which must not shift the global RNG
@@ -328,6 +355,27 @@ class ImageDataModule(LightningDataModule):
         if not isinstance(value, bool):
             raise DataError(f"datamodule.pin_memory={value!r} must be true, false or auto")
         return value
+
+    def data_device(self, dataset: TensorImageDataset) -> torch.device | None:
+        """The GPU that holds in-memory `dataset` (`data_on_device`), or None: host memory. `auto`: the
+        trainer's GPU when the data takes at most a tenth of its memory and the config asks for no loader
+        workers; `true`: the trainer's GPU, or a one-line refusal (no GPU, workers asked for, too big)."""
+        value = self.hparams.get("data_on_device", "auto")
+        if value not in ("auto", True, False):
+            raise DataError(f"datamodule.data_on_device={value!r} must be true, false or auto")
+        device = self.trainer.strategy.root_device if self.trainer is not None else None
+        if value is False or device is None or (value == "auto" and device.type != "cuda"):
+            return None
+        if device.type != "cuda":
+            raise DataError(
+                f"datamodule.data_on_device=true needs a GPU to train on; this run trains on {device.type}: "
+                "set it to auto or false"
+            )
+        free, total = torch.cuda.mem_get_info(device)
+        held = on_device_choice(value, dataset.nbytes, free, total, self.num_workers())
+        if held and not dataset._copies:
+            log.info("in-memory data: %.0f MB of images held on %s", dataset.nbytes / 2**20, device)
+        return device if held else None
 
     def _resume_offset(self) -> int:
         """Batches of the current epoch a restored (mid-epoch) checkpoint has already trained on."""
