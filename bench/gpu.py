@@ -78,6 +78,7 @@ SECTIONS: dict[str, int] = {
     "seed_before": 100,
     "seed_eager": 60,
     "seed_host_data": 80,
+    "seed_cudagraphs": 110,
 }
 WHAT = {
     "hand": "hand-written loop",
@@ -89,6 +90,8 @@ WHAT = {
     "seed_fp8": "`experiment=cifar model.float8=true model.compile_scope=blocks` (torchao float8 matmuls; compare "
     "with seed_blocks)",
     "seed_eager": "`experiment=cifar model.compile=false` (pinned batches, fused AdamW, eager)",
+    "seed_cudagraphs": "`experiment=cifar model.compile_mode=reduce-overhead` (the compiled network replayed as CUDA "
+    "graphs)",
     "seed_host_data": "`experiment=cifar datamodule.data_on_device=false` (batches sliced in host memory, pinned, "
     "copied each step, as before 2026-11-27 15:30 UTC)",
     "folder": "`datamodule=image_folder` from disk, photo-sized JPEGs, timm transforms in workers",
@@ -457,6 +460,10 @@ def section(ctx: Ctx, name: str, timeout: float) -> dict[str, Any]:
             raise RuntimeError("float8 needs a GPU with float8 tensor cores")
         # compiled block by block: the whole float8 network did not finish converting and compiling in ~75 s
         extra = [*ctx.cifar_data(), "model.float8=true", "model.compile_scope=blocks"]
+    elif name == "seed_cudagraphs":
+        extra = [*ctx.cifar_data(), "model.compile_mode=reduce-overhead"]
+        if ctx.cpu:  # the CPU smoke compiles to check the path (Inductor replays no CUDA graph on a CPU)
+            extra.append("model.compile=true")
     elif name == "seed_host_data":
         extra = [*ctx.cifar_data(), "datamodule.data_on_device=false"]
     elif name == "seed_eager":

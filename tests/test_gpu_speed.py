@@ -175,6 +175,38 @@ def test_compile_scope_is_checked_in_one_line():
     model.check_strategy(_strategy("cuda"))  # one GPU: the whole network, as asked
 
 
+def test_compile_mode_reaches_torch_compile_and_is_checked(monkeypatch: pytest.MonkeyPatch):
+    """`model.compile_mode` is torch.compile's mode for the network or each block; an unknown mode, and CUDA
+    graphs under FSDP (which gathers the weights anew every step), refused in one line."""
+    from vitrain.models.classifier import ImageClassifier
+
+    seen: list[dict] = []
+    monkeypatch.setattr(nn.Module, "compile", lambda self, **kw: seen.append(kw))
+    parallelize(_hybrid_vit(), None, compile=True, compile_mode="reduce-overhead")
+    assert seen == [{"mode": "reduce-overhead"}]  # the whole network, once
+    seen.clear()
+    parallelize(_hybrid_vit(), None, compile=True, compile_scope="blocks", compile_mode="max-autotune")
+    assert seen == [{"mode": "max-autotune"}] * 3  # each of the three blocks
+    seen.clear()
+    parallelize(_hybrid_vit(), None, compile=True)
+    assert seen == [{}]  # torch.compile's own default
+
+    net, opt = {"model_name": "vit_tiny_patch16_224"}, {"_target_": "torch.optim.AdamW"}
+    with pytest.raises(
+        ModelError, match=r"model\.compile_mode='fast' must be null or one of default, reduce-"
+    ):
+        ImageClassifier(net=net, optimizer=opt, compile_mode="fast")
+    model = ImageClassifier(net=net, optimizer=opt, compile=True, compile_mode="reduce-overhead")
+    with pytest.raises(
+        ModelError, match=r"model\.compile_mode=reduce-overhead with trainer=fsdp: CUDA graphs"
+    ):
+        model.check_strategy(_strategy("cuda", sharded=True))
+    model.check_strategy(_strategy("cuda"))  # one GPU: CUDA graphs as asked
+    ImageClassifier(
+        net=net, optimizer=opt, compile=True, compile_mode="max-autotune-no-cudagraphs"
+    ).check_strategy(_strategy("cuda", sharded=True))
+
+
 def test_drop_path_keeps_timms_semantics():
     """Per sample: the whole residual branch kept and scaled by 1/keep, or zeroed; identity in evaluation; the
     rates as timm spread them, each block's in its own module; checkpoints keep their keys."""

@@ -40,6 +40,7 @@ def parallelize(
     activation_checkpointing: bool = False,
     resizes: bool = False,
     compile_scope: str = "auto",
+    compile_mode: str | None = None,
 ) -> nn.Module:
     """Apply activation checkpointing, compile and (for an FSDP2 strategy) sharding to `net`, in place.
 
@@ -58,7 +59,7 @@ def parallelize(
         units = apply_activation_checkpointing(net, units)
     if compile:
         per_unit = compile_scope == "blocks" or (compile_scope == "auto" and (mesh is not None or resizes))
-        units = apply_compile(net, units, per_unit=per_unit)
+        units = apply_compile(net, units, per_unit=per_unit, mode=compile_mode)
     if mesh is not None:
         apply_fsdp(net, mesh, units, **options)
     net._vitrain_parallelized = True
@@ -75,23 +76,27 @@ def apply_activation_checkpointing(root: nn.Module, units: list[nn.Module]) -> l
     return [_replace(root, unit, checkpoint_wrapper(unit)) for unit in units]
 
 
-def apply_compile(root: nn.Module, units: list[nn.Module], per_unit: bool) -> list[nn.Module]:
+def apply_compile(
+    root: nn.Module, units: list[nn.Module], per_unit: bool, mode: str | None = None
+) -> list[nn.Module]:
     """`nn.Module.compile` in place (state-dict keys and checkpoints stay those of the plain model): each
     unit (`per_unit`: the model will be sharded or resized, or `compile_scope=blocks`; the rest stays eager),
     otherwise the whole network (one graph).
 
     One by one, only units with a twin are compiled (`twin_units`): alike units share one graph, a unit of
     its own shape would compile one more. Those units get a stochastic depth whose rate is a tensor
-    (`uniform_drop_paths`): with timm's per-block float rates each block would compile a graph of its own."""
+    (`uniform_drop_paths`): with timm's per-block float rates each block would compile a graph of its own.
+    `mode`: torch.compile's (`model.compile_mode`; reduce-overhead replays each graph as a CUDA graph)."""
+    options = {"mode": mode} if mode else {}
     if per_unit and units:
         twins = twin_units(units)
         if not twins:
             log.warning("compile per block: %s has no repeated blocks, nothing compiled", type(root).__name__)
         uniform_drop_paths(twins)
         for unit in twins:
-            unit.compile()
+            unit.compile(**options)
     else:
-        root.compile()
+        root.compile(**options)
     return units
 
 

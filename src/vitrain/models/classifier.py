@@ -69,6 +69,7 @@ class ImageClassifier(L.LightningModule):
         weights_file: str | None = None,
         compile: bool | str = "auto",
         compile_scope: str = "auto",
+        compile_mode: str | None = None,
         fused_attn: bool | None = None,
         mixup: Mapping[str, Any] | None = None,
         layer_decay: float | None = None,
@@ -89,6 +90,10 @@ class ImageClassifier(L.LightningModule):
         if compile_scope not in COMPILE_SCOPES:
             raise ModelError(
                 f"model.compile_scope={compile_scope!r} must be one of {', '.join(COMPILE_SCOPES)}"
+            )
+        if compile_mode not in COMPILE_MODES:
+            raise ModelError(
+                f"model.compile_mode={compile_mode!r} must be null or one of {', '.join(COMPILE_MODES[1:])}"
             )
         if not isinstance(float8, bool):
             raise ModelError(f"model.float8={float8!r} must be true or false")
@@ -173,6 +178,16 @@ class ImageClassifier(L.LightningModule):
                 "model.compile_scope=network with trainer=fsdp: FSDP2's hooks sit between the blocks, so the "
                 "network is compiled block by block there: set model.compile_scope=blocks or auto"
             )
+        if (
+            self.hparams.get("compile_mode") in CUDA_GRAPH_MODES
+            and getattr(strategy, "fsdp_options", None) is not None
+            and self.compiles(strategy)
+        ):
+            raise ModelError(
+                f"model.compile_mode={self.hparams.compile_mode} with trainer=fsdp: CUDA graphs replay kernels on "
+                "fixed addresses, and FSDP2 frees and gathers the weights again at every step: use "
+                "max-autotune-no-cudagraphs or null"
+            )
         resamples = (
             getattr(self.net, "dynamic_img_size", False) and getattr(self.net, "pos_embed", None) is not None
         )
@@ -207,6 +222,7 @@ class ImageClassifier(L.LightningModule):
             compile=self.compiles(strategy),
             resizes=self.resize is not None,
             compile_scope=self.hparams.get("compile_scope", "auto"),
+            compile_mode=self.hparams.get("compile_mode"),
         )
 
     def compiles(self, strategy: Strategy | None) -> bool:
@@ -338,6 +354,9 @@ class ImageClassifier(L.LightningModule):
 
 # model.compile_scope: what `parallelize` compiles (vitrain/distributed/parallelize.py)
 COMPILE_SCOPES = ("auto", "network", "blocks")
+# model.compile_mode: torch.compile's modes (null: its default); those that replay CUDA graphs
+COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 
 def compile_choice(value: bool | str, strategy: Strategy | None) -> bool:
