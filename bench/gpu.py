@@ -79,6 +79,7 @@ SECTIONS: dict[str, int] = {
     "seed_eager": 60,
     "seed_host_data": 80,
     "seed_cudagraphs": 110,
+    "folder_gpu_decode_inline": 100,
 }
 WHAT = {
     "hand": "hand-written loop",
@@ -96,6 +97,8 @@ WHAT = {
     "copied each step, as before 2026-11-27 15:30 UTC)",
     "folder": "`datamodule=image_folder` from disk, photo-sized JPEGs, timm transforms in workers",
     "folder_gpu_decode": "`datamodule=image_folder` from disk, `decode_device=cuda` (nvJPEG)",
+    "folder_gpu_decode_inline": "`datamodule=image_folder` from disk, `decode_device=cuda decode_ahead=0` (the training "
+    "thread decodes, as before 2026-11-27 16:00 UTC)",
     "recipes": "recipes: the photo folder in memory, RandAugment + erasing, EMA, progressive resizing, flip TTA",
     "fsdp": "`trainer=fsdp` on 1 GPU, bf16 FSDP policy",
     "fsdp_compiled": "`trainer=fsdp` on 1 GPU, bf16 FSDP policy, `model.compile=true` (each block)",
@@ -468,9 +471,11 @@ def section(ctx: Ctx, name: str, timeout: float) -> dict[str, Any]:
         extra = [*ctx.cifar_data(), "datamodule.data_on_device=false"]
     elif name == "seed_eager":
         extra = [*ctx.cifar_data(), "model.compile=false"]
-    elif name in ("folder", "folder_gpu_decode"):
-        decode = "cuda" if name == "folder_gpu_decode" and not ctx.cpu else "cpu"
+    elif name in ("folder", "folder_gpu_decode", "folder_gpu_decode_inline"):
+        decode = "cuda" if name.startswith("folder_gpu_decode") and not ctx.cpu else "cpu"
         extra = [*ctx.folder_data(in_memory=False), f"datamodule.decode_device={decode}"]
+        if name == "folder_gpu_decode_inline":
+            extra.append("datamodule.decode_ahead=0")
     elif name == "recipes":
         size, patch = (32, 8) if ctx.cpu else (224, 32)
         # the photos held in memory make fewer batches than the other sections' window: the window fits

@@ -6,6 +6,8 @@ evaluation); in chunks; and a number of ops per batch that does not grow with th
 
 from __future__ import annotations
 
+import threading
+import time
 from collections import Counter
 
 import pytest
@@ -216,3 +218,49 @@ def test_ops_per_batch_do_not_grow_with_the_batch():
         else:
             assert set(grown) <= padding and all(c <= 2 * 56 for c in grown.values()), grown
         assert ops[8].total() < 200, ops[8]
+
+
+def test_decode_ahead_runs_at_most_depth_ahead_and_ends_with_its_pass():
+    """decode_ahead: batches in order, decoded by one thread that starts at the first batch asked for and
+    reads at most `depth` (+ the one it holds) past what was taken; a pass dropped before its end (as
+    Lightning drops a pass cut by limit_train_batches) ends the thread before the drop returns, so the loader's
+    next pass never shares its iterator with it; an error in the thread is raised on the consumer's."""
+    from vitrain.data.decode_ahead import DecodedAhead, decode_ahead
+
+    pulled: list[int] = []
+
+    def source(n: int):
+        for i in range(n):
+            pulled.append(i)
+            yield i, torch.tensor(i)
+
+    def threads() -> int:
+        return sum(t.name == "gpu-decode-ahead" for t in threading.enumerate())
+
+    before = threads()
+    batches = decode_ahead(source(10), lambda e: torch.full((2,), float(e)), torch.device("cpu"), depth=2)
+    time.sleep(0.2)
+    assert pulled == [] and threads() == before  # nothing before the first batch
+    taken = [next(batches) for _ in range(3)]
+    assert all(isinstance(x, DecodedAhead) and x.done is None for x, _ in taken)
+    assert [int(x.wait()[0]) for x, _ in taken] == [0, 1, 2] and [int(y) for _, y in taken] == [0, 1, 2]
+    time.sleep(0.3)
+    assert len(pulled) <= 3 + 2 + 1 and threads() == before + 1
+    del batches  # the pass dropped: its thread is waited for
+    assert threads() == before and len(pulled) < 10
+    assert [int(y) for _, y in decode_ahead(source(4), lambda e: e, torch.device("cpu"), depth=1)] == [
+        0,
+        1,
+        2,
+        3,
+    ]
+
+    def fails(e):
+        if int(e) == 2:
+            raise DataError("cannot decode sample 2 (bad)")
+        return torch.zeros(1)
+
+    with pytest.raises(DataError, match=r"^cannot decode sample 2 \(bad\)$"):
+        list(decode_ahead(source(5), fails, torch.device("cpu"), depth=2))
+    time.sleep(0.2)
+    assert threads() == before

@@ -13,6 +13,8 @@ import json
 import re
 import shutil
 import tarfile
+import threading
+import time
 from pathlib import Path
 
 import lightning as L
@@ -381,6 +383,72 @@ def test_gpu_decode_names_a_damaged_file(noise: Path, tmp_path: Path, decode_on_
         str(err.value),
     ), str(err.value)
     assert "\n" not in str(err.value) and ".cpp" not in str(err.value)
+
+
+class ThreadOfBatches(DecodedRecorder):
+    """DecodedRecorder that also notes the threads running while each training step runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.threads: list[set[str]] = []
+
+    def training_step(self, batch, batch_idx):
+        self.threads.append({t.name for t in threading.enumerate()})
+        return super().training_step(batch, batch_idx)
+
+
+def test_gpu_decode_ahead_in_a_thread_gives_the_inline_batches(
+    noise: Path, tmp_path: Path, decode_on_cpu: None
+):
+    """decode_ahead=2 (the default): in a trainer a thread decodes the training batches ahead; with the random
+    augmentation on (RandAugment, random erasing: drawn on the training thread, after the thread's crops) the
+    steps get bitwise the batches of decode_ahead=0, where the training thread decodes, over two epochs; the
+    thread ends with each pass. Each pass is left before its end (4 of 6 batches), so the thread is still
+    decoding when the loader's next pass resets the persistent workers' iterator it reads from."""
+
+    def run(ahead: int) -> ThreadOfBatches:
+        dm = ImageFolderDataModule(
+            str(noise), str(tmp_path / "cache"), batch_size=4, num_workers=2, in_memory=False, decode_device="cuda",
+            img_size=16, decode_ahead=ahead, auto_augment="rand-m9-n2-mstd0.5", re_prob=0.5,
+        )  # fmt: skip
+        model = ThreadOfBatches()
+        L.seed_everything(3)
+        _trainer(max_epochs=2, limit_train_batches=4).fit(model, datamodule=dm)
+        return model
+
+    inline, ahead = run(0), run(2)
+    assert len(inline.seen) == len(ahead.seen) == 8
+    assert all(torch.equal(a, b) for a, b in zip(inline.seen, ahead.seen, strict=True))
+    assert not any("gpu-decode-ahead" in names for names in inline.threads)
+    # each epoch's first step runs while the thread decodes the batches after it
+    assert "gpu-decode-ahead" in ahead.threads[0] and "gpu-decode-ahead" in ahead.threads[4]
+    time.sleep(0.5)  # the last pass's thread sees its end
+    assert "gpu-decode-ahead" not in {t.name for t in threading.enumerate()}
+    with pytest.raises(DataError, match=r"^datamodule.decode_ahead=-1 must be a whole number of batches, at"):
+        ImageFolderDataModule(str(noise), str(tmp_path / "cache"), decode_ahead=-1)
+
+
+def test_gpu_decode_ahead_names_a_damaged_file_and_stops(noise: Path, tmp_path: Path, decode_on_cpu: None):
+    """A file that does not decode, met by the decode thread: the training thread raises the same one-line
+    error; a pass left before its end (the consumer gone) stops the thread."""
+    root = tmp_path / "folder"
+    shutil.copytree(noise, root)
+    victim = sorted((root / "train").rglob("*.jpg"))[0]
+    data = victim.read_bytes()
+    victim.write_bytes(data[: len(data) // 2])
+    dm = _gpu_dm(root, tmp_path, verify_images=False)
+    dm.trainer = _trainer()
+    loader = dm.train_dataloader()
+    assert loader.ahead is not None
+    with pytest.raises(DataError, match=rf"^cannot decode {re.escape(str(victim))} \("):
+        for batch in loader:
+            dm.on_before_batch_transfer(batch, 0)
+    shutil.copy2(noise / victim.relative_to(root), victim)  # mended: a pass left after one batch
+    passes = iter(loader)
+    next(passes)
+    passes.close()
+    time.sleep(0.5)
+    assert "gpu-decode-ahead" not in {t.name for t in threading.enumerate()}
 
 
 def test_gpu_decode_boxes_are_rrc_boxes_of_the_header_size(

@@ -145,8 +145,16 @@ def decode_batch(
 ) -> Tensor:
     """A training batch from the loader workers, decoded and augmented as they drew it; a damaged image
     raises `undecodable(its index in the dataset, the decoder's reason)`: one line that names it."""
+    return decoder.finish(crop_batch(decoder, batch, undecodable), train=True)
+
+
+def crop_batch(
+    decoder: GpuDecoder, batch: EncodedBatch, undecodable: Callable[[int, str], DataError]
+) -> Tensor:
+    """`decode_batch` up to the crops (decoded, cropped, resized, flipped; float 0-255): the part that draws
+    nothing, which a thread of its own may run ahead (vitrain/data/decode_ahead.py)."""
     try:
-        return decoder(batch.blobs(), train=True, boxes=batch.boxes, flips=batch.flips)
+        return decoder.crops(batch.blobs(), batch.boxes, batch.flips)
     except UndecodableImage as err:
         raise undecodable(int(batch.indices[err.position]), err.reason) from None
 
@@ -360,10 +368,19 @@ class GpuDecoder:
         without boxes: the centred square of the short side, no flip."""
         if train and boxes is None:
             raise ValueError("training crops come with the batch: pass each image's box (encoded_sample)")
+        return self.finish(self.crops(blobs, boxes, flips), train)
+
+    def crops(self, blobs: list[Tensor], boxes: Tensor | None, flips: Tensor | None = None) -> Tensor:
+        """Decoded, cropped to `boxes` (None: each image's centred square), resized, flipped: float [B,3,S,S]
+        in 0-255. Draws nothing."""
         images = self.decode(blobs)
         if boxes is None:
             boxes = torch.tensor([centred_square(*img.shape[-2:]) for img in images])
-        x = resize_crops(images, boxes, self.img_size, flips)
+        return resize_crops(images, boxes, self.img_size, flips)
+
+    def finish(self, x: Tensor, train: bool) -> Tensor:
+        """Crops -> model input: the random augmentation in training (from the global generators), then the
+        normalisation."""
         if train and self.augment is not None:
             return self.augment(x.round_().to(torch.uint8), train=True)
         return to_model_input(x, self.img_size, self.mean, self.std)

@@ -27,9 +27,17 @@ class ResumableLoader(DataLoader):
     a worker-process iterator sends indices to its workers as soon as it exists.
     """
 
-    def __init__(self, *args: Any, batches_done: Callable[[], int], **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        batches_done: Callable[[], int],
+        ahead: Callable[[Iterator], Iterator] | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self._batches_done = batches_done
+        #: wraps each pass's batches (GPU decode ahead of the training thread, vitrain/data/decode_ahead.py)
+        self.ahead = ahead
 
     def __iter__(self) -> Iterator:
         def batches() -> Iterator:
@@ -38,7 +46,7 @@ class ResumableLoader(DataLoader):
                 self.sampler.start_at(done * self.batch_size)
             yield from DataLoader.__iter__(self)
 
-        return batches()
+        return self.ahead(batches()) if self.ahead else batches()
 
 
 class TensorImageDataset(Dataset):

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -21,7 +22,8 @@ from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from torch.utils.data import DataLoader, Dataset
 
 from vitrain.data.augment import BatchTransform
-from vitrain.data.gpu_decode import EncodedBatch, GpuDecoder, decode_batch
+from vitrain.data.decode_ahead import DecodedAhead, decode_ahead
+from vitrain.data.gpu_decode import EncodedBatch, GpuDecoder, crop_batch, decode_batch
 from vitrain.data.loaders import ResumableLoader, TensorImageDataset, passthrough_collate
 from vitrain.data.sampling import make_sampler, per_process_batch
 from vitrain.errors import DataError
@@ -328,7 +330,8 @@ class ImageDataModule(LightningDataModule):
         extra: dict[str, Any] = {}
         loader_cls: type[DataLoader] = DataLoader
         if train:
-            loader_cls, extra = ResumableLoader, {"batches_done": self._resume_offset}
+            loader_cls = ResumableLoader
+            extra = {"batches_done": self._resume_offset, "ahead": self.decoder_ahead()}
         return loader_cls(
             dataset,
             batch_size=self._batch if train else self._eval_batch,
@@ -392,10 +395,23 @@ class ImageDataModule(LightningDataModule):
     def test_dataloader(self) -> DataLoader:
         return self._loader(self.test_set, train=False)
 
+    def decoder_ahead(self) -> Callable[[Iterator], Iterator] | None:
+        """GPU decode in a trainer: the training loader's wrapper that decodes `decode_ahead` batches ahead in a
+        thread (vitrain/data/decode_ahead.py); None: the training thread decodes, in `on_before_batch_transfer`."""
+        depth = self.hparams.get("decode_ahead", 0)
+        decoder = self._gpu_decoder
+        if decoder is None or self.trainer is None or not depth:
+            return None
+        crops = partial(crop_batch, decoder, undecodable=self.undecodable)
+        return partial(decode_ahead, decode=crops, device=decoder.device, depth=depth)
+
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """GPU decode: an encoded training batch from the loader workers becomes augmented model input on the
-        GPU, cropped and flipped as the workers drew it (`decode_device=cuda`)."""
+        GPU, cropped and flipped as the workers drew it (`decode_device=cuda`); decoded ahead by a thread, it
+        only gets its random augmentation and normalisation here, on the training thread, as inline."""
         x, y = batch
+        if isinstance(x, DecodedAhead) and self._gpu_decoder is not None:
+            return self._gpu_decoder.finish(x.wait(), train=True), y
         if isinstance(x, EncodedBatch) and self._gpu_decoder is not None:
             return decode_batch(self._gpu_decoder, x, self.undecodable), y
         return batch

@@ -39,6 +39,7 @@ from torch.utils.data import Dataset
 from vitrain.data.augment import BatchTransform
 from vitrain.data.datamodules.base import ImageDataModule, Splits, check_ints
 from vitrain.data.datamodules.in_memory import device_augmentation, tensor_splits
+from vitrain.data.decode_ahead import check_depth
 from vitrain.data.gpu_decode import (
     GpuDecoder,
     check_augment,
@@ -125,6 +126,7 @@ class ImageFolderDataModule(ImageDataModule):
         in_memory_size: int | None = None,
         crop_padding: int | None = None,
         decode_device: str = "cpu",
+        decode_ahead: int = 2,
         **kwargs: Any,
     ) -> None:
         if bad_images not in ("stop", "skip"):
@@ -141,6 +143,7 @@ class ImageFolderDataModule(ImageDataModule):
                 "(null: a quarter of the memory available)"
             )
         check_decode_device(decode_device)
+        check_depth(decode_ahead)
         if decode_device == "cuda":
             check_augment(auto_augment, re_prob)
         check_ints(in_memory_size=in_memory_size, crop_padding=crop_padding)

@@ -16,7 +16,7 @@ import io
 import json
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from vitrain.compat import litdata_allow_http, litdata_distributed_env
 from vitrain.data.datamodules.base import ImageDataModule, Splits
+from vitrain.data.decode_ahead import check_depth
 from vitrain.data.gpu_decode import (
     GpuDecoder,
     check_augment,
@@ -196,9 +197,17 @@ class ResumableStreamingLoader(StreamingDataLoader):
     batch is asked for, from (epoch, batches done) alone; the state litdata saves is left unused. It is also
     exact after a SIGTERM save, which happens after the loader already handed out the next batch."""
 
-    def __init__(self, position: Callable[[], tuple[int, int] | None], *args: Any, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        position: Callable[[], tuple[int, int] | None],
+        *args: Any,
+        ahead: Callable[[Iterator], Iterator] | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self._position = position
+        #: wraps each pass's batches (GPU decode ahead of the training thread, vitrain/data/decode_ahead.py)
+        self.ahead = ahead
 
     def __iter__(self) -> Any:
         passes = super().__iter__  # a generator function: nothing runs before the first batch
@@ -209,7 +218,7 @@ class ResumableStreamingLoader(StreamingDataLoader):
                 self.seek(*position)
             yield from passes()
 
-        return batches()
+        return self.ahead(batches()) if self.ahead else batches()
 
     def seek(self, epoch: int, batches_done: int) -> None:
         """The next pass is fit-loop epoch `epoch`, `batches_done` batches in."""
@@ -245,12 +254,14 @@ class StreamingDataModule(ImageDataModule):
         max_cache_size: str | None = "50GB",
         endpoint_url: str | None = None,
         decode_device: str = "cpu",
+        decode_ahead: int = 2,
         auto_augment: str | None = None,
         re_prob: float = 0.0,
         hflip: float = 0.5,
         **kwargs: Any,
     ) -> None:
         check_decode_device(decode_device)
+        check_depth(decode_ahead)
         if decode_device == "cuda":
             check_augment(auto_augment, re_prob)
         super().__init__(*args, **kwargs)
@@ -354,6 +365,7 @@ class StreamingDataModule(ImageDataModule):
         return ResumableStreamingLoader(
             self._position,
             self.train_set,
+            ahead=self.decoder_ahead(),
             batch_size=self._batch,
             num_workers=workers,
             pin_memory=self.pin_memory(),
