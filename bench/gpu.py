@@ -10,8 +10,9 @@ from disk (CPU and nvJPEG decode), and streaming shards (CPU and nvJPEG decode).
 images/s (synchronised at the two ends of the timed window, after the warm-up steps), MFU (Lightning's FLOP
 count of the model x images/s / the GPU's dense bf16 peak), the host's wait for data as a share of the
 window, GPU utilisation sampled during the window (NVML), where the GPU time goes (torch.profiler over a few
-steps after the timed window: matmul, attention, communication, copies, fused elementwise; host ops),
-the first step (compile + warm-up) apart, peak memory. Sections run in priority order within `--budget` seconds:
+steps after the timed window: matmul, attention, communication, copies, fused elementwise; host ops; the GPU's
+ms per step), the training thread's own CPU time per step (median over the window: at or above the GPU's ms
+per step, the host is the limit), the first step (compile + warm-up) apart, peak memory. Sections run in priority order within `--budget` seconds:
 what does not fit is listed as skipped, with the reason. Without CUDA it runs the same code with a tiny
 model on the CPU and marks every figure "not measured".
 """
@@ -27,6 +28,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -386,6 +388,9 @@ def template_figures(probe: dict[str, Any], report: dict[str, Any], warmup: int)
     seconds = ends[-1] - ends[warmup]
     ips = batch * timed / seconds if batch and timed > 0 and seconds > 0 else None
     waits = [starts[i] - ends[i - 1] for i in range(warmup + 1, min(len(starts), len(ends)))]
+    # the training thread's own CPU time per timed step: at or above the GPU's time per step, it is the limit
+    cpu = probe.get("step_cpu") or []
+    host = [cpu[i] - cpu[i - 1] for i in range(warmup + 1, min(len(cpu), len(ends)))]
     flops = report.get("flops") or {}
     per_image, peak = flops.get("train_flops_per_image"), flops.get("peak_flops_per_device")
     util = probe.get("gpu_util_samples") or []
@@ -393,6 +398,7 @@ def template_figures(probe: dict[str, Any], report: dict[str, Any], warmup: int)
         "images_per_s": ips,
         "mfu": per_image * ips / peak if per_image and peak and ips else None,
         "data_wait_share": sum(waits) / seconds if seconds > 0 else None,
+        "host_ms_per_step": 1000 * statistics.median(host) if host else None,
         "gpu_util_pct": sum(util) / len(util) if util else None,
         "first_step_s": report.get("first_step_s"),
         "peak_memory_gb": (probe.get("peak_cuda_allocated") or 0) / 1024**3 or None,
@@ -533,21 +539,22 @@ def table(results: dict[str, Any]) -> list[str]:
     peaks = [(r.get("figures") or {}).get("peak_flops") for r in results.values() if isinstance(r, dict)]
     peak = next((p for p in peaks if p), None)
     rows = [
-        "| path | images/s | MFU | x hand compiled | x seed | data wait | GPU util | first step (compile) | peak GB |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| path | images/s | MFU | x hand compiled | x seed | data wait | GPU util | GPU ms/step | training thread CPU "
+        "ms/step | first step (compile) | peak GB |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name in SECTIONS:
         res = results.get(name)
         if res is None:
             continue
         if res.get("error"):
-            rows.append(f"| {WHAT[name]} | {error_text(res)} | | | | | | | |")
+            rows.append(f"| {WHAT[name]} | {error_text(res)} | | | | | | | | | |")
             continue
         figs = res["figures"]
         entries = figs.items() if name.startswith("hand") else [("", figs)]
         for variant, f in entries:
             if f.get("error"):
-                rows.append(f"| {WHAT[name]}: {variant} | {error_text(f)} | | | | | | | |")
+                rows.append(f"| {WHAT[name]}: {variant} | {error_text(f)} | | | | | | | | | |")
                 continue
             ips = f.get("images_per_s")
             ref = best_compiled(hand, f.get("batch_size")).get("images_per_s")
@@ -562,6 +569,8 @@ def table(results: dict[str, Any]) -> list[str]:
                 f"| {fmt(ips / ref if ips and ref else None, '.2f')} "
                 f"| {fmt(ips / seed if ips and seed else None, '.2f')} "
                 f"| {fmt(f.get('data_wait_share'), '.1%')} | {fmt(f.get('gpu_util_pct'), '.0f')} "
+                f"| {fmt((f.get('kernels') or {}).get('gpu_ms_per_step'), '.1f')} "
+                f"| {fmt(f.get('host_ms_per_step'), '.1f')} "
                 f"| {fmt(f.get('first_step_s'), '.1f')} s | {fmt(f.get('peak_memory_gb'), '.1f')} |"
             )
     return rows
