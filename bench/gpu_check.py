@@ -565,6 +565,35 @@ def check_data_on_device(ctx: Ctx) -> Outcome:
     return Outcome(PASS, f"{len(pairs)} batches of 64 equal to the host loader's, sliced on the GPU, no sync")
 
 
+def check_decode_ahead(ctx: Ctx) -> Outcome:
+    """`decode_device=cuda` with the batches decoded by a thread on its own CUDA stream, ahead of the
+    training thread (`datamodule.decode_ahead=2`): the same model input as the training thread decoding each
+    batch itself (`decode_ahead=0`), batch by batch, over an epoch of the generated folder."""
+    if ctx.cpu:
+        return Outcome(
+            SKIP, "CPU dry run (tests/test_image_folder.py runs the thread with the decoder on the CPU)"
+        )
+    from lightning.pytorch import Trainer
+
+    from vitrain.data.datamodules.image_folder import ImageFolderDataModule
+
+    def epoch(ahead: int) -> list[Any]:
+        dm = ImageFolderDataModule(
+            str(ctx.data), str(ctx.cache), batch_size=64, val_size=0.05, num_workers=4, in_memory=False,
+            decode_device="cuda", decode_ahead=ahead, img_size=ctx.args.img_size,
+        )  # fmt: skip
+        dm.trainer = Trainer(accelerator="cuda", devices=1, logger=False, enable_progress_bar=False)
+        dm.setup("fit")
+        loader = dm.train_dataloader()
+        expect((loader.ahead is not None) == (ahead > 0), f"decode_ahead={ahead}: wrong loader")
+        return [dm.on_before_batch_transfer(batch, 0)[0].clone() for batch in loader]
+
+    inline, ahead = epoch(0), epoch(2)
+    same = len(inline) == len(ahead) and all(torch.equal(a, b) for a, b in zip(inline, ahead, strict=True))
+    expect(same, "the batches decoded ahead differ from those decoded on the training thread")
+    return Outcome(PASS, f"{len(ahead)} batches of 64 decoded ahead on a side stream equal the inline ones")
+
+
 CHECKS: dict[str, Callable[[Ctx], Outcome]] = {
     "environment": check_environment,
     "single_gpu": check_single_gpu,
@@ -576,6 +605,7 @@ CHECKS: dict[str, Callable[[Ctx], Outcome]] = {
     "batch_size_search": check_batch_size_search,
     "gpu_decode": check_gpu_decode,
     "data_on_device": check_data_on_device,
+    "decode_ahead": check_decode_ahead,
 }
 
 
