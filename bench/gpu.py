@@ -399,6 +399,12 @@ def template_figures(probe: dict[str, Any], report: dict[str, Any], warmup: int)
         "mfu": per_image * ips / peak if per_image and peak and ips else None,
         "data_wait_share": sum(waits) / seconds if seconds > 0 else None,
         "host_ms_per_step": 1000 * statistics.median(host) if host else None,
+        # each timed step, for patterns a median hides (a cost every other step)
+        "timed_steps_ms": {
+            "wall": [round(1000 * (ends[i] - ends[i - 1]), 1) for i in range(warmup + 1, len(ends))],
+            "training_thread_cpu": [round(1000 * t, 1) for t in host],
+            "data_wait": [round(1000 * w, 1) for w in waits],
+        },
         "gpu_util_pct": sum(util) / len(util) if util else None,
         "first_step_s": report.get("first_step_s"),
         "peak_memory_gb": (probe.get("peak_cuda_allocated") or 0) / 1024**3 or None,
