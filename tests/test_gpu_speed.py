@@ -13,6 +13,7 @@ from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
+import lightning as L
 import pytest
 import timm
 import torch
@@ -205,6 +206,16 @@ def test_compile_mode_reaches_torch_compile_and_is_checked(monkeypatch: pytest.M
     ImageClassifier(
         net=net, optimizer=opt, compile=True, compile_mode="max-autotune-no-cudagraphs"
     ).check_strategy(_strategy("cuda", sharded=True))
+    marks: list[int] = []
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
+    monkeypatch.setattr("vitrain.models.classifier.should_update_logs", lambda trainer: False)  # no loop here
+    tiny = {**net, "img_size": 32, "patch_size": 8, "num_classes": 4}
+    for mode, expected in (("reduce-overhead", 1), (None, 0)):
+        marks.clear()
+        model = ImageClassifier(net=tiny, optimizer=opt, compile_mode=mode)
+        model.trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False)
+        model.training_step((torch.randn(2, 3, 32, 32), torch.tensor([0, 1])), 0)
+        assert len(marks) == expected  # each training step starts a new step of the CUDA graph trees
 
 
 def test_drop_path_keeps_timms_semantics():

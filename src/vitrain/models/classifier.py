@@ -236,6 +236,9 @@ class ImageClassifier(L.LightningModule):
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
+        if self.hparams.get("compile_mode") in CUDA_GRAPH_MODES:
+            # a new step for CUDA graph trees: the graphs may reuse the memory of the previous step's outputs
+            torch.compiler.cudagraph_mark_step_begin()
         if self.resize is not None:
             x = self.resize(x, self.training_progress())
             self.train_input_shape = tuple(x.shape[-2:])  # the size ImageThroughputMonitor counts FLOPs at
