@@ -48,6 +48,32 @@ def test_unknown_model_name(tmp_path: Path, tiny_cifar: Path, data_cache: Path):
     )
 
 
+def test_model_sizes_timm_asserts_on_come_out_in_one_line(tmp_path: Path, tiny_cifar: Path, data_cache: Path):
+    """timm checks sizes with asserts (heads that do not divide the width; a hybrid stem whose output its patch
+    does not divide, whose assert has no message): one line, naming the check."""
+    overrides = [*tiny_overrides(tiny_cifar, data_cache), "model.net.num_heads=3"]  # embed_dim 32
+    _assert_one_line_exit_2(
+        fails_in_process("train", overrides, tmp_path / "a"),
+        "error: model.net: timm cannot build vit_tiny_patch16_224 with these settings: dim should be divisible "
+        "by num_heads",
+    )
+
+    stem = {  # experiment=cifar_cpu's hybrid ViT, its 4x4 feature map given 3 px patches
+        "_target_": "timm.layers.HybridEmbed", "_partial_": True, "proj": False,
+        "backbone": {"_target_": "timm.models.vision_transformer_hybrid.ConvStem", "depth": 6, "kernel_size": 3,
+                     "channels": [32, 64, 64, 128, 128, 192], "stride": [1, 2, 1, 2, 1, 2]},
+    }  # fmt: skip
+    net = {
+        "model_name": "vit_tiny_patch16_224",
+        "img_size": 32,
+        "patch_size": 3,
+        "embed_dim": 192,
+        "depth": 1,
+    }
+    with pytest.raises(ModelError, match=r"settings: assert .*patch_size.* failed \(hybrid_embed\.py:\d+\)$"):
+        create_net({**net, "num_heads": 3, "embed_layer": stem})
+
+
 def test_unknown_config_group_option(tmp_path: Path):
     # a fresh interpreter: the check runs before torch is imported, and nothing else may print
     done = run_cli("train.py", ["experiment=cifarr", f"hydra.run.dir={tmp_path}/run"], fresh=True)

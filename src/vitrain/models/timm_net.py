@@ -3,6 +3,7 @@
 import difflib
 import os
 import re
+import traceback
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,14 @@ def _build(value: Any) -> Any:
 
         return hydra.utils.instantiate(value, _convert_="all")
     return value
+
+
+def _failed_check(err: AssertionError) -> str:
+    """An assert's message, or, where it has none, its own source line (`assert x % p == 0` in file:line)."""
+    if str(err).strip():
+        return str(err).strip().splitlines()[0]
+    frame = traceback.extract_tb(err.__traceback__)[-1]
+    return f"{(frame.line or 'an assert').strip()} failed ({Path(frame.filename).name}:{frame.lineno})"
 
 
 def create_net(net: Mapping[str, Any], weights_file: str | None = None) -> nn.Module:
@@ -79,6 +88,11 @@ def create_net(net: Mapping[str, Any], weights_file: str | None = None) -> nn.Mo
         ) from err
     except ValueError as err:
         raise argument_error("model.net", net, err) from err
+    except AssertionError as err:
+        # timm checks sizes that must match or divide with asserts, some without a message: name the check
+        raise ModelError(
+            f"model.net: timm cannot build {name} with these settings: {_failed_check(err)}"
+        ) from err
     except RuntimeError as err:
         detail = state_dict_mismatch(err) if weights_file else None
         if detail is None:
