@@ -608,6 +608,7 @@ def test_data_held_on_a_device_is_sliced_there(
     loader = dm.train_dataloader()
     assert loader.num_workers == 0 and loader.pin_memory is False
     assert loader.dataset is dm.train_set.to(meta) and loader.dataset.x.device == meta
+    assert dm.train_set.copied_to(meta) and not dm.val_set.copied_to(meta)
     batches = list(loader)
     assert [x.device for x, _ in batches] == [meta] * len(host)
     assert [tuple(x.shape) for x, _ in batches] == [(8, 3, 32, 32)] * len(host)

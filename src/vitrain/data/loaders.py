@@ -67,6 +67,10 @@ class TensorImageDataset(Dataset):
     def nbytes(self) -> int:
         return self.x.nbytes + self.y.nbytes
 
+    def copied_to(self, device: torch.device) -> bool:
+        """Whether `to(device)` has made its copy already."""
+        return device in self._copies
+
     def to(self, device: torch.device) -> TensorImageDataset:
         """This dataset with its tensors on `device` (copied once; later calls return the same copy)."""
         if self.x.device == device:

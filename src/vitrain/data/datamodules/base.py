@@ -374,9 +374,11 @@ class ImageDataModule(LightningDataModule):
                 f"datamodule.data_on_device=true needs a GPU to train on; this run trains on {device.type}: "
                 "set it to auto or false"
             )
+        if dataset.copied_to(device):  # decided before (a loader made again): the copy is there
+            return device
         free, total = torch.cuda.mem_get_info(device)
         held = on_device_choice(value, dataset.nbytes, free, total, self.num_workers())
-        if held and not dataset._copies:
+        if held:
             log.info("in-memory data: %.0f MB of images held on %s", dataset.nbytes / 2**20, device)
         return device if held else None
 
