@@ -98,6 +98,7 @@ class ImageClassifier(L.LightningModule):
         if not isinstance(float8, bool):
             raise ModelError(f"model.float8={float8!r} must be true or false")
         self.save_hyperparameters(logger=False)  # the plain values above (read from this frame's locals)
+        self._cuda_graphs = compile_mode in CUDA_GRAPH_MODES  # read every training step
         self.net: nn.Module = create_net(net, weights_file)
         if fused_attn is not None:
             set_fused_attn(self.net, fused_attn)
@@ -169,20 +170,13 @@ class ImageClassifier(L.LightningModule):
                 "model.channels_last=true is not supported with trainer=fsdp (FSDP2 shards each parameter "
                 "along its first dimension, as a contiguous tensor): leave it false"
             )
-        if (
-            self.hparams.get("compile_scope") == "network"
-            and getattr(strategy, "fsdp_options", None) is not None
-            and self.compiles(strategy)
-        ):
+        compiled_under_fsdp = getattr(strategy, "fsdp_options", None) is not None and self.compiles(strategy)
+        if compiled_under_fsdp and self.hparams.get("compile_scope") == "network":
             raise ModelError(
                 "model.compile_scope=network with trainer=fsdp: FSDP2's hooks sit between the blocks, so the "
                 "network is compiled block by block there: set model.compile_scope=blocks or auto"
             )
-        if (
-            self.hparams.get("compile_mode") in CUDA_GRAPH_MODES
-            and getattr(strategy, "fsdp_options", None) is not None
-            and self.compiles(strategy)
-        ):
+        if compiled_under_fsdp and self._cuda_graphs:
             raise ModelError(
                 f"model.compile_mode={self.hparams.compile_mode} with trainer=fsdp: CUDA graphs replay kernels on "
                 "fixed addresses, and FSDP2 frees and gathers the weights again at every step: use "
@@ -236,7 +230,7 @@ class ImageClassifier(L.LightningModule):
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
-        if self.hparams.get("compile_mode") in CUDA_GRAPH_MODES:
+        if self._cuda_graphs:
             # a new step for CUDA graph trees: the graphs may reuse the memory of the previous step's outputs
             torch.compiler.cudagraph_mark_step_begin()
         if self.resize is not None:
