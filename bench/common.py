@@ -334,3 +334,14 @@ def train_command(overrides: Sequence[str], env: dict[str, str] | None = None) -
     """The command line a user would type for `run_train(overrides, env)`, for the doc."""
     prefix = [f"{k}={v}" for k, v in (env or {}).items()]
     return shlex.join([*prefix, "python", "src/train.py", *overrides])
+
+
+def top_level_ops(prof: Any) -> int:
+    """aten ops a torch.profiler run recorded as called from Python, not from inside another aten op: on a GPU
+    each is at least one kernel launch (views excepted), host work per op."""
+    return sum(
+        1
+        for e in prof.events()
+        if e.name.startswith("aten::")
+        and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))
+    )

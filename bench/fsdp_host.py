@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from common import Result, interleave, median, parse_args
+from common import Result, interleave, median, parse_args, top_level_ops
 from torch import nn
 
 VARIANTS = {
@@ -88,11 +88,7 @@ def ops_per_step(step: Callable[[], None], steps: int = 3) -> float:
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             step()
-    top = [
-        e for e in prof.events()
-        if e.name.startswith("aten::") and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))
-    ]  # fmt: skip
-    return len(top) / steps
+    return top_level_ops(prof) / steps
 
 
 def main() -> None:

@@ -5,7 +5,9 @@ default callbacks and logger (checkpoints, Rich progress bar, LR monitor, throug
 TensorBoard...). Plain: the same timm network, the same uint8 images in memory with the same on-device
 augmentation, batch size, AdamW parameter groups, LR schedule and autocast precision, in a `for` loop with
 an on-device running loss/accuracy. Both run in one process, alternating in blocks of a few steps
-(`Interleave`); the figure is the median of the per-block ratios, after `warmup` steps of each.
+(`Interleave`); the figure is the median of the per-block ratios, after `warmup` steps of each. After the
+timed blocks, a few more steps of each under torch.profiler count the top-level aten ops per step (on a GPU
+each is at least one kernel launch: host work the GPU can wait behind).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from common import (
     scratch_dir,
     short_run,
     synced_clock,
+    top_level_ops,
 )
 from lightning.pytorch.callbacks import Callback
 
@@ -124,12 +127,35 @@ class Interleave(Callback):
     in between, outside the template's clock.
     """
 
-    def __init__(self, plain: PlainLoop, block: int, warmup: int, blocks: int) -> None:
+    def __init__(self, plain: PlainLoop, block: int, warmup: int, blocks: int, profiled: int = 4) -> None:
         self.plain, self.block, self.warmup, self.blocks = plain, block, warmup, blocks
         self.template: list[float] = []
         self.plain_times: list[float] = []
         self._since = 0
         self._t0 = 0.0
+        # after the blocks: `profiled` template steps, then as many plain ones, under torch.profiler
+        self.profiled = profiled
+        self.ops_per_step: dict[str, float] = {}
+        self._profiler: Any = None
+        self._profiled_steps = 0
+
+    def _count_ops(self) -> None:
+        """Top-level aten ops per step: the template's from one batch end to the next (the whole step,
+        fetch and callbacks included), then the plain loop's."""
+        from torch.profiler import ProfilerActivity, profile
+
+        if self._profiler is None:
+            self._profiler = profile(activities=[ProfilerActivity.CPU])
+            self._profiler.__enter__()
+            return
+        self._profiled_steps += 1
+        if self._profiled_steps < self.profiled:
+            return
+        self._profiler.__exit__(None, None, None)
+        self.ops_per_step["template"] = top_level_ops(self._profiler) / self.profiled
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            self.plain.block(self.profiled)
+        self.ops_per_step["plain"] = top_level_ops(prof) / self.profiled
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         # the clock (a synchronize on CUDA) is read only at block ends, as in the plain loop's blocks
@@ -137,8 +163,12 @@ class Interleave(Callback):
             if trainer.global_step == self.warmup:
                 self._t0 = synced_clock(self.plain.device)
             return
+        if len(self.template) >= self.blocks:
+            if "plain" not in self.ops_per_step:
+                self._count_ops()
+            return
         self._since += 1
-        if self._since < self.block or len(self.template) >= self.blocks:
+        if self._since < self.block:
             return
         now = synced_clock(self.plain.device)
         self.template.append((now - self._t0) / self.block)
@@ -148,6 +178,7 @@ class Interleave(Callback):
 
 
 INTERLEAVER: Interleave | None = None
+PROFILED = 4  # steps of each loop counted under torch.profiler after the timed blocks
 
 
 def interleaver() -> Interleave:
@@ -174,12 +205,12 @@ def main() -> None:
     retain_freed_memory()
     skip_failing_nvml_check()
     workdir = scratch_dir("overhead")
-    cfg = template_cfg(args, workdir / "run", args.warmup + args.blocks * args.block + 1)
+    cfg = template_cfg(args, workdir / "run", args.warmup + args.blocks * args.block + 2 + PROFILED)
     device = torch.device("cuda" if torch.cuda.is_available() and args.accelerator != "cpu" else "cpu")
     plain = PlainLoop(cfg, device)
     plain.block(args.warmup)
     global INTERLEAVER
-    interleaver = INTERLEAVER = Interleave(plain, args.block, args.warmup, args.blocks)
+    interleaver = INTERLEAVER = Interleave(plain, args.block, args.warmup, args.blocks, PROFILED)
     sys.modules.setdefault("overhead", sys.modules[__name__])  # so the config's _target_ finds this one
     from omegaconf import open_dict
 
@@ -189,15 +220,16 @@ def main() -> None:
         cfg.callbacks["bench_interleave"] = {"_target_": "overhead.interleaver"}
     train(cfg)
     per_block = [p / t for t, p in zip(interleaver.template, interleaver.plain_times, strict=True)]
-    if len(per_block) < args.blocks:
-        raise RuntimeError(f"only {len(per_block)} of {args.blocks} blocks ran")
+    if len(per_block) < args.blocks or "plain" not in interleaver.ops_per_step:
+        raise RuntimeError(f"only {len(per_block)} of {args.blocks} blocks ran, or the op count did not")
     r = median(per_block)
     t_sps, p_sps = 1 / median(interleaver.template), 1 / median(interleaver.plain_times)
     overhead_ms = 1000 * (1 / t_sps - 1 / p_sps)
     goal_met = r >= 0.97
     line = (
         f"template/plain steps/s = {r:.3f} (goal >= 0.97: {'met' if goal_met else 'NOT met'}); "
-        f"{t_sps:.2f} vs {p_sps:.2f} steps/s, {overhead_ms:+.1f} ms per step"
+        f"{t_sps:.2f} vs {p_sps:.2f} steps/s, {overhead_ms:+.1f} ms per step; "
+        f"{interleaver.ops_per_step['template']:.0f} vs {interleaver.ops_per_step['plain']:.0f} top-level ops per step"
     )
     net = cfg.model.net
     result.save(
@@ -208,6 +240,8 @@ def main() -> None:
             "plain_steps_per_s": round(p_sps, 3),
             "overhead_ms_per_step": round(overhead_ms, 2),
             "ratio_of_totals": round(sum(interleaver.plain_times) / sum(interleaver.template), 4),
+            "template_ops_per_step": round(interleaver.ops_per_step["template"], 1),
+            "plain_ops_per_step": round(interleaver.ops_per_step["plain"], 1),
         },
         goal="template/plain >= 0.97",
         met=goal_met,

@@ -25,6 +25,7 @@ from vitrain.errors import ModelError, argument_error
 from vitrain.models.float8 import convert_to_float8, float8_refusal
 from vitrain.models.resolution import make_resize
 from vitrain.models.timm_net import create_net, input_spec, patch_convs_as_matmuls
+from vitrain.models.train_figures import TrainingFigures, accuracy_top_k, loss_and_figures
 from vitrain.utils.config import plain
 
 
@@ -122,16 +123,17 @@ class ImageClassifier(L.LightningModule):
         num_classes = int(self.net.num_classes)
         # no argument checks per step: they scan the labels (torch.unique: a host sync per batch on GPU), and
         # a bad label already fails in the loss; nor NaN checks in the eval losses (isnan().any(): a sync)
-        self.train_metrics = _metrics(num_classes, "train/", validate_args=False)
         self.val_metrics = _metrics(num_classes, "val/", validate_args=False)
         self.test_metrics = _metrics(num_classes, "test/", validate_args=False)
         self.val_loss = MeanMetric(nan_strategy="disable")
         self.test_loss = MeanMetric(nan_strategy="disable")
         self.mixup = make_mixup(mixup, num_classes, label_smoothing)
         self.soft_loss = SoftTargetCrossEntropy()
-        # the epoch's mean training loss, accumulated on the device; no NaN check (torch.isnan(...).any() is
-        # a host sync per step on GPU; a NaN loss still shows in train/loss_step and the epoch mean)
-        self.train_loss = MeanMetric(nan_strategy="disable")
+        # the epoch's mean training loss and accuracy, summed on the device (vitrain/models/train_figures.py);
+        # no NaN check (a host sync per step on GPU; a NaN loss still shows in train/loss_step and the mean)
+        self.train_figures = TrainingFigures(accuracy_top_k(num_classes))
+        # the loss and the figures' batch sums: compiled with the network in configure_model when it is
+        self._loss_and_figures = loss_and_figures
         # the composed Hydra config of the run, stored in every checkpoint so eval.py can rebuild it
         self.run_config: dict[str, Any] | None = None
         # the data's class names in label order (set by describe_run), stored in every checkpoint
@@ -218,6 +220,10 @@ class ImageClassifier(L.LightningModule):
             compile_scope=self.hparams.get("compile_scope", "auto"),
             compile_mode=self.hparams.get("compile_mode"),
         )
+        if self.compiles(strategy) and self._loss_and_figures is loss_and_figures:
+            # the loss, its backward and the figures' sums as a few fused kernels instead of ~25 eager ops
+            # (torch.compile's default mode: CUDA graphs would gain nothing on kernels this few)
+            self._loss_and_figures = torch.compile(loss_and_figures)
 
     def compiles(self, strategy: Strategy | None) -> bool:
         """Whether the network is compiled for training under `strategy` (`model.compile`, `compile_choice`)."""
@@ -236,16 +242,14 @@ class ImageClassifier(L.LightningModule):
         if self.resize is not None:
             x = self.resize(x, self.training_progress())
             self.train_input_shape = tuple(x.shape[-2:])  # the size ImageThroughputMonitor counts FLOPs at
+        soft = None
         if self.mixup is not None:
             # mixed images, soft targets (label smoothing folded in); accuracy against the original labels
             x, soft = self.mixup(x, y)
-            logits = self(x)
-            loss = self.soft_loss(logits, soft)
-        else:
-            logits = self(x)
-            loss = F.cross_entropy(logits, y, label_smoothing=self.hparams.label_smoothing)
-        self.train_metrics.update(logits.detach(), y)
-        self.train_loss.update(loss.detach())
+        loss, sums = self._loss_and_figures(
+            self(x), y, self.hparams.label_smoothing, self.train_figures.top_k, soft, self.soft_loss
+        )
+        self.train_figures.update(sums)
         # Logged only on the steps the logger writes (the test LearningRateMonitor uses), as CPU tensors:
         # Lightning reads a logged value with .item() for the progress bar after EVERY batch until the
         # epoch ends, a GPU sync each time were it a GPU tensor; the one copy here is on log steps only.
@@ -261,7 +265,7 @@ class ImageClassifier(L.LightningModule):
     def training_epoch_metrics(self) -> dict[str, Metric]:
         """What training steps accumulate and the epoch's end logs: carried across a mid-epoch resume
         (vitrain/callbacks/epoch_metrics.py)."""
-        return {"train_metrics": self.train_metrics, "train_loss": self.train_loss}
+        return {"train_figures": self.train_figures}
 
     def training_progress(self) -> float:
         """The run's progress in [0, 1]: the LR schedule's own (which follows `trainer.max_time` when set,
@@ -273,9 +277,13 @@ class ImageClassifier(L.LightningModule):
         return min(self.global_step / max(self.trainer.estimated_stepping_batches, 1), 1.0)
 
     def on_train_epoch_end(self) -> None:
-        # logged once per epoch: Lightning computes the metric objects, syncs them across ranks, resets them
-        self.log("train/loss_epoch", self.train_loss)
-        self.log_dict(self.train_metrics)
+        # once per epoch: compute() sums the states over the ranks (every rank calls it), then they restart.
+        # Each rank then holds the same figures; a max over equal values keeps them exact where Lightning
+        # syncs what is logged at the epoch's end (a mean could round)
+        figures = self.train_figures.compute()
+        self.train_figures.reset()
+        for name, value in figures.items():
+            self.log(f"train/{name}", value, sync_dist=True, reduce_fx="max")
 
     def _eval_step(
         self, batch: tuple[torch.Tensor, torch.Tensor], metrics: MetricCollection, loss: MeanMetric

@@ -1,0 +1,80 @@
+"""The training step's loss and its epoch figures (mean loss, top-k accuracy), in a few kernels a step.
+
+Why not torchmetrics' classes for training, as evaluation uses: `MulticlassAccuracy(top_k=1)`,
+`MulticlassAccuracy(top_k=5)` and a `MeanMetric` for the loss issue 69 top-level ops per training step
+(torch.profiler, batch 384: each a kernel launch on a GPU, host time the next step waits behind), where the
+figures need a top-k, a compare and a few sums. Here `loss_and_figures` returns the loss and one small
+vector of the batch's sums ([images, loss x images, top-1 hits, top-5 hits]): ~10 ops eagerly, a couple of
+fused kernels when compiled with the network (`ImageClassifier.configure_model`); `TrainingFigures` adds
+it to its one state with one op. Its base class is torchmetrics' `Metric`, which still does the work a
+library should: the exact sum over ranks at `compute()`, `reset()`, and the states a mid-epoch resume
+carries (callbacks/epoch_metrics.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchmetrics import Metric
+
+
+def accuracy_top_k(num_classes: int) -> tuple[int, ...]:
+    """The top-k accuracies reported: top-1, and top-5 when there are at least 5 classes."""
+    return (1, 5) if num_classes >= 5 else (1,)
+
+
+def batch_sums(
+    logits: torch.Tensor, target: torch.Tensor, loss: torch.Tensor, top_k: tuple[int, ...]
+) -> torch.Tensor:
+    """[images, loss x images, hits within the top k for each k] of one batch, float64 (exact counts)."""
+    images = target.shape[0]
+    hit = logits.topk(max(top_k), dim=-1).indices == target.unsqueeze(-1)  # at most one True a row
+    hits = torch.stack([hit[:, :k].any(-1) for k in top_k], dim=-1).sum(0)
+    return torch.cat(
+        [
+            torch.full((1,), images, dtype=torch.float64, device=logits.device),
+            (loss.reshape(1) * images).to(torch.float64),
+            hits.to(torch.float64),
+        ]
+    )
+
+
+def loss_and_figures(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    label_smoothing: float,
+    top_k: tuple[int, ...],
+    soft_target: torch.Tensor | None = None,
+    soft_loss: nn.Module | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The training loss (cross-entropy with label smoothing, or `soft_loss` against mixed `soft_target`s)
+    and the batch's sums for `TrainingFigures`; accuracy is against the original labels `target`."""
+    if soft_target is not None and soft_loss is not None:
+        loss = soft_loss(logits, soft_target)
+    else:
+        loss = F.cross_entropy(logits, target, label_smoothing=label_smoothing)
+    return loss, batch_sums(logits.detach(), target, loss.detach(), top_k)
+
+
+class TrainingFigures(Metric):
+    """Mean training loss (`loss_epoch`) and top-k accuracy (`acc1`, `acc5`) over the batches added."""
+
+    full_state_update = False
+
+    def __init__(self, top_k: tuple[int, ...] = (1, 5)) -> None:
+        super().__init__()
+        self.top_k = tuple(top_k)
+        # the states' sum over ranks is what compute() divides: every image counts once, exactly
+        self.add_state(
+            "sums", default=torch.zeros(2 + len(self.top_k), dtype=torch.float64), dist_reduce_fx="sum"
+        )
+
+    def update(self, sums: torch.Tensor) -> None:
+        self.sums.add_(sums)
+
+    def compute(self) -> dict[str, torch.Tensor]:
+        images = self.sums[0]
+        figures = {"loss_epoch": self.sums[1] / images}
+        figures.update({f"acc{k}": self.sums[2 + i] / images for i, k in enumerate(self.top_k)})
+        return {name: value.to(torch.float32) for name, value in figures.items()}
