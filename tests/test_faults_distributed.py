@@ -46,7 +46,7 @@ def test_sigterm_two_process_ddp_saves_last_then_resumes(tmp_path: Path, tiny_ci
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     final = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)
     assert final["epoch"] == 1 and final["global_step"] == 2 * 28  # 224 images / global batch 8, 2 epochs
-    assert saved["training_epoch_metric_states"]["train_figures"]["sums"][0] > 0
+    assert saved["training_epoch_metric_states"]["train_figures"]["counts"][0] > 0
     resumed_epoch, alone_epoch = epoch_figures(tmp_path)[0], epoch_figures(tmp_path / "alone")[0]
     # accuracies are counts (exact); the mean loss is summed in another order over the ranks
     assert resumed_epoch["train/acc1"] == alone_epoch["train/acc1"]

@@ -3,10 +3,10 @@
 Why not torchmetrics' classes for training, as evaluation uses: `MulticlassAccuracy(top_k=1)`,
 `MulticlassAccuracy(top_k=5)` and a `MeanMetric` for the loss issue 69 top-level ops per training step
 (torch.profiler, batch 384: each a kernel launch on a GPU, host time the next step waits behind), where the
-figures need a top-k, a compare and a few sums. Here `loss_and_figures` returns the loss and one small
-vector of the batch's sums ([images, loss x images, top-1 hits, top-5 hits]): ~10 ops eagerly, a couple of
-fused kernels when compiled with the network (`ImageClassifier.configure_model`); `TrainingFigures` adds
-it to its one state with one op. Its base class is torchmetrics' `Metric`, which still does the work a
+figures need a top-k, a compare and a few sums. Here `loss_and_figures` returns the loss, the batch's
+counts ([images, top-1 hits, top-5 hits]) and its loss x images: ~10 ops eagerly, a couple of fused kernels
+when compiled with the network (`ImageClassifier.configure_model`); `TrainingFigures` adds them to its two
+states with two ops. Its base class is torchmetrics' `Metric`, which still does the work a
 library should: the exact sum over ranks at `compute()`, `reset()`, and the states a mid-epoch resume
 carries (callbacks/epoch_metrics.py).
 """
@@ -26,18 +26,13 @@ def accuracy_top_k(num_classes: int) -> tuple[int, ...]:
 
 def batch_sums(
     logits: torch.Tensor, target: torch.Tensor, loss: torch.Tensor, top_k: tuple[int, ...]
-) -> torch.Tensor:
-    """[images, loss x images, hits within the top k for each k] of one batch, float64 (exact counts)."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One batch's counts [images, hits within the top k for each k] (int64: exact) and loss x images."""
     images = target.shape[0]
     hit = logits.topk(max(top_k), dim=-1).indices == target.unsqueeze(-1)  # at most one True a row
-    hits = torch.stack([hit[:, :k].any(-1) for k in top_k], dim=-1).sum(0)
-    return torch.cat(
-        [
-            torch.full((1,), images, dtype=torch.float64, device=logits.device),
-            (loss.reshape(1) * images).to(torch.float64),
-            hits.to(torch.float64),
-        ]
-    )
+    hits = torch.stack([hit[:, :k].any(-1) for k in top_k]).sum(-1)
+    counts = torch.cat([torch.full((1,), images, dtype=torch.int64, device=logits.device), hits])
+    return counts, loss.to(torch.float32) * images
 
 
 def loss_and_figures(
@@ -47,9 +42,9 @@ def loss_and_figures(
     top_k: tuple[int, ...],
     soft_target: torch.Tensor | None = None,
     soft_loss: nn.Module | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """The training loss (cross-entropy with label smoothing, or `soft_loss` against mixed `soft_target`s)
-    and the batch's sums for `TrainingFigures`; accuracy is against the original labels `target`."""
+    and the batch's sums for `TrainingFigures.update`; accuracy is against the original labels `target`."""
     if soft_target is not None and soft_loss is not None:
         loss = soft_loss(logits, soft_target)
     else:
@@ -65,16 +60,20 @@ class TrainingFigures(Metric):
     def __init__(self, top_k: tuple[int, ...] = (1, 5)) -> None:
         super().__init__()
         self.top_k = tuple(top_k)
-        # the states' sum over ranks is what compute() divides: every image counts once, exactly
+        # summed over the ranks by compute(): every image counts once, the counts exactly (int64; float32 for
+        # the loss, as torchmetrics' mean keeps it; no float64, which MPS lacks)
         self.add_state(
-            "sums", default=torch.zeros(2 + len(self.top_k), dtype=torch.float64), dist_reduce_fx="sum"
+            "counts", default=torch.zeros(1 + len(self.top_k), dtype=torch.int64), dist_reduce_fx="sum"
         )
+        self.add_state("loss_sum", default=torch.zeros((), dtype=torch.float32), dist_reduce_fx="sum")
 
-    def update(self, sums: torch.Tensor) -> None:
-        self.sums.add_(sums)
+    def update(self, sums: tuple[torch.Tensor, torch.Tensor]) -> None:
+        counts, loss_sum = sums
+        self.counts.add_(counts)
+        self.loss_sum.add_(loss_sum)
 
     def compute(self) -> dict[str, torch.Tensor]:
-        images = self.sums[0]
-        figures = {"loss_epoch": self.sums[1] / images}
-        figures.update({f"acc{k}": self.sums[2 + i] / images for i, k in enumerate(self.top_k)})
-        return {name: value.to(torch.float32) for name, value in figures.items()}
+        images = self.counts[0]
+        figures = {"loss_epoch": self.loss_sum / images}
+        figures.update({f"acc{k}": self.counts[1 + i] / images for i, k in enumerate(self.top_k)})
+        return figures
