@@ -12,6 +12,7 @@ import sys
 from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import lightning as L
 import pytest
@@ -455,3 +456,70 @@ def test_no_failing_nvml_load_per_optimizer_step_without_a_driver():
     assert seen["loads_before"] >= 1, "torch no longer loads NVML per step: the skip may be dropped"
     assert seen["after"] == "0" and seen["loads_after"] == 0
     assert seen["cuda"] is False
+
+
+# host reads of a tensor's value: on a GPU each waits for the queue to drain (a sync)
+HOST_READS = ("aten::_local_scalar_dense", "aten::nonzero", "aten::is_nonzero", "aten::equal")
+# ops whose CPU kernels read their scalar arguments themselves; their CUDA kernels read them on the device
+CPU_KERNEL_READS = ("aten::_fused_adamw_", "aten::_fused_adam_", "aten::_fused_sgd_")
+
+
+def test_training_steps_read_no_tensor_value_on_the_host_between_log_steps(
+    tmp_path: Path, tiny_cifar: Path, data_cache: Path
+):
+    """Everything between two training batch ends (the fetch, augmentation, step, optimizer, every default
+    callback and the logger) reads no tensor value on the host, on the steps Lightning writes no logs:
+    each such read would be a sync per step on a GPU. What a CPU shows: the same Python, torch.profiler's
+    record of the reads (`.item()`, `bool(t)`, `nonzero`), the CPU optimizer kernels' own reads of their step
+    counts left out. The GPU's own sync check is bench/gpu_check.py's `sync_probe`."""
+    from lightning.pytorch.callbacks import Callback
+    from omegaconf import open_dict
+    from torch.profiler import ProfilerActivity, profile
+
+    class RecordReads(Callback):
+        def __init__(self) -> None:
+            self.profiler: Any = None
+            self.reads: list[tuple[int, str, list[str]]] = []
+            self.kernel_reads = 0
+            self.steps = 0
+
+        def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+            if self.profiler is not None:
+                self.profiler.__exit__(None, None, None)
+                self.steps += 1
+                for event in self.profiler.events():
+                    if event.name not in HOST_READS:
+                        continue
+                    parents, parent = [], event.cpu_parent
+                    while parent is not None:
+                        parents.append(parent.name)
+                        parent = parent.cpu_parent
+                    if set(parents) & set(CPU_KERNEL_READS):
+                        self.kernel_reads += 1
+                    else:
+                        self.reads.append((trainer.global_step, event.name, parents[:4]))
+                self.profiler = None
+            if 3 <= trainer.global_step < 9:
+                self.profiler = profile(activities=[ProfilerActivity.CPU])
+                self.profiler.__enter__()
+
+    recorder = RecordReads()
+    overrides = [*tiny_overrides(tiny_cifar, data_cache), "trainer.log_every_n_steps=100",
+                 "+trainer.limit_train_batches=12", "trainer.limit_val_batches=1", "test=false"]  # fmt: skip
+    cfg = compose_cfg("train", overrides, tmp_path)
+    with open_dict(cfg):
+        cfg.callbacks["record_reads"] = {"_target_": f"{__name__}._recorder"}
+    global _RECORDER
+    _RECORDER = recorder
+    train(cfg)
+    assert recorder.steps == 6
+    assert recorder.kernel_reads > 0  # the profiler sees reads: fused AdamW's CPU kernel reads its step counts
+    assert recorder.reads == []
+
+
+_RECORDER: Any = None
+
+
+def _recorder() -> Any:
+    """The config's handle on the test's live callback."""
+    return _RECORDER
