@@ -18,12 +18,13 @@ from omegaconf import DictConfig, open_dict
 
 from vitrain.callbacks.resume import CheckpointOnSigterm
 from vitrain.callbacks.run_stats import RunStats
+from vitrain.callbacks.time_limit import TimeLimit
 from vitrain.errors import DataError
 from vitrain.loggers import MetricRecord
 from vitrain.models.timm_net import check_pretrained_available
 from vitrain.tasks.precision import resolve_precision
 from vitrain.tasks.runs import RemoteCopy, resume_hint
-from vitrain.utils.config import instantiate_dict, to_container
+from vitrain.utils.config import instantiate_dict, plain, to_container
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +118,11 @@ def build_trainer(
         # torchao's float8 tensors cannot run under torch.inference_mode with autocast (an unsupported
         # aten.to): evaluation runs under no_grad instead, as FSDP's does
         extra["inference_mode"] = False
+    if cfg.trainer.get("max_time"):
+        # Lightning's Timer broadcasts its decision after every batch under DDP/FSDP (a sync per step on
+        # GPUs); ours agrees every few steps (vitrain/callbacks/time_limit.py) and takes its place
+        callbacks = [*callbacks, TimeLimit(duration=plain(cfg.trainer.max_time))]
+        extra["max_time"] = None
     trainer: L.Trainer = hydra.utils.instantiate(
         cfg.trainer, callbacks=callbacks, logger=loggers, precision=resolve_precision(cfg.trainer), **extra
     )

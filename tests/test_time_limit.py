@@ -1,0 +1,79 @@
+"""`trainer.max_time` (vitrain/callbacks/time_limit.py): in a multi-process run the ranks agree on stopping
+every few steps, not after every batch (Lightning's Timer broadcasts per batch: a sync per step on GPUs)."""
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import Timer
+
+from helpers import ROOT, compose_cfg, run_cli, tiny_overrides
+from vitrain.callbacks.time_limit import CHECK_EVERY_N_STEPS, TimeLimit
+from vitrain.tasks.build import build_trainer
+
+
+def _trainer(world_size: int, broadcasts: list[int]) -> SimpleNamespace:
+    trainer = SimpleNamespace(world_size=world_size, global_step=0, should_stop=False)
+
+    def broadcast(obj, src=0):
+        broadcasts.append(trainer.global_step)
+        return obj
+
+    trainer.strategy = SimpleNamespace(broadcast=broadcast)
+    return trainer
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_the_decision_is_taken_every_n_steps_with_several_processes(world_size: int):
+    broadcasts: list[int] = []
+    trainer = _trainer(world_size, broadcasts)
+    timer = TimeLimit("00:00:00:00")  # spent from the start: every check says stop
+    timer.on_train_start(trainer, None)
+    stopped_at = None
+    for step in range(1, 25):
+        trainer.global_step = step
+        timer.on_train_batch_end(trainer, None, None, None, 0)
+        if trainer.should_stop and stopped_at is None:
+            stopped_at = step
+    if world_size == 1:  # one process: after every batch, as Lightning's (its broadcast is a no-op there)
+        assert broadcasts == list(range(1, 25)) and stopped_at == 1
+    else:
+        assert broadcasts == [10, 20] and stopped_at == CHECK_EVERY_N_STEPS
+    assert timer.state_key == Timer("00:00:00:01").state_key  # checkpoints of either resume the time used
+
+
+def test_max_time_makes_our_timer_in_place_of_lightnings(tmp_path: Path, tiny_cifar: Path, data_cache: Path):
+    cfg = compose_cfg(
+        "train", [*tiny_overrides(tiny_cifar, data_cache), "trainer.max_time=00:01:30:00"], tmp_path
+    )
+    trainer: L.Trainer = build_trainer(cfg, callbacks=[], loggers=False)
+    timers = [c for c in trainer.callbacks if isinstance(c, Timer)]
+    assert len(timers) == 1 and isinstance(timers[0], TimeLimit)
+    assert timers[0].time_remaining() == 90 * 60
+    none = compose_cfg("train", [*tiny_overrides(tiny_cifar, data_cache), "trainer.max_time=null"], tmp_path)
+    assert not [c for c in build_trainer(none, callbacks=[], loggers=False).callbacks if isinstance(c, Timer)]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_two_ddp_ranks_stop_together_at_an_agreed_step(tmp_path: Path, tiny_cifar: Path, data_cache: Path):
+    """A real 2-process DDP run whose budget ends inside its first epoch: both ranks stop at the same step, a
+    multiple of the agreement's cadence, and the run ends normally (validated, checkpointed)."""
+    overrides = [
+        *tiny_overrides(tiny_cifar, data_cache, batch_size=2),
+        "trainer=ddp",
+        "trainer.devices=2",
+        "trainer.accelerator=cpu",
+        "trainer.max_epochs=1000",
+        "trainer.max_time=00:00:00:02",
+        "trainer.num_sanity_val_steps=0",
+        "logger=csv",
+        "test=false",
+        f"hydra.run.dir={tmp_path}",
+    ]
+    run = run_cli("train.py", overrides, env={"PYTHONPATH": str(ROOT / "tests")})
+    assert run.returncode == 0, run.stderr[-3000:]
+    saved = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)
+    assert saved["global_step"] > 0 and saved["global_step"] % CHECK_EVERY_N_STEPS == 0, saved["global_step"]
