@@ -513,7 +513,9 @@ def test_training_steps_read_no_tensor_value_on_the_host_between_log_steps(
     _RECORDER = recorder
     train(cfg)
     assert recorder.steps == 6
-    assert recorder.kernel_reads > 0  # the profiler sees reads: fused AdamW's CPU kernel reads its step counts
+    assert (
+        recorder.kernel_reads > 0
+    )  # the profiler sees reads: fused AdamW's CPU kernel reads its step counts
     assert recorder.reads == []
 
 

@@ -1,6 +1,7 @@
 """`trainer.max_time` (vitrain/callbacks/time_limit.py): in a multi-process run the ranks agree on stopping
 every few steps, not after every batch (Lightning's Timer broadcasts per batch: a sync per step on GPUs)."""
 
+import json
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -60,20 +61,33 @@ def test_max_time_makes_our_timer_in_place_of_lightnings(tmp_path: Path, tiny_ci
 @pytest.mark.timeout(300)
 def test_two_ddp_ranks_stop_together_at_an_agreed_step(tmp_path: Path, tiny_cifar: Path, data_cache: Path):
     """A real 2-process DDP run whose budget ends inside its first epoch: both ranks stop at the same step, a
-    multiple of the agreement's cadence, and the run ends normally (validated, checkpointed)."""
+    multiple of the agreement's cadence, and the run ends normally (validated, checkpointed). Between the
+    agreements (every 10 steps: the stop decision, the SIGTERM check, the LR schedule's clock) a step issues
+    DDP's gradient all-reduce and no other collective (each one on a GPU a wait for the other ranks)."""
     overrides = [
         *tiny_overrides(tiny_cifar, data_cache, batch_size=2),
         "trainer=ddp",
         "trainer.devices=2",
         "trainer.accelerator=cpu",
         "trainer.max_epochs=1000",
-        "trainer.max_time=00:00:00:02",
+        "trainer.max_time=00:00:00:04",
         "trainer.num_sanity_val_steps=0",
         "logger=csv",
         "test=false",
         f"hydra.run.dir={tmp_path}",
+        "+callbacks.collectives._target_=collective_probe.CollectiveProbe",
+        f"+callbacks.collectives.out={tmp_path / 'probe'}",
     ]
     run = run_cli("train.py", overrides, env={"PYTHONPATH": str(ROOT / "tests")})
     assert run.returncode == 0, run.stderr[-3000:]
     saved = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)
     assert saved["global_step"] > 0 and saved["global_step"] % CHECK_EVERY_N_STEPS == 0, saved["global_step"]
+    for rank in (0, 1):
+        per_step = json.loads((tmp_path / "probe" / f"collectives_{rank}.json").read_text())
+        assert len(per_step) == 11, per_step  # steps 4..14 recorded
+        between = {
+            step: ops for step, ops in per_step.items() if int(step) % CHECK_EVERY_N_STEPS not in (0, 1)
+        }
+        assert len({json.dumps(ops, sort_keys=True) for ops in between.values()}) == 1, between
+        assert set(next(iter(between.values()))) == {"c10d::allreduce_"}, between  # the gradients only
+        assert "c10d::broadcast_" in per_step["10"] or "c10d::broadcast_" in per_step["11"], per_step

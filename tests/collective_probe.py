@@ -1,0 +1,33 @@
+"""A callback for multi-process test runs: the collectives each training step issued, per rank, as recorded by
+torch.profiler (c10d's ops), from one batch end to the next, written to `<out>/collectives_<rank>.json`."""
+
+from __future__ import annotations
+
+import collections
+import json
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+from torch.profiler import ProfilerActivity, profile
+
+
+class CollectiveProbe(L.Callback):
+    def __init__(self, out: str, first: int = 3, last: int = 14) -> None:
+        self.out, self.first, self.last = Path(out), first, last
+        self.profiler: Any = None
+        self.per_step: dict[int, dict[str, int]] = {}
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if self.profiler is not None:
+            self.profiler.__exit__(None, None, None)
+            names = collections.Counter(e.name for e in self.profiler.events() if e.name.startswith("c10d::"))
+            self.per_step[trainer.global_step] = dict(names)
+            self.profiler = None
+        if self.first <= trainer.global_step < self.last:
+            self.profiler = profile(activities=[ProfilerActivity.CPU])
+            self.profiler.__enter__()
+
+    def on_train_end(self, trainer: L.Trainer, *args: Any) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / f"collectives_{trainer.global_rank}.json").write_text(json.dumps(self.per_step))
