@@ -7,10 +7,10 @@ from types import SimpleNamespace
 
 import lightning as L
 import pytest
-import torch
 from lightning.pytorch.callbacks import Timer
 
 from helpers import ROOT, compose_cfg, run_cli, tiny_overrides
+from vitrain import checkpoints
 from vitrain.callbacks.time_limit import CHECK_EVERY_N_STEPS, TimeLimit
 from vitrain.tasks.build import build_trainer
 
@@ -57,16 +57,26 @@ def test_max_time_makes_our_timer_in_place_of_lightnings(tmp_path: Path, tiny_ci
     assert not [c for c in build_trainer(none, callbacks=[], loggers=False).callbacks if isinstance(c, Timer)]
 
 
+# a step's own collectives: DDP's gradient all-reduce; FSDP2's all-gathers of weights, reduce-scatters of grads
+STEP_COLLECTIVES = {
+    "ddp": {"c10d::allreduce_"},
+    "fsdp": {"c10d::_allgather_base_", "c10d::_reduce_scatter_base_"},
+}
+
+
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
-def test_two_ddp_ranks_stop_together_at_an_agreed_step(tmp_path: Path, tiny_cifar: Path, data_cache: Path):
-    """A real 2-process DDP run whose budget ends inside its first epoch: both ranks stop at the same step, a
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_ranks_stop_together_at_an_agreed_step(
+    strategy: str, tmp_path: Path, tiny_cifar: Path, data_cache: Path
+):
+    """A real 2-process run whose budget ends inside its first epoch: both ranks stop at the same step, a
     multiple of the agreement's cadence, and the run ends normally (validated, checkpointed). Between the
     agreements (every 10 steps: the stop decision, the SIGTERM check, the LR schedule's clock) a step issues
-    DDP's gradient all-reduce and no other collective (each one on a GPU a wait for the other ranks)."""
+    the strategy's own collectives and no other (each one on a GPU a wait for the other ranks)."""
     overrides = [
         *tiny_overrides(tiny_cifar, data_cache, batch_size=2),
-        "trainer=ddp",
+        f"trainer={strategy}",
         "trainer.devices=2",
         "trainer.accelerator=cpu",
         "trainer.max_epochs=1000",
@@ -80,7 +90,7 @@ def test_two_ddp_ranks_stop_together_at_an_agreed_step(tmp_path: Path, tiny_cifa
     ]
     run = run_cli("train.py", overrides, env={"PYTHONPATH": str(ROOT / "tests")})
     assert run.returncode == 0, run.stderr[-3000:]
-    saved = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)
+    saved = checkpoints.load(tmp_path / "checkpoints" / "last.ckpt")  # a file, or FSDP's folder
     assert saved["global_step"] > 0 and saved["global_step"] % CHECK_EVERY_N_STEPS == 0, saved["global_step"]
     for rank in (0, 1):
         per_step = json.loads((tmp_path / "probe" / f"collectives_{rank}.json").read_text())
@@ -89,5 +99,5 @@ def test_two_ddp_ranks_stop_together_at_an_agreed_step(tmp_path: Path, tiny_cifa
             step: ops for step, ops in per_step.items() if int(step) % CHECK_EVERY_N_STEPS not in (0, 1)
         }
         assert len({json.dumps(ops, sort_keys=True) for ops in between.values()}) == 1, between
-        assert set(next(iter(between.values()))) == {"c10d::allreduce_"}, between  # the gradients only
+        assert set(next(iter(between.values()))) == STEP_COLLECTIVES[strategy], between
         assert "c10d::broadcast_" in per_step["10"] or "c10d::broadcast_" in per_step["11"], per_step
