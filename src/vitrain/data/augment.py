@@ -2,9 +2,10 @@
 batch instead of per-image Python in loader workers.
 
 A batch costs a fixed number of kernels whatever its size (a few per op group of RandomAugment, where ops
-that differ only in a parameter form one group; none per image), and nothing is read back from the device: each random decision the host needs (the op of each image,
-which images are erased and where) is drawn on the CPU from torch's global generator, seeded by the run's seed
-and restored on resume, then sent to the device without waiting. Hence our random erasing instead of timm's
+that differ only in a parameter form one group; none per image), and nothing is read back from the device:
+each random decision the host needs (the op of each image, which images are erased and where) is drawn on
+the CPU from torch's global generator, seeded by the run's seed and restored on resume, then sent to the
+device without waiting. Hence our random erasing instead of timm's
 (a Python loop over the images) and our autocontrast instead of torchvision's (a masked assignment)."""
 
 from __future__ import annotations
@@ -247,8 +248,8 @@ class RandomAugment:
     num_ops: int = 2
     magnitude: float | None = 9.0  # None: uniform
     magnitude_std: float = 0.5
-    # one batched call per group: an op, or the members of a family this policy has
-    _groups: list[_Op | _Family] = field(init=False, repr=False)
+    # one batched call per group: a lone op, or a family (then True: it takes each image's member index)
+    _groups: list[tuple[_Op | _Family, bool]] = field(init=False, repr=False)
     # per op index: its group, and its index among its family's members (0 for a lone op)
     _group_of: Tensor = field(init=False, repr=False)
     _member_of: Tensor = field(init=False, repr=False)
@@ -263,7 +264,7 @@ class RandomAugment:
                 keys.append(key)
             group_of.append(keys.index(key))
             member_of.append(family.index(name) if family else 0)
-        self._groups = [FAMILIES[k] if isinstance(k, tuple) else OPS[k] for k in keys]
+        self._groups = [(FAMILIES[k], True) if isinstance(k, tuple) else (OPS[k], False) for k in keys]
         self._group_of, self._member_of = torch.tensor(group_of), torch.tensor(member_of)
 
     @classmethod
@@ -325,22 +326,15 @@ class RandomAugment:
         per_image = to_device(torch.stack([mag, self._member_of[ops].to(mag.dtype)]), x.device)
         out = torch.empty_like(x)
         start = 0
-        for fn, count in zip(self._groups, counts, strict=True):
+        for (fn, family), count in zip(self._groups, counts, strict=True):
             if count:
                 idx = order[start : start + count]
                 m, which = per_image.index_select(1, idx).unbind(0)
                 images = x.index_select(0, idx)
-                result = (
-                    fn(images, which.long(), m, self.ranges)
-                    if fn in _FAMILY_FNS
-                    else fn(images, m, self.ranges)
-                )
+                result = fn(images, which.long(), m, self.ranges) if family else fn(images, m, self.ranges)
                 out.index_copy_(0, idx, result)
                 start += count
         return out
-
-
-_FAMILY_FNS = tuple(FAMILIES.values())
 
 
 @dataclass
