@@ -64,6 +64,16 @@ STEP_COLLECTIVES = {
 }
 
 
+def test_a_bad_max_time_is_refused_in_one_line(tmp_path: Path, tiny_cifar: Path, data_cache: Path):
+    run = run_cli(
+        "train.py",
+        [*tiny_overrides(tiny_cifar, data_cache), "trainer.max_time=abc", f"hydra.run.dir={tmp_path}"],
+    )
+    assert run.returncode != 0
+    assert "trainer.max_time='abc' is no duration: use DD:HH:MM:SS" in run.stderr
+    assert "Traceback" not in run.stderr, run.stderr[-2000:]
+
+
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])

@@ -16,7 +16,10 @@ from datetime import timedelta
 from typing import Any
 
 import lightning as L
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import Timer
+
+from vitrain.errors import UserError
 
 #: the cadence of the other agreements between ranks (the SIGTERM check, the LR schedule's clock)
 CHECK_EVERY_N_STEPS = 10
@@ -28,7 +31,13 @@ class TimeLimit(Timer):
     def __init__(
         self, duration: str | timedelta | dict[str, int], check_every_n_steps: int = CHECK_EVERY_N_STEPS
     ) -> None:
-        super().__init__(duration=duration, interval="step")
+        try:
+            super().__init__(duration=duration, interval="step")
+        except MisconfigurationException:
+            raise UserError(
+                f"trainer.max_time={duration!r} is no duration: use DD:HH:MM:SS (e.g. 00:12:00:00 for 12 hours), "
+                "a dict such as {hours: 12}, or null for no limit"
+            ) from None
         self.check_every_n_steps = max(int(check_every_n_steps), 1)
 
     @property
