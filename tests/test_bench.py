@@ -154,3 +154,21 @@ def test_recipes_table_compares_only_rows_of_the_current_recipe(tmp_path: Path):
     assert (
         recipes.recipe_hash() == recipes.recipe_hash(recipes.EXPERIMENT) and len(recipes.recipe_hash()) == 12
     )
+
+
+def test_gpu_kernels_are_classified_by_what_they_do():
+    """A fused Triton kernel that casts (Inductor names it after its ops, `_to_copy` among them) is fused
+    elementwise work, not a copy; an Inductor matmul template is a matmul; cuDNN's attention kernels (with
+    "wgmma" in their names) are attention."""
+    from probe import kernel_kind
+
+    assert kernel_kind("triton_per_fused__to_copy_add_mul_native_layer_norm_backward_view_8") == (
+        "triton (fused elementwise)"
+    )
+    assert kernel_kind("triton_tem_fused_addmm_gelu_3") == "matmul"
+    assert kernel_kind("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26") == "attention"
+    assert kernel_kind("nvjet_sm90_tst_192x128_64x5_1x2_h_bz_coopB_bias_TNT") == "matmul"
+    assert kernel_kind("Memcpy HtoD (Pinned -> Device)") == "copy"
+    assert kernel_kind("void at::native::elementwise_kernel<128, 2, direct_copy_kernel_cuda>") == "copy"
+    assert kernel_kind("ncclDevKernel_AllReduce_Sum_bf16_RING_LL") == "communication"
+    assert kernel_kind("void at::native::vectorized_elementwise_kernel<4, GeluCUDAKernelImpl>") == "other"
