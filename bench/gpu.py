@@ -82,6 +82,7 @@ SECTIONS: dict[str, int] = {
     "seed_host_data": 80,
     "seed_cudagraphs": 110,
     "folder_gpu_decode_inline": 100,
+    "recipes_stack": 200,
 }
 WHAT = {
     "hand": "hand-written loop",
@@ -102,6 +103,8 @@ WHAT = {
     "folder_gpu_decode_inline": "`datamodule=image_folder` from disk, `decode_device=cuda decode_ahead=0` (the training "
     "thread decodes, as before 2026-11-27 16:00 UTC)",
     "recipes": "recipes: the photo folder in memory, RandAugment + erasing, EMA, progressive resizing, flip TTA",
+    "recipes_stack": "recipes with `model.compile_scope=stack` (the 12 blocks as one graph, resizable, instead of "
+    "each block)",
     "fsdp": "`trainer=fsdp` on 1 GPU, bf16 FSDP policy",
     "fsdp_compiled": "`trainer=fsdp` on 1 GPU, bf16 FSDP policy, `model.compile=true` (each block)",
     "streaming": "`datamodule=streaming` (litdata shards of the photos), CPU decode in workers",
@@ -488,7 +491,7 @@ def section(ctx: Ctx, name: str, timeout: float) -> dict[str, Any]:
         extra = [*ctx.folder_data(in_memory=False), f"datamodule.decode_device={decode}"]
         if name == "folder_gpu_decode_inline":
             extra.append("datamodule.decode_ahead=0")
-    elif name == "recipes":
+    elif name in ("recipes", "recipes_stack"):
         size, patch = (32, 8) if ctx.cpu else (224, 32)
         # the photos held in memory make fewer batches than the other sections' window: the window fits
         base = ctx.common(
@@ -506,6 +509,10 @@ def section(ctx: Ctx, name: str, timeout: float) -> dict[str, Any]:
             "model.progressive_resize.end=0.2",
             "model.tta_flip=true",
         ]
+        if name == "recipes_stack":
+            extra.append("model.compile_scope=stack")
+            if ctx.cpu:  # the CPU smoke runs eagerly (compile=auto is off there): compile to check the path
+                extra.append("model.compile=true")
     elif name in ("fsdp", "fsdp_compiled"):
         extra = [
             *(["model.compile=true"] if name == "fsdp_compiled" else []),

@@ -5,8 +5,8 @@ Variants: SDPA attention instead of timm's matmul-softmax attention (`model.fuse
 bf16 autocast (`trainer.precision`), AdamW `foreach` instead of `fused` (`model.optimizer.fused`), NCHW
 instead of channels-last convolutions (`model.channels_last`),
 `torch.compile` (`model.compile`, whose compile time is reported against the time it saves), and compiled
-block by block (`model.compile_scope=blocks`); for the seed's network (ViT-B/32) the compile time of both
-scopes, each in a fresh process and compiler cache. And one
+block by block (`model.compile_scope=blocks`); for the seed's network (ViT-B/32) the compile time and step
+time of each scope (network, blocks, stack), each in a fresh process and compiler cache. And one
 lever outside the network, measured on whole `src/train.py` runs since it is set when a process starts:
 glibc malloc's defaults instead of `extras.retain_freed_memory` (vitrain/utils/host_memory.py). On a host
 without an NVIDIA driver, also torch's NVML-based CUDA check left on as Lightning sets it (a failing library
@@ -65,7 +65,7 @@ SMOKE = [
 MALLOC = "retained -> glibc default malloc (whole runs)"
 NVML = "no driver: NVML check per step left on"
 BLOCKS = "torch.compile per block"
-# the seed's network, for the compile time of `model.compile_scope` (network vs blocks)
+# the seed's network, for the compile time of `model.compile_scope` (network, blocks, stack)
 SEED_NET = "vit_base_patch32_224"
 
 COMPILE_PROBE = """
@@ -77,7 +77,7 @@ scope, name, batch, steps = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.
 torch.manual_seed(0)
 net = timm.create_model(name, num_classes=10, drop_path_rate=0.1)
 optimizer = torch.optim.AdamW(net.parameters(), fused=True)
-apply_compile(net, transformer_blocks(net), per_unit=scope == "blocks")
+apply_compile(net, transformer_blocks(net), scope=scope)
 x, y = torch.randn(batch, 3, 224, 224), torch.randint(0, 10, (batch,))
 
 
@@ -157,7 +157,9 @@ class Variant:
         self.compile_s: float | None = None
         if compile:
             # as model.compile_scope does (vitrain/distributed/parallelize.py): the whole network, or each block
-            apply_compile(self.net, transformer_blocks(self.net), per_unit=compile == "blocks")
+            apply_compile(
+                self.net, transformer_blocks(self.net), scope="blocks" if compile == "blocks" else "network"
+            )
             t0 = time.perf_counter()
             self.step()  # the first call compiles forward and backward
             self.compile_s = time.perf_counter() - t0
@@ -286,15 +288,18 @@ def main() -> None:
         )
     scopes: dict[str, dict[str, float]] = {}
     if args.compile:  # model.compile_scope on the seed's network, each in a fresh process and cache
-        scopes = {scope: compile_probe(scope, SEED_NET, 16, 5) for scope in ("network", "blocks")}
-        net_s, blocks_s = scopes["network"], scopes["blocks"]
-        figures[f"{SEED_NET} first step (compile) s, network / blocks"] = (
-            f"{net_s['compile_s']:.1f} / {blocks_s['compile_s']:.1f}"
+        scopes = {scope: compile_probe(scope, SEED_NET, 16, 5) for scope in ("network", "blocks", "stack")}
+        net_s = scopes["network"]
+        figures[f"{SEED_NET} first step (compile) s, network / blocks / stack"] = " / ".join(
+            f"{scopes[k]['compile_s']:.1f}" for k in ("network", "blocks", "stack")
         )
-        figures[f"{SEED_NET} compile time, blocks / network"] = round(
-            blocks_s["compile_s"] / net_s["compile_s"], 2
-        )
-        figures[f"{SEED_NET} steps/s, blocks / network"] = round(net_s["step_s"] / blocks_s["step_s"], 3)
+        for scope in ("blocks", "stack"):
+            figures[f"{SEED_NET} compile time, {scope} / network"] = round(
+                scopes[scope]["compile_s"] / net_s["compile_s"], 2
+            )
+            figures[f"{SEED_NET} steps/s, {scope} / network"] = round(
+                net_s["step_s"] / scopes[scope]["step_s"], 3
+            )
         notes.append(
             f"model.compile_scope on the seed's network ({SEED_NET}, batch 16, bf16 autocast, one fresh process "
             "and compiler cache each, one run each): the first step holds the compile"

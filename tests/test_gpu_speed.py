@@ -92,7 +92,9 @@ def test_fused_adamw_steps_fsdp2_shards_like_foreach(tmp_path: Path):
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
-def _graphs_for_sizes(per_block: bool, monkeypatch: pytest.MonkeyPatch, drop_path_rate: float = 0.0) -> int:
+def _graphs_for_sizes(
+    per_block: bool, monkeypatch: pytest.MonkeyPatch, drop_path_rate: float = 0.0, scope: str = "auto"
+) -> int:
     from torch._dynamo.utils import counters
 
     compile_ = nn.Module.compile
@@ -104,7 +106,10 @@ def _graphs_for_sizes(per_block: bool, monkeypatch: pytest.MonkeyPatch, drop_pat
         "vit_tiny_patch16_224", img_size=32, patch_size=8, embed_dim=32, depth=3, num_heads=2,
         num_classes=4, dynamic_img_size=True, drop_path_rate=drop_path_rate,
     )  # fmt: skip
-    parallelize(net, None, compile=True, resizes=per_block)
+    parallelize(net, None, compile=True, resizes=per_block, compile_scope=scope)
+    if scope == "stack":  # the blocks' container compiled, nothing inside or around it
+        assert getattr(net.blocks, "_compiled_call_impl", None) is not None
+        assert not any(getattr(m, "_compiled_call_impl", None) for m in [net, *net.blocks, net.patch_embed])
     for size in (16, 24, 32, 32, 16):  # a progressive-resizing ramp, then evaluation-like reuse
         net(torch.randn(2, 3, size, size)).sum().backward()
     graphs = counters["stats"]["unique_graphs"]
@@ -126,6 +131,44 @@ def test_blocks_with_growing_drop_path_rates_share_one_graph(monkeypatch: pytest
     block by block, timm's float rates made a graph per block (ViT-B: 8, then Dynamo's recompile limit and
     eager blocks); as tensors, the blocks share the graphs of rate-free blocks."""
     assert _graphs_for_sizes(per_block=True, monkeypatch=monkeypatch, drop_path_rate=0.1) == 2
+
+
+def test_progressive_resizing_compiles_the_stack_of_blocks_twice(monkeypatch: pytest.MonkeyPatch):
+    """`compile_scope=stack`: the blocks' `nn.Sequential` as one graph (fusions across blocks, one call a step),
+    as resizable as each block alone: a graph for the first size, one with a dynamic token count for the rest,
+    whatever the blocks' stochastic-depth rates (constants inside one graph)."""
+    assert _graphs_for_sizes(per_block=True, monkeypatch=monkeypatch, scope="stack") == 2
+    assert _graphs_for_sizes(per_block=True, monkeypatch=monkeypatch, scope="stack", drop_path_rate=0.1) == 2
+
+
+def test_stack_scope_finds_the_blocks_container_or_falls_back_to_blocks(monkeypatch: pytest.MonkeyPatch):
+    """The stack is the `nn.Sequential` holding exactly the alike blocks (with activation checkpointing, their
+    wrappers); a hybrid ViT's stem stays out; a model whose blocks sit in a `ModuleList` its forward loops over
+    gets each block compiled, with a warning."""
+    from vitrain.distributed.parallelize import unit_stack
+
+    seen: list[nn.Module] = []
+    monkeypatch.setattr(nn.Module, "compile", lambda self, **kw: seen.append(self))
+    net = _hybrid_vit()
+    assert unit_stack(net, transformer_blocks(net)) is net.blocks
+    parallelize(net, None, compile=True, compile_scope="stack", activation_checkpointing=True)
+    assert seen == [net.blocks] and all(type(b).__name__ == "CheckpointWrapper" for b in net.blocks)
+
+    class Looped(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Sequential(nn.Linear(4, 4), nn.GELU()) for _ in range(3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    seen.clear()
+    looped = Looped()
+    assert unit_stack(looped, transformer_blocks(looped)) is None
+    parallelize(looped, None, compile=True, compile_scope="stack")
+    assert seen == list(looped.layers)
 
 
 def _hybrid_vit() -> nn.Module:
@@ -169,12 +212,15 @@ def test_compile_scope_is_checked_in_one_line():
     from vitrain.models.classifier import ImageClassifier
 
     net, opt = {"model_name": "vit_tiny_patch16_224"}, {"_target_": "torch.optim.AdamW"}
-    with pytest.raises(ModelError, match=r"model\.compile_scope='all' must be one of auto, network, blocks"):
+    with pytest.raises(
+        ModelError, match=r"model\.compile_scope='all' must be one of auto, network, blocks, stack"
+    ):
         ImageClassifier(net=net, optimizer=opt, compile_scope="all")
-    model = ImageClassifier(net=net, optimizer=opt, compile=True, compile_scope="network")
-    with pytest.raises(ModelError, match=r"model\.compile_scope=network with trainer=fsdp"):
-        model.check_strategy(_strategy("cuda", sharded=True))
-    model.check_strategy(_strategy("cuda"))  # one GPU: the whole network, as asked
+    for scope in ("network", "stack"):
+        model = ImageClassifier(net=net, optimizer=opt, compile=True, compile_scope=scope)
+        with pytest.raises(ModelError, match=rf"model\.compile_scope={scope} with trainer=fsdp"):
+            model.check_strategy(_strategy("cuda", sharded=True))
+        model.check_strategy(_strategy("cuda"))  # one GPU: as asked
 
 
 def test_compile_mode_reaches_torch_compile_and_is_checked(monkeypatch: pytest.MonkeyPatch):

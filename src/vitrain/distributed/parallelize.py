@@ -9,8 +9,11 @@ takes the whole network, unless progressive resizing changes the input size: a V
 embeddings specialise the whole-network graph to each size (one compile per size), while a block sees only
 the token count, which the second size makes dynamic (two compiles in all).
 `compile_scope=blocks` compiles the units on one device too: a third of the whole network's compile time for
-ViT-B/32 on a CPU, at the same step time there (docs/benchmarks.md, "Levers"); on a GPU the seed run's whole
-network compile is the one measured (`auto`).
+ViT-B/32 on a CPU, at the same step time there (docs/benchmarks.md, "Levers"); on an H100 a quarter of it, at
+1.04x the GPU time per step (the block boundaries keep fusions apart) and 12 compiled calls a step instead of
+one. `compile_scope=stack` compiles the container of the blocks (a ViT's `blocks`, an `nn.Sequential`) as one
+graph: the fusions across blocks and one call a step, and still resizable (the stack sees only the token
+count: two compiles in all), for a compile time near the whole network's.
 
 `parallelize(net, strategy, ...)` reads what to do from the strategy (an FSDP2Strategy carries its mesh
 and options), so the model imports no strategy: `ImageClassifier.configure_model` hands its network here
@@ -58,8 +61,9 @@ def parallelize(
     if activation_checkpointing:
         units = apply_activation_checkpointing(net, units)
     if compile:
-        per_unit = compile_scope == "blocks" or (compile_scope == "auto" and (mesh is not None or resizes))
-        units = apply_compile(net, units, per_unit=per_unit, mode=compile_mode)
+        if compile_scope == "auto":
+            compile_scope = "blocks" if mesh is not None or resizes else "network"
+        units = apply_compile(net, units, scope=compile_scope, mode=compile_mode)
     if mesh is not None:
         apply_fsdp(net, mesh, units, **options)
     net._vitrain_parallelized = True
@@ -77,18 +81,29 @@ def apply_activation_checkpointing(root: nn.Module, units: list[nn.Module]) -> l
 
 
 def apply_compile(
-    root: nn.Module, units: list[nn.Module], per_unit: bool, mode: str | None = None
+    root: nn.Module, units: list[nn.Module], scope: str = "network", mode: str | None = None
 ) -> list[nn.Module]:
-    """`nn.Module.compile` in place (state-dict keys and checkpoints stay those of the plain model): each
-    unit (`per_unit`: the model will be sharded or resized, or `compile_scope=blocks`; the rest stays eager),
-    otherwise the whole network (one graph).
+    """`nn.Module.compile` in place (state-dict keys and checkpoints stay those of the plain model), by
+    `scope`: `network`, the whole network (one graph); `blocks`, each unit (the rest stays eager); `stack`,
+    the one container that holds the units (`unit_stack`), one graph for all of them; each unit when there is
+    no such container.
 
     One by one, only units with a twin are compiled (`twin_units`): alike units share one graph, a unit of
     its own shape would compile one more. Those units get a stochastic depth whose rate is a tensor
     (`uniform_drop_paths`): with timm's per-block float rates each block would compile a graph of its own.
     `mode`: torch.compile's (`model.compile_mode`; reduce-overhead replays each graph as a CUDA graph)."""
     options = {"mode": mode} if mode else {}
-    if per_unit and units:
+    if scope == "stack":
+        stack = unit_stack(root, units)
+        if stack is not None:
+            stack.compile(**options)
+            return units
+        log.warning(
+            "compile_scope=stack: %s's blocks are not one container's, compiled one by one",
+            type(root).__name__,
+        )
+        scope = "blocks"
+    if scope == "blocks" and units:
         twins = twin_units(units)
         if not twins:
             log.warning("compile per block: %s has no repeated blocks, nothing compiled", type(root).__name__)
@@ -98,6 +113,19 @@ def apply_compile(
     else:
         root.compile(**options)
     return units
+
+
+def unit_stack(root: nn.Module, units: list[nn.Module]) -> nn.Module | None:
+    """The `nn.Sequential` whose children are exactly the twin units, in order (a ViT's `blocks`), or None
+    (units spread over stages, a `ModuleList` looped over in the model's own forward, other children beside
+    them): what `compile_scope=stack` compiles as one graph."""
+    twins = twin_units(units)
+    if len(twins) < 2:
+        return None
+    for container in root.modules():
+        if isinstance(container, nn.Sequential) and list(container.children()) == twins:
+            return container
+    return None
 
 
 def twin_units(units: list[nn.Module]) -> list[nn.Module]:

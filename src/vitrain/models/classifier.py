@@ -173,9 +173,10 @@ class ImageClassifier(L.LightningModule):
                 "along its first dimension, as a contiguous tensor): leave it false"
             )
         compiled_under_fsdp = getattr(strategy, "fsdp_options", None) is not None and self.compiles(strategy)
-        if compiled_under_fsdp and self.hparams.get("compile_scope") == "network":
+        scope = self.hparams.get("compile_scope")
+        if compiled_under_fsdp and scope in ("network", "stack"):
             raise ModelError(
-                "model.compile_scope=network with trainer=fsdp: FSDP2's hooks sit between the blocks, so the "
+                f"model.compile_scope={scope} with trainer=fsdp: FSDP2's hooks sit between the blocks, so the "
                 "network is compiled block by block there: set model.compile_scope=blocks or auto"
             )
         if compiled_under_fsdp and self._cuda_graphs:
@@ -358,7 +359,7 @@ class ImageClassifier(L.LightningModule):
 
 
 # model.compile_scope: what `parallelize` compiles (vitrain/distributed/parallelize.py)
-COMPILE_SCOPES = ("auto", "network", "blocks")
+COMPILE_SCOPES = ("auto", "network", "blocks", "stack")
 # model.compile_mode: torch.compile's modes (null: its default); those that replay CUDA graphs
 COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")

@@ -3,8 +3,9 @@
 Lightning sets `PYTORCH_NVML_BASED_CUDA_CHECK=1` when it is imported, so that the question does not
 initialise CUDA in a process that forks later. torch then answers it through NVML (`libnvidia-ml`) until
 CUDA is initialised; on a host with no NVIDIA driver that library load fails and is tried again at every
-question, and torch's Adam/AdamW ask once per optimizer step. Measured here: 1-3 % of a `cifar_cpu`
-training step (docs/benchmarks.md, "Levers"). Where NVML cannot load, torch falls back to the CUDA
+question, and torch's Adam/AdamW ask once per optimizer step. Measured here: ~0.25 ms per step (a failed
+`dlopen`, cProfile), from within the noise to 3 % of a `cifar_cpu` training step over runs
+(docs/benchmarks.md, "Levers"). Where NVML cannot load, torch falls back to the CUDA
 runtime's device count, which is what it asks with the variable unset: the same answer, without the load.
 """
 
