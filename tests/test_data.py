@@ -614,3 +614,58 @@ def test_data_held_on_a_device_is_sliced_there(
     assert [tuple(x.shape) for x, _ in batches] == [(8, 3, 32, 32)] * len(host)
     clone = pickle.loads(pickle.dumps(dm.train_set))
     assert clone._copies == {} and torch.equal(clone.x, dm.train_set.x)
+
+
+def test_a_limit_that_scores_a_class_sorted_prefix_is_named(
+    folders: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+):
+    """`trainer.limit_test_batches` takes the first batches of the test split, which is stored sorted by class:
+    a one-line warning says how many classes the scored images hold. The carved validation split (random
+    order), a limit that covers the split, and no limit say nothing."""
+    from vitrain.data.sampling import partial_pass_note
+
+    dm = CIFAR10DataModule(str(folders), str(tmp_path / "cache"), batch_size=4, val_size=10)
+    dm.trainer = _trainer(devices=1, limit_test_batches=1, limit_val_batches=1)
+    dm.setup("fit")
+    assert torch.equal(dm.test_set.y, dm.test_set.y.sort().values)  # the folders' order
+    with caplog.at_level("WARNING", logger="vitrain.data.datamodules.base"):
+        batch = next(iter(dm.test_dataloader()))
+        dm.val_dataloader()
+    warned = [r.getMessage() for r in caplog.records if r.name == "vitrain.data.datamodules.base"]
+    held = len(set(batch[1].tolist()))
+    assert warned == [
+        f"trainer.limit_test_batches=1 scores the first 4 of the 20 test images, which hold {held} of its 10 "
+        "classes (the split is stored sorted by class): its test figures are not the split's; leave the limit "
+        "null for the whole split"
+    ]
+    labels = dm.test_set.y
+    assert partial_pass_note("test", labels, None, 4, 1) is None
+    assert partial_pass_note("test", labels, 5, 4, 1) is None  # 20 images: the whole split
+    assert partial_pass_note("test", labels, 1.0, 4, 1) is None
+    assert "the first 10 of the 20" in partial_pass_note("test", labels, 0.5, 4, 1)
+    assert "the first 16 of the 20" in partial_pass_note("test", labels, 2, 4, 2)  # 2 batches on 2 ranks
+    assert partial_pass_note("val", dm.val_set.y, 1, 4, 1) is None  # random order: a sample
+    assert partial_pass_note("test", None, 1, 4, 1) is None  # labels unknown (streaming)
+
+
+def test_test_subset_is_a_fixed_random_sample_of_the_test_split(folders: Path, tmp_path: Path):
+    """`datamodule.test_subset`: N test images drawn once with `split_seed` (the same every run), in their
+    stored order: they span the classes where the first N of a class-sorted split would not. A count at or
+    above the split's size keeps it whole; below 1 is refused in one line; streaming shards refuse it."""
+    from vitrain.data.datamodules.streaming import StreamingDataModule
+
+    def make(**kw) -> CIFAR10DataModule:
+        dm = CIFAR10DataModule(str(folders), str(tmp_path / "cache"), batch_size=4, val_size=10, **kw)
+        dm.setup("fit")
+        return dm
+
+    whole, a, b = make(), make(test_subset=8), make(test_subset=8)
+    expected = torch.randperm(20, generator=torch.Generator().manual_seed(0))[:8].sort().values
+    assert torch.equal(a.test_set.x, whole.test_set.x[expected]) and torch.equal(a.test_set.y, b.test_set.y)
+    assert len(set(a.test_set.y.tolist())) > len(set(whole.test_set.y[:8].tolist()))
+    assert not torch.equal(make(test_subset=8, split_seed=1).test_set.y, a.test_set.y)
+    assert torch.equal(make(test_subset=50).test_set.x, whole.test_set.x)
+    with pytest.raises(DataError, match=r"^datamodule.test_subset=0 must be at least 1 \(or null for all\)$"):
+        make(test_subset=0)
+    with pytest.raises(DataError, match=r"train_subset and test_subset do not apply to streaming shards"):
+        StreamingDataModule.keep(whole.test_set, [0])

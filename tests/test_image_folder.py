@@ -559,3 +559,15 @@ def test_gpu_decode_trains_through_the_cli(noise: Path, tmp_path: Path, decode_o
     metrics, objects = train(cfg)
     assert objects.trainer.global_step == 2 and "val/acc1" in metrics
     assert objects.datamodule._gpu_decoder is not None
+
+
+def test_test_subset_keeps_sampled_files(photos: Path, tmp_path: Path):
+    """From disk, `test_subset` keeps the sampled files (the test split here is val/, sorted by class); the
+    validation split it was taken from stays whole."""
+    whole = _classes_and_setup(photos, tmp_path)
+    dm = _classes_and_setup(photos, tmp_path, test_subset=5)
+    picked = torch.randperm(len(whole.test_set), generator=torch.Generator().manual_seed(0))[:5].sort().values
+    assert dm.test_set.files == [whole.test_set.files[i] for i in picked.tolist()]
+    assert dm.val_set.files == whole.val_set.files
+    _, y = next(iter(dm.test_dataloader()))
+    assert len(y) == 4 and y.tolist() == [label for _, label in dm.test_set.files[:4]]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import random
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -135,3 +135,33 @@ def split_indices(n: int, val_size: int | float, seed: int) -> tuple[Tensor, Ten
         )
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
     return perm[count:], perm[:count]
+
+
+def partial_pass_note(
+    split: str, labels: Sequence[int] | Tensor | None, limit: int | float | None, batch: int, world: int
+) -> str | None:
+    """One line when `trainer.limit_<split>_batches` scores a prefix of an evaluation split that holds fewer
+    classes than the split: Lightning takes the first batches, and evaluation visits a split in its stored
+    order (a test split, or a folder's val/, sorted by class), so `limit_test_batches=2` of CIFAR scores 64
+    airplanes. None when the whole split is scored, the split is not sorted by class, the prefix has every
+    class, or the labels are unknown."""
+    if labels is None or limit is None or batch < 1:
+        return None
+    n = len(labels)
+    if isinstance(limit, float):
+        scored = n if limit >= 1.0 else int(limit * n)
+    else:
+        scored = min(n, int(limit) * batch * max(world, 1))
+    if scored >= n or scored <= 0:
+        return None
+    values = labels.tolist() if isinstance(labels, Tensor) else list(labels)
+    if any(a > b for a, b in itertools.pairwise(values)):
+        return None  # not sorted by class (a carved validation split is in random order): a fair sample
+    seen, every = len(set(values[:scored])), len(set(values))
+    if seen >= every:
+        return None
+    return (
+        f"trainer.limit_{split}_batches={limit} scores the first {scored} of the {n} {split} images, which hold "
+        f"{seen} of its {every} classes (the split is stored sorted by class): its {split} figures are not the "
+        "split's; leave the limit null for the whole split"
+    )

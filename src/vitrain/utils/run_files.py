@@ -32,6 +32,7 @@ CONFIG_KEYS = (
     "model.progressive_resize.start_size",  # set: early steps trained smaller (the report's throughput says so)
     "datamodule.batch_size",
     "datamodule.train_subset",
+    "datamodule.test_subset",
     "trainer.max_epochs",
     "trainer.max_time",
     "trainer.precision",  # as asked (`auto`); the top-level `precision` is what it resolved to

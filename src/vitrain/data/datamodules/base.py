@@ -25,7 +25,7 @@ from vitrain.data.augment import BatchTransform
 from vitrain.data.decode_ahead import DecodedAhead, decode_ahead
 from vitrain.data.gpu_decode import EncodedBatch, GpuDecoder, crop_batch, decode_batch
 from vitrain.data.loaders import ResumableLoader, TensorImageDataset, passthrough_collate
-from vitrain.data.sampling import make_sampler, per_process_batch
+from vitrain.data.sampling import make_sampler, partial_pass_note, per_process_batch
 from vitrain.errors import DataError
 from vitrain.utils.config import plain
 
@@ -118,6 +118,7 @@ class ImageDataModule(LightningDataModule):
         mean: list[float] | None = None,
         std: list[float] | None = None,
         train_subset: int | None = None,
+        test_subset: int | None = None,
     ) -> None:
         super().__init__()
         check_ints(
@@ -128,6 +129,7 @@ class ImageDataModule(LightningDataModule):
             eval_batch_size=eval_batch_size,
             img_size=img_size,
             train_subset=train_subset,
+            test_subset=test_subset,
         )
         if isinstance(val_size, bool) or not isinstance(val_size, int | float):
             raise DataError(f"datamodule.val_size={val_size!r} must be a count or a fraction below 1")
@@ -266,12 +268,17 @@ class ImageDataModule(LightningDataModule):
         if self.train_set is None:
             splits = self.load_splits()
             self.train_set, self.val_set, self.test_set = splits.train, splits.val, splits.test
+            for key in ("train_subset", "test_subset"):
+                if hp.get(key) is not None and hp[key] < 1:
+                    raise DataError(f"datamodule.{key}={hp[key]} must be at least 1 (or null for all)")
             if hp.train_subset is not None:
-                if hp.train_subset < 1:
-                    raise DataError(
-                        f"datamodule.train_subset={hp.train_subset} must be at least 1 (or null for all)"
-                    )
-                self.train_set = self.subset(self.train_set, hp.train_subset)
+                self.train_set = self.keep(self.train_set, range(min(hp.train_subset, len(self.train_set))))
+            if hp.get("test_subset") is not None and hp.test_subset < len(self.test_set):
+                # a fixed random sample, not the first images: a test split is stored sorted by class
+                perm = torch.randperm(
+                    len(self.test_set), generator=torch.Generator().manual_seed(hp.split_seed)
+                )
+                self.test_set = self.keep(self.test_set, perm[: hp.test_subset].sort().values.tolist())
         smallest = min(len(self.val_set), len(self.test_set))
         if smallest < world:
             raise DataError(
@@ -280,11 +287,17 @@ class ImageDataModule(LightningDataModule):
             )
 
     @staticmethod
-    def subset(dataset: Dataset, n: int) -> Dataset:
-        """The first `n` samples (the split is already shuffled)."""
+    def keep(dataset: Dataset, indices: Sequence[int]) -> Dataset:
+        """The samples at `indices`, in that order (`train_subset`: the first ones, the split being shuffled
+        already; `test_subset`: a fixed random sample)."""
         if isinstance(dataset, TensorImageDataset):
-            return TensorImageDataset(dataset.x[:n], dataset.y[:n])
-        return torch.utils.data.Subset(dataset, range(min(n, len(dataset))))
+            if isinstance(indices, range) and indices.step == 1:  # a view, no copy
+                return TensorImageDataset(
+                    dataset.x[indices.start : indices.stop], dataset.y[indices.start : indices.stop]
+                )
+            idx = torch.as_tensor(list(indices), dtype=torch.long)
+            return TensorImageDataset(dataset.x[idx], dataset.y[idx])
+        return torch.utils.data.Subset(dataset, list(indices))
 
     def _world(self) -> tuple[int, int]:
         if self.trainer is None:
@@ -392,10 +405,28 @@ class ImageDataModule(LightningDataModule):
         return self._loader(self.train_set, train=True)
 
     def val_dataloader(self) -> DataLoader:
+        self._note_partial_pass("val", self.val_set)
         return self._loader(self.val_set, train=False)
 
     def test_dataloader(self) -> DataLoader:
+        self._note_partial_pass("test", self.test_set)
         return self._loader(self.test_set, train=False)
+
+    def _note_partial_pass(self, split: str, dataset: Dataset | None) -> None:
+        """Warn, on rank zero, when the trainer's limit scores a prefix of a class-sorted split
+        (`sampling.partial_pass_note`)."""
+        trainer = self.trainer
+        if trainer is None or dataset is None or trainer.global_rank != 0:
+            return
+        if isinstance(dataset, TensorImageDataset):
+            labels: Any = dataset.y
+        else:  # the image-folder datasets hold (path, label) pairs; others (streaming): unknown
+            files = getattr(dataset, "files", None)
+            labels = [label for _, label in files] if files is not None else None
+        limit = getattr(trainer, f"limit_{split}_batches", None)
+        note = partial_pass_note(split, labels, limit, self._eval_batch, trainer.world_size)
+        if note:
+            log.warning(note)
 
     def decoder_ahead(self) -> Callable[[Iterator], Iterator] | None:
         """GPU decode in a trainer: the training loader's wrapper that decodes `decode_ahead` batches ahead in a

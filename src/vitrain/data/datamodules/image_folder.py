@@ -28,6 +28,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -219,12 +220,13 @@ class ImageFolderDataModule(ImageDataModule):
         )
 
     @staticmethod
-    def subset(dataset: Dataset, n: int) -> Dataset:
-        """The first `n` files (the samplers hand this dataset `(epoch, index)` keys, which Subset cannot map)."""
+    def keep(dataset: Dataset, indices: Sequence[int]) -> Dataset:
+        """The files at `indices` (the samplers hand this dataset `(epoch, index)` keys, which Subset cannot
+        map)."""
         if isinstance(dataset, TensorImageDataset):
-            return ImageDataModule.subset(dataset, n)
+            return ImageDataModule.keep(dataset, indices)
         kept = copy.copy(dataset)
-        kept.files = dataset.files[:n]
+        kept.files = [dataset.files[i] for i in indices]
         return kept
 
     # --- GPU decode -------------------------------------------------------------------------------

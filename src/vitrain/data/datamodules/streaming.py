@@ -16,7 +16,7 @@ import io
 import json
 import logging
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -352,9 +352,10 @@ class StreamingDataModule(ImageDataModule):
         )
 
     @staticmethod
-    def subset(dataset: Dataset, n: int) -> Dataset:
+    def keep(dataset: Dataset, indices: Sequence[int]) -> Dataset:
         raise DataError(
-            "datamodule.train_subset does not apply to streaming shards: write a smaller shard set instead"
+            "datamodule.train_subset and test_subset do not apply to streaming shards: write a smaller shard "
+            "set instead"
         )
 
     def train_dataloader(self) -> DataLoader:
