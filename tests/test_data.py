@@ -642,7 +642,7 @@ def test_a_limit_that_scores_a_class_sorted_prefix_is_named(
     assert partial_pass_note("test", labels, None, 4, 1) is None
     assert partial_pass_note("test", labels, 5, 4, 1) is None  # 20 images: the whole split
     assert partial_pass_note("test", labels, 1.0, 4, 1) is None
-    assert "the first 10 of the 20" in partial_pass_note("test", labels, 0.5, 4, 1)
+    assert "the first 8 of the 20" in partial_pass_note("test", labels, 0.5, 4, 1)  # 2 of 5 batches
     assert "the first 16 of the 20" in partial_pass_note("test", labels, 2, 4, 2)  # 2 batches on 2 ranks
     assert partial_pass_note("val", dm.val_set.y, 1, 4, 1) is None  # random order: a sample
     assert partial_pass_note("test", None, 1, 4, 1) is None  # labels unknown (streaming)

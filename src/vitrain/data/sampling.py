@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import math
 import random
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -147,11 +148,13 @@ def partial_pass_note(
     class, or the labels are unknown."""
     if labels is None or limit is None or batch < 1:
         return None
-    n = len(labels)
-    if isinstance(limit, float):
-        scored = n if limit >= 1.0 else int(limit * n)
+    n, world = len(labels), max(world, 1)
+    if isinstance(limit, float):  # Lightning: that fraction of each process's batches, rounded down
+        per_process = math.ceil(n / world)
+        limit_batches = n if limit >= 1.0 else int(limit * math.ceil(per_process / batch))
     else:
-        scored = min(n, int(limit) * batch * max(world, 1))
+        limit_batches = int(limit)
+    scored = min(n, limit_batches * batch * world)
     if scored >= n or scored <= 0:
         return None
     values = labels.tolist() if isinstance(labels, Tensor) else list(labels)
