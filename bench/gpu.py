@@ -644,6 +644,13 @@ def parse() -> argparse.Namespace:
     p.add_argument("--cache-dir", type=Path, default=CACHE_DIR, help="unused; kept for bench/run.py")
     p.add_argument("--work", type=Path, default=None, help="scratch folder (default: a temporary one)")
     p.add_argument("--only", default="", help="comma-separated subset of " + ",".join(SECTIONS))
+    p.add_argument(
+        "--compile-cache",
+        type=Path,
+        default=None,
+        help="a .tar.gz of an earlier call's compile cache to start from; this call's cache is written to "
+        "--out under the same name (GPU only)",
+    )
     p.add_argument("--budget", type=float, default=900.0, help="seconds for all sections together")
     p.add_argument("--batch", type=int, default=384)
     p.add_argument("--steps", type=int, default=40, help="timed steps")
@@ -697,6 +704,15 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     args.out.mkdir(parents=True, exist_ok=True)
     ctx = Ctx(args, work, cpu)
+    # one compile cache for every section: the template's (`paths.cache_dir`, below) and the hand-written
+    # loops' child processes. A call may bring it warm from an earlier one (--compile-cache); the first steps'
+    # seconds then measure a warm cache, which the JSON says
+    cache = work / "cache" / "torch_compile"
+    if args.compile_cache is not None and args.compile_cache.is_file():
+        cache.mkdir(parents=True, exist_ok=True)
+        shutil.unpack_archive(args.compile_cache, cache)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache)
+    cache_at_start = sum(1 for f in cache.rglob("*") if f.is_file()) if cache.is_dir() else 0
     # --smoke (the tests' run) exercises the two kinds of section, a hand-written loop and a template run
     names = [n for n in args.only.split(",") if n] or (["hand", "seed"] if args.smoke else list(SECTIONS))
     unknown = set(names) - set(SECTIONS)
@@ -720,6 +736,11 @@ def main() -> int:
         print(f"{name} ({results[name]['seconds']:.0f} s):", json.dumps(results[name])[:600], flush=True)
         (args.out / "gpu_sections.json").write_text(json.dumps(results, indent=1, default=str))
     rows = table(results)
+    if cache_at_start:
+        rows += [
+            "",
+            f"First steps (compile) with the compile cache of an earlier call ({cache_at_start} files).",
+        ]
     print("\n".join(rows), flush=True)
     facts = gpu_facts()
     seed = (results.get("seed") or {}).get("figures") or {}
@@ -747,7 +768,14 @@ def main() -> int:
         table_md=rows,
         sections=results,
         gpu_facts=facts,
+        compile_cache_at_start=(
+            f"warm: {cache_at_start} files from {args.compile_cache.name}" if cache_at_start else "cold"
+        ),
     )
+    if args.compile_cache is not None and not cpu:
+        # the cache as this call leaves it, for the next call to bring (as a .tar.gz)
+        keep = args.out / args.compile_cache.name.removesuffix(".tar.gz")
+        shutil.make_archive(str(keep), "gztar", root_dir=cache)
     if args.work is None:
         shutil.rmtree(work, ignore_errors=True)
     return 0

@@ -7,13 +7,18 @@ augmentation, batch size, AdamW parameter groups, LR schedule and autocast preci
 an on-device running loss/accuracy. Both run in one process, alternating in blocks of a few steps
 (`Interleave`); the figure is the median of the per-block ratios, after `warmup` steps of each. After the
 timed blocks, a few more steps of each under torch.profiler count the top-level aten ops per step (on a GPU
-each is at least one kernel launch: host work the GPU can wait behind).
+each is at least one kernel launch: host work the GPU can wait behind). Then the same comparison twice with
+a tiny network (batch 8), whose step is mostly host work, as a GPU step is for the host when its kernels run
+behind it: without callbacks, logger and progress bar (Lightning's loop alone), then with the experiment's;
+and each callback's per-step hooks timed directly, called 200 times with a step's real arguments
+(`HookCost`): host work per step in milliseconds, where whole-step ratios cannot resolve it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -44,13 +49,14 @@ SMOKE = [
 ]
 
 
-def template_cfg(args: Any, workdir: Path, batches: int) -> Any:
+def template_cfg(args: Any, workdir: Path, batches: int, extra: list[str] | None = None) -> Any:
     overrides = [
         SMALL_VIT,
         *data_overrides(args),
         f"trainer.accelerator={args.accelerator}",
         *short_run(batches, val_batches=1),
         *(SMOKE if args.smoke else []),
+        *(extra or []),
     ]
     return compose(overrides, workdir)
 
@@ -177,14 +183,113 @@ class Interleave(Callback):
         self._t0 = synced_clock(self.plain.device)
 
 
-INTERLEAVER: Interleave | None = None
+PER_STEP_HOOKS = (
+    "on_train_batch_start",
+    "on_before_backward",
+    "on_after_backward",
+    "on_before_optimizer_step",
+    "on_before_zero_grad",
+    "on_train_batch_end",
+)
+
+
+class HookCost(Callback):
+    """Microseconds per training step that each other callback's per-step hooks take, called `calls` times
+    each with the step's real arguments at the first step after `at` that writes no logs (so no hook logs
+    or saves on the repeated calls). A direct figure where whole-step timings cannot resolve tens of
+    microseconds out of a step's noise."""
+
+    def __init__(self, at: int, calls: int = 200) -> None:
+        self.at, self.calls = at, calls
+        self.us: dict[str, float] = {}
+        self._args: dict[str, tuple] = {}
+
+    def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: Any) -> None:
+        self._args["on_before_backward"] = (trainer, pl_module, loss)
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, *rest: Any
+    ) -> None:
+        from vitrain.compat import should_update_logs
+
+        if self.us or trainer.global_step < self.at or should_update_logs(trainer) or trainer.is_last_batch:
+            return
+        batch, batch_idx = rest
+        optimizer = trainer.optimizers[0]
+        args = {
+            "on_train_batch_start": (trainer, pl_module, batch, batch_idx),
+            "on_before_backward": self._args["on_before_backward"],
+            "on_after_backward": (trainer, pl_module),
+            "on_before_optimizer_step": (trainer, pl_module, optimizer),
+            "on_before_zero_grad": (trainer, pl_module, optimizer),
+            "on_train_batch_end": (trainer, pl_module, outputs, batch, batch_idx),
+        }
+        for callback in trainer.callbacks:
+            if isinstance(callback, (HookCost, Interleave)):
+                continue
+            hooks = [h for h in PER_STEP_HOOKS if getattr(type(callback), h) is not getattr(Callback, h)]
+            if not hooks:
+                continue
+            t0 = time.perf_counter()
+            for _ in range(self.calls):
+                for hook in hooks:
+                    getattr(callback, hook)(*args[hook])
+            name = type(callback).__name__
+            self.us[name] = self.us.get(name, 0.0) + 1e6 * (time.perf_counter() - t0) / self.calls
+
+
+LIVE: dict[str, Callback] = {}
 PROFILED = 4  # steps of each loop counted under torch.profiler after the timed blocks
 
 
-def interleaver() -> Interleave:
-    """The config's handle on the live callback (it holds the plain loop, which a config cannot)."""
-    assert INTERLEAVER is not None
-    return INTERLEAVER
+def interleaver() -> Callback:
+    """The config's handle on the live callbacks (they hold the plain loop, which a config cannot)."""
+    return LIVE["interleave"]
+
+
+def hook_cost() -> Callback:
+    return LIVE["hook_cost"]
+
+
+def interleaved(cfg: Any, args: Any, device: torch.device, hook_cost_at: int | None = None) -> dict[str, Any]:
+    """The template's run of `cfg` with the plain loop's blocks in between: per-block ratios, steps/s of
+    each, top-level ops per step; with `hook_cost_at`, the callbacks' per-step hook costs too."""
+    from omegaconf import open_dict
+
+    from vitrain.tasks.training import train
+
+    plain = PlainLoop(cfg, device)
+    plain.block(args.warmup)
+    LIVE["interleave"] = live = Interleave(plain, args.block, args.warmup, args.blocks, PROFILED)
+    sys.modules.setdefault("overhead", sys.modules[__name__])  # so the config's _target_ finds this one
+    with open_dict(cfg):
+        if cfg.get("callbacks") is None:
+            cfg.callbacks = {}
+        cfg.callbacks["bench_interleave"] = {"_target_": "overhead.interleaver"}
+        if hook_cost_at is not None:
+            LIVE["hook_cost"] = HookCost(hook_cost_at)
+            cfg.callbacks["bench_hook_cost"] = {"_target_": "overhead.hook_cost"}
+    train(cfg)
+    per_block = [p / t for t, p in zip(live.template, live.plain_times, strict=True)]
+    if len(per_block) < args.blocks or "plain" not in live.ops_per_step:
+        raise RuntimeError(f"only {len(per_block)} of {args.blocks} blocks ran, or the op count did not")
+    t_sps, p_sps = 1 / median(live.template), 1 / median(live.plain_times)
+    return {
+        "ratio": median(per_block),
+        "per_block": per_block,
+        "template_steps_per_s": t_sps,
+        "plain_steps_per_s": p_sps,
+        "overhead_ms": 1000 * (1 / t_sps - 1 / p_sps),
+        "ratio_of_totals": sum(live.plain_times) / sum(live.template),
+        "ops": live.ops_per_step,
+        "hook_us": LIVE["hook_cost"].us if hook_cost_at is not None else None,
+    }
+
+
+# the host cost of a step apart from the network's work: a network so small that the step is mostly host
+# work (Lightning's loop, the callbacks, the logger), as on a GPU whose kernels run behind the host
+HOST_NET = [*SMOKE_NET, "datamodule.batch_size=8"]
+BARE = ["callbacks=none", "logger=none", "+trainer.enable_progress_bar=false"]
 
 
 def main() -> None:
@@ -205,31 +310,31 @@ def main() -> None:
     retain_freed_memory()
     skip_failing_nvml_check()
     workdir = scratch_dir("overhead")
-    cfg = template_cfg(args, workdir / "run", args.warmup + args.blocks * args.block + 2 + PROFILED)
+    batches = args.warmup + args.blocks * args.block + 2 + PROFILED
+    cfg = template_cfg(args, workdir / "run", batches)
     device = torch.device("cuda" if torch.cuda.is_available() and args.accelerator != "cpu" else "cpu")
-    plain = PlainLoop(cfg, device)
-    plain.block(args.warmup)
-    global INTERLEAVER
-    interleaver = INTERLEAVER = Interleave(plain, args.block, args.warmup, args.blocks, PROFILED)
-    sys.modules.setdefault("overhead", sys.modules[__name__])  # so the config's _target_ finds this one
-    from omegaconf import open_dict
-
-    from vitrain.tasks.training import train
-
-    with open_dict(cfg):
-        cfg.callbacks["bench_interleave"] = {"_target_": "overhead.interleaver"}
-    train(cfg)
-    per_block = [p / t for t, p in zip(interleaver.template, interleaver.plain_times, strict=True)]
-    if len(per_block) < args.blocks or "plain" not in interleaver.ops_per_step:
-        raise RuntimeError(f"only {len(per_block)} of {args.blocks} blocks ran, or the op count did not")
-    r = median(per_block)
-    t_sps, p_sps = 1 / median(interleaver.template), 1 / median(interleaver.plain_times)
-    overhead_ms = 1000 * (1 / t_sps - 1 / p_sps)
+    main_run = interleaved(cfg, args, device)
+    # the same comparison with a tiny network: without, then with the default callbacks and logger
+    host = {}
+    for name, extra in (("bare", BARE), ("default", [])):
+        tiny = template_cfg(args, workdir / f"host_{name}", batches, [*HOST_NET, *extra])
+        host[name] = interleaved(tiny, args, device, hook_cost_at=None if extra else args.warmup)
+    r = main_run["ratio"]
+    t_sps, p_sps, overhead_ms = (
+        main_run["template_steps_per_s"],
+        main_run["plain_steps_per_s"],
+        main_run["overhead_ms"],
+    )
+    loop_ms = host["bare"]["overhead_ms"]
+    callbacks_ms = host["default"]["overhead_ms"] - loop_ms
+    hook_us = host["default"]["hook_us"] or {}
     goal_met = r >= 0.97
     line = (
         f"template/plain steps/s = {r:.3f} (goal >= 0.97: {'met' if goal_met else 'NOT met'}); "
         f"{t_sps:.2f} vs {p_sps:.2f} steps/s, {overhead_ms:+.1f} ms per step; "
-        f"{interleaver.ops_per_step['template']:.0f} vs {interleaver.ops_per_step['plain']:.0f} top-level ops per step"
+        f"{main_run['ops']['template']:.0f} vs {main_run['ops']['plain']:.0f} top-level ops per step; "
+        f"host work per step with a tiny network: Lightning's loop {loop_ms:+.2f} ms, the default callbacks "
+        f"and logger {callbacks_ms:+.2f} ms more (their per-step hooks {sum(hook_us.values()):.0f} us)"
     )
     net = cfg.model.net
     result.save(
@@ -239,24 +344,45 @@ def main() -> None:
             "template_steps_per_s": round(t_sps, 3),
             "plain_steps_per_s": round(p_sps, 3),
             "overhead_ms_per_step": round(overhead_ms, 2),
-            "ratio_of_totals": round(sum(interleaver.plain_times) / sum(interleaver.template), 4),
-            "template_ops_per_step": round(interleaver.ops_per_step["template"], 1),
-            "plain_ops_per_step": round(interleaver.ops_per_step["plain"], 1),
+            "ratio_of_totals": round(main_run["ratio_of_totals"], 4),
+            "template_ops_per_step": round(main_run["ops"]["template"], 1),
+            "plain_ops_per_step": round(main_run["ops"]["plain"], 1),
+            "tiny_net_loop_ms_per_step": round(loop_ms, 3),
+            "tiny_net_callbacks_logger_ms_per_step": round(callbacks_ms, 3),
+            "callback_hooks_us_per_step": round(sum(hook_us.values()), 1),
         },
         goal="template/plain >= 0.97",
         met=goal_met,
-        block_ratios=[round(v, 4) for v in per_block],
+        block_ratios=[round(v, 4) for v in main_run["per_block"]],
         device=str(device),
         model={
             k: net.get(k) for k in ("model_name", "img_size", "patch_size", "embed_dim", "depth", "num_heads")
         },
         batch_size=int(cfg.datamodule.batch_size),
         precision=str(resolve_precision(cfg.trainer)),
-        callbacks=sorted(k for k in cfg.callbacks if k != "bench_interleave"),
+        callbacks=sorted(k for k in cfg.callbacks if not k.startswith("bench_")),
         loggers=sorted(cfg.logger or []),
         blocks=args.blocks,
         block=args.block,
         warmup=args.warmup,
+        host_cost={
+            "how": "the same interleaved comparison with a tiny network (HOST_NET) and batch 8, where the "
+            "step is mostly host work: `bare` without callbacks, logger or progress bar (Lightning's loop "
+            "alone), `default` with the experiment's callbacks and logger; `hook_us`: each callback's "
+            "per-step hooks timed directly (HookCost)",
+            **{
+                name: {
+                    "ratio": round(h["ratio"], 4),
+                    "template_steps_per_s": round(h["template_steps_per_s"], 2),
+                    "plain_steps_per_s": round(h["plain_steps_per_s"], 2),
+                    "overhead_ms_per_step": round(h["overhead_ms"], 3),
+                    "template_ops_per_step": round(h["ops"]["template"], 1),
+                    "plain_ops_per_step": round(h["ops"]["plain"], 1),
+                }
+                for name, h in host.items()
+            },
+            "hook_us": {k: round(v, 1) for k, v in sorted(hook_us.items(), key=lambda kv: -kv[1])},
+        },
     )
 
 

@@ -48,6 +48,13 @@ def test_benchmark_smoke_writes_json(name: str, tmp_path: Path, tiny_cifar: Path
     json.dumps(result)  # plain JSON all the way down
     if name == "accuracy":  # cifar_cpu evaluates with flip TTA; the same weights are also scored without
         assert 0 <= result["figures"]["test_acc1_no_tta_percent"] <= 100
+    if name == "overhead":  # the host cost with the tiny network, and each callback's per-step hooks timed
+        host = result["details"]["host_cost"]
+        assert host["bare"]["template_steps_per_s"] > 0 and host["default"]["template_steps_per_s"] > 0
+        assert {"ExactResume", "ImageThroughputMonitor", "ProgressBar"} <= set(host["hook_us"])
+        assert all(us > 0 for us in host["hook_us"].values())
+    if name == "gpu":  # no --compile-cache given: every section compiled from nothing
+        assert result["details"]["compile_cache_at_start"] == "cold"
     if name == "ddp_scaling":  # the step anatomy of both DDP ranks came from their own probes
         assert len(result["details"]["anatomy"]["two"]) == 2
         for variant in ("one", "two", "independent"):
