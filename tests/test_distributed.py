@@ -25,6 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 from helpers import ROOT, TINY_VIT, assert_plain, compose_cfg, run_cli, tiny_overrides
 from vitrain import checkpoints
 from vitrain.distributed.ddp import DDPStrategy
+from vitrain.distributed.fsdp import ONE_PROCESS
 from vitrain.distributed.ranks import devices_per_node, global_rank_from_env
 from vitrain.tasks.runs import run_id
 from vitrain.tasks.training import train
@@ -159,6 +160,15 @@ def test_fsdp_two_processes_saves_shards(fsdp_run: Run):
     assert sorted(p.name for p in last.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
     assert "FSDPVisionTransformer" in fsdp_run.output  # the model summary shows the sharded net
     assert "test/acc1" in fsdp_run.output  # the sharded best checkpoint reloads for testing
+    assert ONE_PROCESS not in fsdp_run.output  # two processes: sharded, no warning
+
+
+@pytest.mark.timeout(RUN_TIMEOUT)
+def test_fsdp_on_one_process_says_it_shards_nothing(tmp_path: Path, tiny_cifar: Path, data_cache: Path):
+    """FSDP over one process trains, and says in one line that it saves nothing and costs host time."""
+    run = launch(tmp_path / "run", [*overrides(tiny_cifar, data_cache), "trainer=fsdp", "trainer.devices=1"])
+    assert ONE_PROCESS in run.output and run.output.count(ONE_PROCESS) == 1
+    assert "test/acc1" in run.output
 
 
 @pytest.mark.distributed

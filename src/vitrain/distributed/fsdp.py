@@ -8,6 +8,7 @@ built afterwards from the sharded (DTensor) parameters: each rank keeps only its
 gradients and AdamW moments. GPU specifics (what a CPU test cannot show): docs/gpu.md.
 """
 
+import logging
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,8 @@ from vitrain.compat import META_FILENAME, set_data_parallel_size
 
 # checkpoint entries other than `state_dict` that hold sharded weights: EMA's raw weights (callbacks/ema.py)
 SHARDED_ENTRIES = ("current_model_state",)
+
+log = logging.getLogger(__name__)
 
 MIXED_PRECISION = {
     None: {},
@@ -217,6 +220,15 @@ def hybrid_mesh(device_type: str, world_size: int, shard_size: int) -> DeviceMes
     )
 
 
+#: FSDP over one process: every parameter is a DTensor of one shard, and FSDP2's per-parameter hooks,
+#: copies and DTensor dispatch still run each step, for no memory saved
+ONE_PROCESS = (
+    "trainer=fsdp with one process shards nothing and saves no memory, but FSDP2's per-parameter work still "
+    "runs every step (ViT-B/32 on one H100: 0.42x the images/s of trainer=gpu, docs/benchmarks.md section 7): "
+    "on one device train with trainer=gpu (or trainer=cpu); keep trainer=fsdp to try the sharded path first"
+)
+
+
 class FSDP2Strategy(ModelParallelStrategy):
     """`ModelParallelStrategy` for pure FSDP: data-parallel size = world size, tensor-parallel size 1.
 
@@ -225,6 +237,8 @@ class FSDP2Strategy(ModelParallelStrategy):
     (`save_distributed_checkpoint=True`; every rank must be able to write to the checkpoint dir) or, with
     `False`, one file assembled on rank 0.
     """
+
+    _said_one_process = False
 
     def __init__(
         self,
@@ -271,6 +285,9 @@ class FSDP2Strategy(ModelParallelStrategy):
     def setup_environment(self) -> None:
         set_data_parallel_size(self, self.num_nodes * self.num_processes)
         super().setup_environment()
+        if self.world_size == 1 and not FSDP2Strategy._said_one_process:
+            FSDP2Strategy._said_one_process = True  # once a process: fit, then test, set up again
+            log.warning(ONE_PROCESS)
 
     def fsdp_mesh(self) -> DeviceMesh:
         """The mesh `fully_shard` shards over: the data-parallel group, or a (replicate, shard) mesh."""
