@@ -68,6 +68,7 @@ SECTIONS: dict[str, int] = {
     "seed": 110,
     "fsdp": 110,
     "fsdp_compiled": 110,
+    "fsdp_per_block": 110,
     "recipes": 200,
     "folder_gpu_decode": 100,
     "folder": 100,
@@ -110,6 +111,8 @@ WHAT = {
     "each block)",
     "fsdp": "`trainer=fsdp` on 1 GPU, bf16 FSDP policy",
     "fsdp_compiled": "`trainer=fsdp` on 1 GPU, bf16 FSDP policy, `model.compile=true` (each block)",
+    "fsdp_per_block": "fsdp_compiled with `trainer.strategy.unit_params=0` (each block its own FSDP group, the "
+    "default before 2026-11-27's tenth session; the default groups ViT-B's 12 blocks as one)",
     "streaming": "`datamodule=streaming` (litdata shards of the photos), CPU decode in workers",
     "streaming_gpu_decode": "`datamodule=streaming`, `decode_device=cuda` (nvJPEG)",
 }
@@ -522,9 +525,10 @@ def section(ctx: Ctx, name: str, timeout: float) -> dict[str, Any]:
             extra.append("model.compile_scope=stack")
             if ctx.cpu:  # the CPU smoke runs eagerly (compile=auto is off there): compile to check the path
                 extra.append("model.compile=true")
-    elif name in ("fsdp", "fsdp_compiled"):
+    elif name in ("fsdp", "fsdp_compiled", "fsdp_per_block"):
         extra = [
-            *(["model.compile=true"] if name == "fsdp_compiled" else []),
+            *(["model.compile=true"] if name != "fsdp" else []),
+            *(["trainer.strategy.unit_params=0"] if name == "fsdp_per_block" else []),
             *ctx.cifar_data(),
             "trainer=fsdp",
             "trainer.devices=1",

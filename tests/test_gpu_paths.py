@@ -49,6 +49,9 @@ PREFETCH_RUNS = {
     "1": {"prefetch": 1},
     "2": {"prefetch": 2},
     "2+ac": {"prefetch": 2, "activation_checkpointing": True},
+    # the blocks sharded in groups (`unit_params`): all four as one, and two groups of two with prefetching
+    "one_group": {"unit_params": 10**9},
+    "groups_of_2+1": {"unit_params": "2 blocks", "prefetch": 1},
 }
 
 
@@ -134,6 +137,8 @@ def _worker(rank: int, store: str, out: str) -> None:
         runs: dict[str, dict[str, Any]] = {}
         for name, options in PREFETCH_RUNS.items():
             net = seeded_net(depth=PREFETCH_DEPTH)
+            if options.get("unit_params") == "2 blocks":
+                options = {**options, "unit_params": 2 * sum(p.numel() for p in net.blocks[0].parameters())}
             parallelize(net, MeshOnly(mesh, **options))
             optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)
             torch.manual_seed(100 + rank)  # each rank its own data
@@ -157,7 +162,8 @@ def _worker(rank: int, store: str, out: str) -> None:
                         dist.all_gather_single = original
                     reshard_after_eval(net, True)
             state = {k: v.full_tensor() for k, v in net.state_dict().items()}
-            runs[name] = {"losses": losses, "state": state}
+            groups = len({id(block._get_fsdp_state()) for block in net.blocks})
+            runs[name] = {"losses": losses, "state": state, "block_groups": groups}
         reference = runs["0"]["state"]
         for run in runs.values():
             state = run.pop("state")
@@ -271,12 +277,15 @@ def test_ranks_draw_different_augmentations_and_restore_their_own(two_ranks: lis
 
 def test_fsdp_prefetch_changes_no_number_and_evaluation_gathers_nothing(two_ranks: list[dict[str, Any]]):
     """Prefetching moves when all-gathers are issued, never what is computed: losses and weights are
-    bit-for-bit those of FSDP2's implicit prefetching, with activation checkpointing too."""
+    bit-for-bit those of FSDP2's implicit prefetching, with activation checkpointing too; so does sharding
+    the blocks in groups (`unit_params`), which gathers a group's weights at once."""
     for rank in two_ranks:
         runs = _ok(rank["prefetch_math"])
         for name, run in runs.items():
             assert run["losses"] == runs["0"]["losses"], name
             assert run["equal"], f"prefetch {name}: the weights differ"
+        groups = {name: run["block_groups"] for name, run in runs.items()}
+        assert groups == {"0": 4, "1": 4, "2": 4, "2+ac": 4, "one_group": 1, "groups_of_2+1": 2}
     assert two_ranks[0]["prefetch_math"]["0"]["losses"] != two_ranks[1]["prefetch_math"]["0"]["losses"]
 
 
@@ -306,6 +315,18 @@ def test_backward_starts_with_the_root_and_last_block_gathered(two_ranks: list[d
     would be pure cost), also when BatchNorms are FSDP groups of their own (a ResNet under bf16)."""
     for rank in two_ranks:
         assert rank["kept_gathered"] == ["", "layer4"], rank["kept_gathered"]
+
+
+def test_blocks_grouped_by_parameters():
+    """`unit_params`: consecutive blocks until a group holds that many parameters; 0 or 1: one per block."""
+    blocks = [torch.nn.Linear(10, 10) for _ in range(5)]  # 110 parameters each
+    sizes = {n: [len(g) for g in fsdp.group_units(blocks, n)] for n in (0, 1, 100, 110, 220, 10**8)}
+    assert sizes == {0: [1] * 5, 1: [1] * 5, 100: [1] * 5, 110: [1] * 5, 220: [2, 2, 1], 10**8: [5]}
+    assert [b for g in fsdp.group_units(blocks, 220) for b in g] == blocks  # in order, each once
+    for bad in (-1, 1.5, True, "big"):
+        with pytest.raises(ValueError, match=r"^trainer\.strategy\.unit_params=\S+: use 0 [^\n]*$"):
+            FSDP2Strategy(unit_params=bad)
+    assert FSDP2Strategy().fsdp_options["unit_params"] == fsdp.UNIT_PARAMS
 
 
 def test_fsdp_prefetch_refuses_bad_values():

@@ -139,6 +139,10 @@ def test_report_of_a_run_killed_before_its_stats_is_truthful(tmp_path: Path):
             "error: trainer.strategy.prefetch=-1: must be a whole number >= 0",
         ),
         (
+            "trainer=fsdp trainer.strategy.unit_params=1e8",
+            "error: trainer.strategy.unit_params=100000000.0: must be a whole number >= 0",
+        ),
+        (
             "trainer=fsdp trainer.strategy.mixed_precision=fp8",
             "error: trainer.strategy.mixed_precision=fp8: must be null or bf16",
         ),

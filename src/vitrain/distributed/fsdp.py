@@ -84,6 +84,36 @@ def is_sharded(model: nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
+#: `trainer.strategy.unit_params`'s default: FSDP1's size-based wrapping default (`min_num_params`)
+UNIT_PARAMS = 100_000_000
+
+
+def valid_unit_params(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def group_units(units: list[nn.Module], unit_params: int) -> list[list[nn.Module]]:
+    """Consecutive units in groups of at least `unit_params` parameters (the last may hold fewer); 0: each
+    unit a group of its own.
+
+    Why: FSDP2's host work has a part per sharded group each step (its hooks, the all-gather and reduce-
+    scatter calls, stream and event bookkeeping) besides the part per parameter tensor, and a step whose GPU
+    work is short waits for it (docs/benchmarks.md 4b: ViT-B's 12 blocks as one group instead of 12 cut the
+    host work FSDP adds by a third on a CPU). A group is gathered whole, so it costs its full weights in memory
+    while it runs, as FSDP1's size-based wrapping (`min_num_params`, default 1e8) did."""
+    if unit_params <= 1:
+        return [[unit] for unit in units]
+    groups: list[list[nn.Module]] = []
+    held = unit_params
+    for unit in units:
+        if held >= unit_params:
+            groups.append([])
+            held = 0
+        groups[-1].append(unit)
+        held += sum(p.numel() for p in unit.parameters())
+    return groups
+
+
 def apply_fsdp(
     model: nn.Module,
     mesh: DeviceMesh,
@@ -91,6 +121,7 @@ def apply_fsdp(
     mixed_precision: str | None = None,
     reshard_after_forward: bool = True,
     prefetch: int = 0,
+    unit_params: int = 0,
 ) -> nn.Module:
     """Shard every unit (by default the transformer blocks), then the root (embeddings, norm, head).
 
@@ -100,6 +131,7 @@ def apply_fsdp(
     device, and on GPUs the group is NCCL-only, which refuses CPU tensors. A 2-D mesh (replicate, shard)
     gives hybrid sharding (HSDP). `reshard_after_forward=False` keeps the gathered weights from forward to
     backward (ZeRO-2 like: one all-gather fewer per block, more memory). `prefetch`: `set_prefetching`.
+    `unit_params`: consecutive units sharded as one group of at least that many parameters (`group_units`).
     """
     if is_sharded(model):
         return model
@@ -107,6 +139,8 @@ def apply_fsdp(
         raise ValueError(f"mixed_precision={mixed_precision!r}: use null or bf16")
     if not valid_prefetch(prefetch):
         raise ValueError(f"prefetch={prefetch!r}: use 0 or a number of units >= 1")
+    if not valid_unit_params(unit_params):
+        raise ValueError(f"unit_params={unit_params!r}: use 0 or a number of parameters")
     dtypes = MIXED_PRECISION[mixed_precision]
     block_policy = MixedPrecisionPolicy(**dtypes)
     # loss and metrics see fp32 logits
@@ -114,11 +148,22 @@ def apply_fsdp(
     if dtypes:
         shard_batch_norms_fp32(model, mesh)
     units = shard_units(model) if units is None else units
-    for unit in units:
-        fully_shard(unit, mesh=mesh, mp_policy=block_policy)
+    groups = group_units(units, unit_params)
+    for group in groups:
+        # a list: one group for FSDP2, gathered before the first of them runs, resharded after the last
+        fully_shard(group if len(group) > 1 else group[0], mesh=mesh, mp_policy=block_policy)
     fully_shard(model, mesh=mesh, mp_policy=root_policy)
+    if len(groups) < len(units):
+        log.info(
+            "FSDP: %d blocks sharded in %d groups of >= %s parameters (trainer.strategy.unit_params; 0: one "
+            "group per block)",
+            len(units),
+            len(groups),
+            f"{unit_params:,}",
+        )
     set_training_resharding(model, reshard_after_forward)
-    set_prefetching(model, units, prefetch)
+    # a group's modules share one FSDP state: its first stands for it
+    set_prefetching(model, [group[0] for group in groups], prefetch)
     return model
 
 
@@ -248,6 +293,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         save_distributed_checkpoint: bool = True,
         hybrid_shard: bool | int = False,
         prefetch: int = 0,
+        unit_params: int = UNIT_PARAMS,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
@@ -263,6 +309,11 @@ class FSDP2Strategy(ModelParallelStrategy):
                 f"trainer.strategy.prefetch={prefetch!r}: use 0 (FSDP2's implicit prefetching) or N >= 1 (gather "
                 "the next N units' weights early)"
             )
+        if not valid_unit_params(unit_params):
+            raise ValueError(
+                f"trainer.strategy.unit_params={unit_params!r}: use 0 (each block its own FSDP group) or N "
+                "(consecutive blocks sharded as one group of at least N parameters)"
+            )
         super().__init__(
             data_parallel_size="auto",  # replaced by the world size in setup_environment
             tensor_parallel_size=1,
@@ -275,6 +326,7 @@ class FSDP2Strategy(ModelParallelStrategy):
             "reshard_after_forward": reshard_after_forward,
             "activation_checkpointing": activation_checkpointing,
             "prefetch": prefetch,
+            "unit_params": unit_params,
         }
         # false: one shard group of all processes; true: shard within each node, replicate across nodes
         # (HSDP: all-gathers stay on the fast intra-node links); an int: shard groups of that many processes

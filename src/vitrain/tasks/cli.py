@@ -113,6 +113,7 @@ VALUE_CHECKS: dict[str, tuple[str, Callable[[Any], bool]]] = {
     ),
     # trainer=fsdp only (absent otherwise); FSDP2Strategy refuses them too, for runs that skip this check
     "trainer.strategy.prefetch": ("a whole number >= 0", lambda v: _whole(v) and v >= 0),
+    "trainer.strategy.unit_params": ("a whole number >= 0", lambda v: _whole(v) and v >= 0),
     "trainer.strategy.mixed_precision": ("null or bf16", lambda v: v is None or v == "bf16"),
     "trainer.strategy.hybrid_shard": (
         "false, true or a shard group size >= 1",
