@@ -8,7 +8,8 @@ the same loop with the network sharded as `trainer=fsdp` shards it (each block, 
 one thread), without and with the bf16 policy (`trainer.strategy.mixed_precision=bf16`; compared with the
 bf16 plain loop, since bf16 kernels on a CPU have costs of their own), with `reshard_after_forward=false`,
 with all twelve blocks in one unit (what `trainer.strategy.unit_params`, default 1e8, makes of ViT-B's blocks,
-85 M parameters), and with each block compiled (`model.compile=true` under FSDP compiles
+85 M parameters), with that and AdamW stepping on the local shards (`steps_on_local_shards`: the template's
+FSDP defaults), and with each block compiled (`model.compile=true` under FSDP compiles
 block by block; compared with the plain loop's blocks compiled alike). Variants are interleaved (A, B, B, A, ...), each segment timing a few
 steps; the figure is each variant's median ms per step, and the top-level aten ops per step (torch.profiler:
 on a GPU each is at least one kernel launch).
@@ -28,20 +29,21 @@ from torch import nn
 
 VARIANTS = {
     # name: (shard, bf16: FSDP's policy when sharded, else autocast; reshard_after_forward, blocks per unit,
-    # each block compiled)
-    "plain": (False, False, True, 1, False),
-    "plain_bf16": (False, True, True, 1, False),
-    "fsdp": (True, False, True, 1, False),
-    "fsdp_bf16": (True, True, True, 1, False),
-    "fsdp_bf16_keep_gathered": (True, True, False, 1, False),
-    "fsdp_bf16_one_unit": (True, True, True, 12, False),
-    "plain_compiled": (False, False, True, 1, True),
-    "fsdp_compiled": (True, False, True, 1, True),
+    # each block compiled, the optimizer stepping on the local shards)
+    "plain": (False, False, True, 1, False, False),
+    "plain_bf16": (False, True, True, 1, False, False),
+    "fsdp": (True, False, True, 1, False, False),
+    "fsdp_bf16": (True, True, True, 1, False, False),
+    "fsdp_bf16_keep_gathered": (True, True, False, 1, False, False),
+    "fsdp_bf16_one_unit": (True, True, True, 12, False, False),
+    "fsdp_bf16_defaults": (True, True, True, 12, False, True),
+    "plain_compiled": (False, False, True, 1, True, False),
+    "fsdp_compiled": (True, False, True, 1, True, False),
 }
 
 
 def build(
-    shard: bool, bf16: bool, reshard: bool, per_unit: int, compiled: bool, depth: int
+    shard: bool, bf16: bool, reshard: bool, per_unit: int, compiled: bool, local: bool, depth: int
 ) -> tuple[Callable[[], None], int]:
     """One training step of the variant's network (fresh weights, the same seed), and its parameter tensors."""
     import timm
@@ -67,6 +69,10 @@ def build(
         fully_shard(net, mesh=mesh, reshard_after_forward=reshard,
                     mp_policy=MixedPrecisionPolicy(**dtypes, output_dtype=torch.float32 if bf16 else None))  # fmt: skip
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-4, fused=True)
+    if local:
+        from vitrain.distributed.local_step import steps_on_local_shards
+
+        assert steps_on_local_shards(optimizer)
     x, y = torch.randn(8, 3, 32, 32), torch.randint(0, 10, (8,))
     # the unsharded bf16 reference computes in bf16 as the bf16 policy does: on this CPU bf16 kernels take
     # their own time (attention's backward most), which the comparison must not count as FSDP's
@@ -129,7 +135,9 @@ def main() -> None:
         f"tensor, {params} tensors) and {ops['fsdp_bf16'] - ops['plain_bf16']:.0f} top-level ops; in fp32 "
         f"{added_fp32:.1f} ms ({ms['fsdp']:.1f} vs {ms['plain']:.1f}); bf16 with reshard_after_forward=false "
         f"{ms['fsdp_bf16_keep_gathered']:.1f} ms, with one unit for all blocks (the default `unit_params`) "
-        f"{ms['fsdp_bf16_one_unit']:.1f} ms; "
+        f"{ms['fsdp_bf16_one_unit']:.1f} ms, and with AdamW stepping on the local shards too (the template's "
+        f"FSDP defaults) {ms['fsdp_bf16_defaults']:.1f} ms, adding {ms['fsdp_bf16_defaults'] - ms['plain_bf16']:.1f} "
+        f"ms; "
         f"blocks compiled: fp32 FSDP {ms['fsdp_compiled']:.1f} ms, adding "
         f"{ms['fsdp_compiled'] - ms['plain_compiled']:.1f} ms to the same loop compiled alike"
     )

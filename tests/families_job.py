@@ -71,6 +71,8 @@ def main(strategy: str, data: str, cache: str, out: str, *extra: str) -> None:
             "global_step": trainer.global_step,
             "sharded_units": sum(isinstance(m, FSDPModule) for m in net.modules()),
             "dtensor_params": sum(type(p).__name__ == "DTensor" for p in net.parameters()),
+            # the optimizer steps on the local shards (vitrain/distributed/local_step.py)
+            "local_step": bool(getattr(trainer.optimizers[0], "_vitrain_local_step", False)),
             "finite": all(bool(torch.isfinite(_full(p)).all()) for p in net.parameters()),
             "best": objects.best_model_path,
         }

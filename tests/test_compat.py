@@ -188,6 +188,24 @@ def test_foreach_lerp():
     torch.testing.assert_close(start[1], torch.full((2,), 1.5))
 
 
+def test_local_shard(tmp_path: Path):
+    """The DTensor's own local tensor: the same storage, so an update through it is the DTensor's."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        d = DTensor.from_local(torch.zeros(4, 2), mesh, [Shard(0)])
+        local = compat.local_shard(d)
+        assert type(local) is torch.Tensor and local.shape == (4, 2), f"{UPGRADE} DTensor._local_tensor"
+        local.add_(1.0)
+        assert torch.equal(d.full_tensor(), torch.ones(4, 2)), f"{UPGRADE} DTensor._local_tensor is a copy"
+    finally:
+        dist.destroy_process_group()
+
+
 def test_checkpoint_wrapper():
     torch.manual_seed(0)
     plain = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU())

@@ -26,6 +26,7 @@ from vitrain.callbacks.resume import collect_rng_states, gather_from_ranks, offs
 from vitrain.checkpoints import AtomicCheckpointIO
 from vitrain.distributed import fsdp
 from vitrain.distributed.fsdp import FSDP2Strategy, gather_for_eval, hybrid_mesh, reshard_after_eval
+from vitrain.distributed.local_step import steps_on_local_shards
 from vitrain.distributed.parallelize import parallelize
 from vitrain.models.timm_net import create_net
 
@@ -225,6 +226,69 @@ def _worker(rank: int, store: str, out: str) -> None:
     _check(results, "hybrid_1x2", lambda: hybrid(2))
     _check(results, "rng", rng_streams)
     _check(results, "kept_gathered", kept_gathered)
+
+    def local_optimizer_steps() -> dict[str, Any]:
+        """3 steps of each optimizer through DTensor's dispatch and on the local shards (`steps_on_local_shards`),
+        with a closure as Lightning steps: the weights, and the states a checkpoint saves (their layout too)."""
+        optimizers = {
+            "adamw_fused": (torch.optim.AdamW, {"fused": True, "weight_decay": 0.05}),
+            "adamw_foreach": (torch.optim.AdamW, {"foreach": True, "weight_decay": 0.05}),
+            "adam_amsgrad": (torch.optim.Adam, {"amsgrad": True}),
+            "sgd_momentum": (torch.optim.SGD, {"momentum": 0.9, "nesterov": True}),
+        }
+        out: dict[str, Any] = {}
+        for name, (cls, kwargs) in optimizers.items():
+            finals = {}
+            for local in (False, True):
+                net = seeded_net(depth=2)
+                parallelize(net, MeshOnly(mesh, unit_params=10**9))
+                optimizer = cls(net.parameters(), lr=1e-2, **kwargs)
+                took = steps_on_local_shards(optimizer) if local else None
+                torch.manual_seed(100 + rank)
+                for _ in range(3):
+                    x, y = torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,))
+
+                    def closure() -> torch.Tensor:
+                        loss = torch.nn.functional.cross_entropy(net(x), y)  # noqa: B023
+                        loss.backward()
+                        return loss
+
+                    optimizer.step(closure)
+                    optimizer.zero_grad()
+                states = optimizer.state_dict()["state"]
+                finals[local] = {
+                    "took": took,
+                    "weights": {k: v.full_tensor() for k, v in net.state_dict().items()},
+                    "states": {
+                        f"{i}.{k}": (type(v).__name__, getattr(v, "placements", None), v)
+                        for i, state in states.items()
+                        for k, v in state.items()
+                    },
+                }
+            ref, loc = finals[False], finals[True]
+            out[name] = {
+                "took": loc["took"],
+                "weights_equal": all(
+                    torch.equal(ref["weights"][k], loc["weights"][k]) for k in ref["weights"]
+                ),
+                "state_keys_equal": ref["states"].keys() == loc["states"].keys(),
+                "state_layouts_equal": all(
+                    ref["states"][k][:2] == loc["states"][k][:2] for k in ref["states"]
+                ),
+                "states_equal": all(
+                    torch.equal(
+                        *(
+                            s[k][2].full_tensor() if s[k][0] == "DTensor" else s[k][2]
+                            for s in (ref["states"], loc["states"])
+                        )
+                    )
+                    for k in ref["states"]
+                ),
+                "dtensor_states": sum(v[0] == "DTensor" for v in loc["states"].values()),
+            }
+        return out
+
+    _check(results, "local_steps", local_optimizer_steps)
     _check(results, "prefetch_math", prefetch_changes_no_number)
     for prefetch in (0, 1, 2):
         _check(results, f"prefetch_{prefetch}", functools.partial(prefetch_lists_and_order, prefetch))
@@ -315,6 +379,30 @@ def test_backward_starts_with_the_root_and_last_block_gathered(two_ranks: list[d
     would be pure cost), also when BatchNorms are FSDP groups of their own (a ResNet under bf16)."""
     for rank in two_ranks:
         assert rank["kept_gathered"] == ["", "layer4"], rank["kept_gathered"]
+
+
+def test_fsdp_optimizer_steps_on_local_shards_change_no_number(two_ranks: list[dict[str, Any]]):
+    """SGD, Adam and AdamW (fused and foreach) stepped on each rank's local shards: weights and states bit
+    for bit those of DTensor's dispatch, the states saved as DTensors laid out as before."""
+    for rank in two_ranks:
+        for name, run in _ok(rank["local_steps"]).items():
+            assert run["took"] is True, name
+            assert run["weights_equal"] and run["states_equal"], name
+            assert run["state_keys_equal"] and run["state_layouts_equal"], name
+            assert run["dtensor_states"] > 0, name
+
+
+def test_local_steps_only_for_elementwise_optimizers():
+    """Not known to be elementwise (a subclass, a norm-based optimizer), or no DTensor parameters: unchanged."""
+
+    class Scaled(torch.optim.AdamW):
+        pass
+
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    for optimizer in (Scaled(params), torch.optim.Adagrad(params), torch.optim.AdamW(params)):
+        step = optimizer.step
+        assert steps_on_local_shards(optimizer) is False
+        assert optimizer.step == step
 
 
 def test_blocks_grouped_by_parameters():

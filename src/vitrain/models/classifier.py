@@ -20,6 +20,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from vitrain.checkpoints import CheckpointError
 from vitrain.compat import attached_trainer, should_update_logs
+from vitrain.distributed.local_step import steps_on_local_shards
 from vitrain.distributed.parallelize import parallelize
 from vitrain.errors import ModelError, argument_error
 from vitrain.models.float8 import convert_to_float8, float8_refusal
@@ -331,6 +332,10 @@ class ImageClassifier(L.LightningModule):
             for group in groups:
                 group["lr"] = base_lr * group["lr_scale"]  # torch's schedulers scale each group's own lr
         optimizer = build_node("model.optimizer", options, params=groups, **fused_default(options, self.net))
+        trainer = attached_trainer(self)
+        if trainer is not None and getattr(trainer.strategy, "fsdp_options", None) is not None:
+            # the step on each rank's shards, without DTensor's dispatch (same numbers; SGD, Adam, AdamW)
+            steps_on_local_shards(optimizer)
         if self.hparams.scheduler is None:
             return {"optimizer": optimizer}
         # the trainer: its max_time is the schedule's time budget (vitrain/models/schedules.py)
