@@ -235,13 +235,16 @@ def _worker(rank: int, store: str, out: str) -> None:
             "adamw_foreach": (torch.optim.AdamW, {"foreach": True, "weight_decay": 0.05}),
             "adam_amsgrad": (torch.optim.Adam, {"amsgrad": True}),
             "sgd_momentum": (torch.optim.SGD, {"momentum": 0.9, "nesterov": True}),
+            # hybrid sharding, 2 replicas of 1 shard: parameters and states (Replicate, Shard(0))
+            "adamw_fused_hsdp_2x1": (torch.optim.AdamW, {"fused": True, "weight_decay": 0.05}),
         }
         out: dict[str, Any] = {}
         for name, (cls, kwargs) in optimizers.items():
             finals = {}
             for local in (False, True):
                 net = seeded_net(depth=2)
-                parallelize(net, MeshOnly(mesh, unit_params=10**9))
+                on = hybrid_mesh("cpu", WORLD, 1) if name.endswith("hsdp_2x1") else mesh
+                parallelize(net, MeshOnly(on, unit_params=10**9))
                 optimizer = cls(net.parameters(), lr=1e-2, **kwargs)
                 took = steps_on_local_shards(optimizer) if local else None
                 torch.manual_seed(100 + rank)
