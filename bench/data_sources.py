@@ -6,7 +6,7 @@ The images are real JPEGs: the shared CIFAR-10 (the first N training images of e
 224 x 224 px with bicubic resampling and re-encoded at JPEG quality 90, written as `train/<class>/` +
 `val/<class>/`, then as litdata shards with `make shards`'s writer. Every side decodes each image and
 applies the same training transform (timm's `create_transform` for the model's data config:
-RandomResizedCrop 224, flip, normalise) in W DataLoader workers:
+RandomResizedCrop 224, flip, normalise; no colour jitter, the template's default) in W DataLoader workers:
 - `image_folder`: `datamodule=image_folder`'s training loader;
 - `torchvision`: `torchvision.datasets.ImageFolder` with that transform in a plain `DataLoader`;
 - `streaming`: `datamodule=streaming`'s loader (litdata `StreamingDataLoader`) from the local shards.
@@ -117,8 +117,9 @@ def torchvision_loader(folder: Path, args: Any) -> DataLoader:
     from torchvision.datasets import ImageFolder
 
     transform = create_transform(
-        IMG, is_training=True, interpolation="bicubic", mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225)
-    )
+        IMG, is_training=True, interpolation="bicubic", mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225),
+        color_jitter=None,  # the template's transform has none unless datamodule.color_jitter asks
+    )  # fmt: skip
     dataset = ImageFolder(str(folder / "train"), transform=transform)
     return DataLoader(
         dataset, batch_size=args.batch_size, shuffle=True, drop_last=True, num_workers=args.workers,

@@ -571,3 +571,40 @@ def test_test_subset_keeps_sampled_files(photos: Path, tmp_path: Path):
     assert dm.val_set.files == whole.val_set.files
     _, y = next(iter(dm.test_dataloader()))
     assert len(y) == 4 and y.tolist() == [label for _, label in dm.test_set.files[:4]]
+
+
+def test_colour_jitter_only_when_asked_and_only_in_workers(photos: Path, tmp_path: Path, caplog):
+    """timm's create_transform jitters colours by default (0.4); the in-memory and GPU-decode paths do not,
+    so the workers' transform does not either unless `color_jitter` asks; a value the workers cannot apply
+    there is refused in one line, and `in_memory=auto` then decodes from disk."""
+    from torchvision.transforms import ColorJitter
+
+    from vitrain.data.transforms import timm_transform
+
+    def jitters(transform) -> list[ColorJitter]:
+        return [t for t in transform.transforms if isinstance(t, ColorJitter)]
+
+    mean, std = (0.5, 0.5, 0.5), (0.25, 0.25, 0.25)
+    assert jitters(timm_transform(True, 32, mean, std, {})) == []
+    (jitter,) = jitters(timm_transform(True, 32, mean, std, {}, color_jitter=0.4))
+    assert jitter.brightness == (0.6, 1.4) and jitter.hue is None
+    (jitter,) = jitters(timm_transform(True, 32, mean, std, {}, color_jitter=[0.1, 0.2, 0.3, 0.05]))
+    assert jitter.contrast == (0.8, 1.2) and jitter.hue == (-0.05, 0.05)
+    assert jitters(timm_transform(False, 32, mean, std, {}, color_jitter=0.4)) == []  # evaluation
+
+    dm = _classes_and_setup(photos, tmp_path, color_jitter=0.3)
+    assert len(jitters(dm.train_set.transform)) == 1
+    assert jitters(_classes_and_setup(photos, tmp_path).train_set.transform) == []
+
+    for bad in (-0.1, [0.1, 0.2], "much", True):
+        with pytest.raises(DataError, match=r"^datamodule\.color_jitter=.*: use null") as err:
+            ImageFolderDataModule(str(photos), str(tmp_path), color_jitter=bad)
+        assert "\n" not in str(err.value)
+    with pytest.raises(DataError, match=r"color_jitter runs in the loader workers.*decode_device=cpu$"):
+        ImageFolderDataModule(str(photos), str(tmp_path), color_jitter=0.4, decode_device="cuda")
+    with pytest.raises(DataError, match=r"color_jitter runs in the loader workers.*not on in-memory batches"):
+        _classes_and_setup(photos, tmp_path, color_jitter=0.4, in_memory=True)
+    with caplog.at_level("INFO"):
+        dm = _classes_and_setup(photos, tmp_path, color_jitter=0.4, in_memory="auto")
+    assert not dm.memory_plan().in_memory and "color_jitter" in dm.memory_plan().reason
+    assert len(jitters(dm.train_set.transform)) == 1

@@ -575,3 +575,17 @@ def test_batch_size_search_decodes_like_the_run(
     metrics, objects = train(compose_cfg("train", overrides, tmp_path))
     assert [t["batch_size"] for t in objects.batch_size_search["trials"]] == [2, 4]
     assert objects.trainer.global_step == 2 and "test/acc1" in metrics
+
+
+def test_colour_jitter_only_where_workers_decode(tmp_path: Path):
+    """`color_jitter` on shards: the workers' transform (tests/test_image_folder.py), refused in one line with
+    the GPU decoder, which has none."""
+    with pytest.raises(DataError, match=r"^datamodule\.color_jitter runs in the loader workers") as err:
+        StreamingDataModule(
+            data_dir=str(tmp_path), cache_dir=str(tmp_path), color_jitter=0.4, decode_device="cuda"
+        )
+    assert "\n" not in str(err.value)
+    with pytest.raises(DataError, match=r"^datamodule\.color_jitter=\[1, 2\]: use null"):
+        StreamingDataModule(data_dir=str(tmp_path), cache_dir=str(tmp_path), color_jitter=[1, 2])
+    dm = StreamingDataModule(data_dir=str(tmp_path), cache_dir=str(tmp_path), color_jitter=[0.2, 0.2, 0.2])
+    assert dm.hparams.color_jitter == [0.2, 0.2, 0.2]

@@ -54,7 +54,7 @@ from vitrain.data.readers import decode as in_memory
 from vitrain.data.readers.cache import unpack_archive
 from vitrain.data.readers.image_folders import Source, carve_val, find_source, find_unreadable, scan
 from vitrain.data.sampling import sample_seed, seeded_sample
-from vitrain.data.transforms import timm_transform
+from vitrain.data.transforms import check_color_jitter, timm_transform
 from vitrain.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -120,6 +120,7 @@ class ImageFolderDataModule(ImageDataModule):
         auto_augment: str | None = None,
         re_prob: float = 0.0,
         hflip: float = 0.5,
+        color_jitter: float | list[float] | None = None,
         verify_images: bool = True,
         bad_images: str = "stop",
         in_memory: bool | str = "auto",
@@ -145,6 +146,7 @@ class ImageFolderDataModule(ImageDataModule):
             )
         check_decode_device(decode_device)
         check_depth(decode_ahead)
+        check_color_jitter(color_jitter, decode_device)
         if decode_device == "cuda":
             check_augment(auto_augment, re_prob)
         check_ints(in_memory_size=in_memory_size, crop_padding=crop_padding)
@@ -216,7 +218,15 @@ class ImageFolderDataModule(ImageDataModule):
         auto-augment string, random erasing) for training; resize + center crop with crop_pct for eval."""
         hp = self.hparams
         return timm_transform(
-            train, self.img_size, self.mean, self.std, self._spec, hp.auto_augment, hp.re_prob, hp.hflip
+            train,
+            self.img_size,
+            self.mean,
+            self.std,
+            self._spec,
+            hp.auto_augment,
+            hp.re_prob,
+            hp.hflip,
+            hp.color_jitter,
         )
 
     @staticmethod
@@ -286,6 +296,8 @@ class ImageFolderDataModule(ImageDataModule):
         """Why the in-memory batch augmentation cannot run this config (None: it can). `auto` then keeps
         timm's per-sample transforms in loader workers, e.g. for timm-only RandAugment options (`inc1`)."""
         hp = self.hparams
+        if hp.color_jitter is not None:
+            return "datamodule.color_jitter runs in loader workers, not on in-memory batches"
         try:
             self.batch_transform(self._batch_padding(), hp.hflip, hp.auto_augment, hp.re_prob)
         except DataError as e:
@@ -300,6 +312,11 @@ class ImageFolderDataModule(ImageDataModule):
         if not self.memory_plan().in_memory:
             return None
         hp = self.hparams
+        if hp.color_jitter is not None:
+            raise DataError(
+                "datamodule.color_jitter runs in the loader workers, on PIL images, not on in-memory batches: "
+                "set datamodule.in_memory=auto or false to decode from disk, or color_jitter=null"
+            )
         return device_augmentation(self, self._batch_padding(), hp.hflip, hp.auto_augment, hp.re_prob)
 
     def memory_splits(self, splits: dict[str, list[tuple[str, int]]]) -> Splits:

@@ -38,7 +38,7 @@ from vitrain.data.gpu_decode import (
 )
 from vitrain.data.sampling import sample_seed, seeded_sample
 from vitrain.data.shards import FORMAT_NAME, FORMAT_VERSION, METADATA_FILE
-from vitrain.data.transforms import timm_transform
+from vitrain.data.transforms import check_color_jitter, timm_transform
 from vitrain.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -258,10 +258,12 @@ class StreamingDataModule(ImageDataModule):
         auto_augment: str | None = None,
         re_prob: float = 0.0,
         hflip: float = 0.5,
+        color_jitter: float | list[float] | None = None,
         **kwargs: Any,
     ) -> None:
         check_decode_device(decode_device)
         check_depth(decode_ahead)
+        check_color_jitter(color_jitter, decode_device)
         if decode_device == "cuda":
             check_augment(auto_augment, re_prob)
         super().__init__(*args, **kwargs)
@@ -309,7 +311,15 @@ class StreamingDataModule(ImageDataModule):
         random erasing] for training; resize + center crop with crop_pct for evaluation)."""
         hp = self.hparams
         return timm_transform(
-            train, self.img_size, self.mean, self.std, self._spec, hp.auto_augment, hp.re_prob, hp.hflip
+            train,
+            self.img_size,
+            self.mean,
+            self.std,
+            self._spec,
+            hp.auto_augment,
+            hp.re_prob,
+            hp.hflip,
+            hp.color_jitter,
         )
 
     def decode_on(self) -> torch.device | None:
