@@ -26,6 +26,7 @@ from vitrain.data.decode_ahead import DecodedAhead, decode_ahead
 from vitrain.data.gpu_decode import EncodedBatch, GpuDecoder, crop_batch, decode_batch
 from vitrain.data.loaders import ResumableLoader, TensorImageDataset, passthrough_collate
 from vitrain.data.sampling import make_sampler, partial_pass_note, per_process_batch
+from vitrain.data.transforms import timm_transform
 from vitrain.errors import DataError
 from vitrain.utils.config import plain
 
@@ -199,6 +200,22 @@ class ImageDataModule(LightningDataModule):
         """Augmentation applied to whole batches on the device, for in-memory uint8 data (None: the
         datasets hand out model-ready tensors)."""
         return None
+
+    def worker_transform(self, train: bool) -> Any:
+        """timm's per-sample transform for the datamodules whose loader workers decode (image folders,
+        streaming shards), from the model's data config and the datamodule's augmentation options."""
+        hp = self.hparams
+        return timm_transform(
+            train,
+            self.img_size,
+            self.mean,
+            self.std,
+            self._spec,
+            hp.get("auto_augment"),
+            hp.get("re_prob", 0.0),
+            hp.get("hflip", 0.5),
+            hp.get("color_jitter"),
+        )
 
     def batch_transform(
         self,

@@ -54,7 +54,7 @@ from vitrain.data.readers import decode as in_memory
 from vitrain.data.readers.cache import unpack_archive
 from vitrain.data.readers.image_folders import Source, carve_val, find_source, find_unreadable, scan
 from vitrain.data.sampling import sample_seed, seeded_sample
-from vitrain.data.transforms import check_color_jitter, timm_transform
+from vitrain.data.transforms import check_color_jitter
 from vitrain.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -216,18 +216,7 @@ class ImageFolderDataModule(ImageDataModule):
     def build_transform(self, train: bool) -> Any:
         """timm's per-sample transform from the model's data config: RandomResizedCrop + flip (+ an
         auto-augment string, random erasing) for training; resize + center crop with crop_pct for eval."""
-        hp = self.hparams
-        return timm_transform(
-            train,
-            self.img_size,
-            self.mean,
-            self.std,
-            self._spec,
-            hp.auto_augment,
-            hp.re_prob,
-            hp.hflip,
-            hp.color_jitter,
-        )
+        return self.worker_transform(train)
 
     @staticmethod
     def keep(dataset: Dataset, indices: Sequence[int]) -> Dataset:

@@ -38,7 +38,7 @@ from vitrain.data.gpu_decode import (
 )
 from vitrain.data.sampling import sample_seed, seeded_sample
 from vitrain.data.shards import FORMAT_NAME, FORMAT_VERSION, METADATA_FILE
-from vitrain.data.transforms import check_color_jitter, timm_transform
+from vitrain.data.transforms import check_color_jitter
 from vitrain.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -309,18 +309,7 @@ class StreamingDataModule(ImageDataModule):
     def build_transform(self, train: bool) -> Any:
         """timm's per-sample transform from the model's data config (RandomResizedCrop + flip [+ RandAugment,
         random erasing] for training; resize + center crop with crop_pct for evaluation)."""
-        hp = self.hparams
-        return timm_transform(
-            train,
-            self.img_size,
-            self.mean,
-            self.std,
-            self._spec,
-            hp.auto_augment,
-            hp.re_prob,
-            hp.hflip,
-            hp.color_jitter,
-        )
+        return self.worker_transform(train)
 
     def decode_on(self) -> torch.device | None:
         """The device that decodes training batches (this process's GPU), or None: loader workers decode."""
