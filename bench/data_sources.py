@@ -6,7 +6,9 @@ The images are real JPEGs: the shared CIFAR-10 (the first N training images of e
 224 x 224 px with bicubic resampling and re-encoded at JPEG quality 90, written as `train/<class>/` +
 `val/<class>/`, then as litdata shards with `make shards`'s writer. Every side decodes each image and
 applies the same training transform (timm's `create_transform` for the model's data config:
-RandomResizedCrop 224, flip, normalise; no colour jitter, the template's default) in W DataLoader workers:
+RandomResizedCrop 224, flip; no colour jitter, the template's default) in W DataLoader workers, and hands
+out uint8 tensors, as timm's own fast path does (`use_prefetcher`: normalised on the device, which this
+loader-only figure leaves out on both sides):
 - `image_folder`: `datamodule=image_folder`'s training loader;
 - `torchvision`: `torchvision.datasets.ImageFolder` with that transform in a plain `DataLoader`;
 - `streaming`: `datamodule=streaming`'s loader (litdata `StreamingDataLoader`) from the local shards.
@@ -119,6 +121,7 @@ def torchvision_loader(folder: Path, args: Any) -> DataLoader:
     transform = create_transform(
         IMG, is_training=True, interpolation="bicubic", mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225),
         color_jitter=None,  # the template's transform has none unless datamodule.color_jitter asks
+        use_prefetcher=True,  # uint8 out, as the template's workers: normalised on the device
     )  # fmt: skip
     dataset = ImageFolder(str(folder / "train"), transform=transform)
     return DataLoader(

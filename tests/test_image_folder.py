@@ -151,7 +151,11 @@ def test_archive_is_unpacked_once_and_val_carved(photos: Path, tmp_path: Path):
         str(archive), str(tmp_path / "cache")
     ).root().is_relative_to(unpacked[0])
     x, y = next(iter(dm.train_dataloader()))
-    assert x.shape == (4, 3, 224, 224) and x.dtype == torch.float32 and y.dtype == torch.long
+    # uint8 from the workers; normalised where the batch lands (a float, model-ready batch is left alone)
+    assert x.shape == (4, 3, 224, 224) and x.dtype == torch.uint8 and y.dtype == torch.long
+    model_input, _ = dm.on_after_batch_transfer((x, y), 0)
+    assert model_input.dtype == torch.float32 and model_input.shape == x.shape
+    assert dm.on_after_batch_transfer((model_input, y), 0)[0] is model_input
 
 
 def _tree(tmp_path: Path, photos: Path) -> Path:

@@ -108,7 +108,10 @@ def test_budget_decides_before_decoding(photos: Path, tmp_path: Path, monkeypatc
     dm = _dm(photos, tmp_path, in_memory_budget_gb=tiny)
     dm.setup()
     assert not dm.memory_plan().in_memory and "streaming from disk" in dm.memory_plan().reason
-    assert isinstance(dm.train_set, ImageFileDataset) and dm.device_transform() is None
+    assert isinstance(dm.train_set, ImageFileDataset)
+    # from disk the workers crop and flip; the device only normalises (and erases) their uint8 batches
+    transform = dm.device_transform()
+    assert transform.crop_padding == 0 and transform.flip_p == 0 and transform.auto_augment is None
     with pytest.raises(DataError, match=rf"in_memory=true but {N_ALL} images at 32x32 px need ") as err:
         _dm(photos, tmp_path, in_memory=True, in_memory_budget_gb=tiny).setup()
     assert in_memory.human(need) in str(err.value) and in_memory.human(need // 2) in str(err.value)

@@ -93,7 +93,9 @@ def test_experiment_trains_on_a_folder(experiment: str, drawn: PhotoFolder, tmp_
     assert objects.model.net.head.out_features == len(drawn.classes)
     dm = objects.datamodule
     assert dm.hparams.auto_augment == "rand-m9-mstd0.5-inc1" and dm.hparams.re_prob == 0.25
-    assert any(type(t).__name__ == "RandomErasing" for t in dm.train_set.transform.transforms)
+    # RandAugment per sample in the workers; random erasing on the device, on the normalised batch
+    assert not any(type(t).__name__ == "RandomErasing" for t in dm.train_set.transform.transforms)
+    assert dm.device_transform().re_prob == 0.25
     if experiment == "imagenet":
         assert objects.model.mixup is not None
     else:
@@ -227,14 +229,20 @@ def test_jpeg_cut_short_is_found_before_training(tmp_path: Path):
         ImageFolderDataModule(str(root), str(tmp_path / "c"), batch_size=2).setup("fit")
 
 
-def test_timm_transform_erases_with_noise_and_crops_by_the_model(tmp_path: Path):
-    """One helper builds both datamodules' transforms: random erasing in pixel mode (DeiT, timm's train.py,
-    the in-memory path), the eval resize from the model's crop_pct."""
+def test_timm_transform_hands_out_uint8_and_crops_by_the_model(tmp_path: Path):
+    """One helper builds both datamodules' transforms: uint8 out (a quarter of float32's bytes through the
+    workers' shared memory, the pinned copy and the copy to a GPU), normalised and erased on the device as
+    in-memory batches are; the eval resize from the model's crop_pct."""
+    from PIL import Image
+
     from vitrain.data.transforms import timm_transform
 
     spec = {"interpolation": "bicubic", "crop_pct": 0.5}
     train_t = timm_transform(True, 32, (0.5,) * 3, (0.5,) * 3, spec, "rand-m9-mstd0.5-inc1", 0.25, 0.5)
-    erasing = [t for t in train_t.transforms if type(t).__name__ == "RandomErasing"]
-    assert len(erasing) == 1 and erasing[0].mode == "pixel" and erasing[0].probability == 0.25
+    assert not any(type(t).__name__ in ("RandomErasing", "Normalize") for t in train_t.transforms)
+    image = Image.new("RGB", (48, 40), (200, 100, 50))
+    x = train_t(image)
+    assert x.dtype == torch.uint8 and x.shape == (3, 32, 32)
     eval_t = timm_transform(False, 32, (0.5,) * 3, (0.5,) * 3, spec)
+    assert eval_t(image).dtype == torch.uint8
     assert eval_t.transforms[0].size == 64  # 32 / crop_pct 0.5, then a 32 px center crop

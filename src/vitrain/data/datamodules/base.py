@@ -203,7 +203,8 @@ class ImageDataModule(LightningDataModule):
 
     def worker_transform(self, train: bool) -> Any:
         """timm's per-sample transform for the datamodules whose loader workers decode (image folders,
-        streaming shards), from the model's data config and the datamodule's augmentation options."""
+        streaming shards), from the model's data config and the datamodule's augmentation options; uint8
+        out, finished on the device by `worker_batches_transform`."""
         hp = self.hparams
         return timm_transform(
             train,
@@ -215,6 +216,19 @@ class ImageDataModule(LightningDataModule):
             hp.get("re_prob", 0.0),
             hp.get("hflip", 0.5),
             hp.get("color_jitter"),
+        )
+
+    def worker_batches_transform(self) -> BatchTransform:
+        """What the device does to the uint8 batches of `worker_transform`: normalise, and erase while
+        training (`re_prob`, timm's pixel mode batched); the workers cropped, flipped and augmented each
+        sample already."""
+        return BatchTransform(
+            self.img_size,
+            self.mean,
+            self.std,
+            crop_padding=0,
+            hflip=False,
+            re_prob=float(self.hparams.get("re_prob", 0.0)),
         )
 
     def batch_transform(
@@ -472,10 +486,13 @@ class ImageDataModule(LightningDataModule):
         return DataError(f"cannot decode training sample {index} ({reason})")
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        """In-memory data: augment (training only), resize and normalise on the device the batch is on."""
+        """uint8 batches (in memory, or from the loader workers): augment (training only), resize and
+        normalise on the device the batch is on. A float batch (decoded on the GPU) is model input already."""
+        x, y = batch
+        if not isinstance(x, torch.Tensor) or x.dtype != torch.uint8:
+            return batch
         transform = self.device_transform()
         if transform is None:
             return batch
-        x, y = batch
         train = self.trainer is not None and self.trainer.training
         return transform(x, train=train), y

@@ -299,7 +299,7 @@ class ImageFolderDataModule(ImageDataModule):
 
     def device_transform(self) -> BatchTransform | None:
         if not self.memory_plan().in_memory:
-            return None
+            return self.worker_batches_transform()
         hp = self.hparams
         if hp.color_jitter is not None:
             raise DataError(

@@ -26,6 +26,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
 from vitrain.compat import litdata_allow_http, litdata_distributed_env
+from vitrain.data.augment import BatchTransform
 from vitrain.data.datamodules.base import ImageDataModule, Splits
 from vitrain.data.decode_ahead import check_depth
 from vitrain.data.gpu_decode import (
@@ -310,6 +311,9 @@ class StreamingDataModule(ImageDataModule):
         """timm's per-sample transform from the model's data config (RandomResizedCrop + flip [+ RandAugment,
         random erasing] for training; resize + center crop with crop_pct for evaluation)."""
         return self.worker_transform(train)
+
+    def device_transform(self) -> BatchTransform:
+        return self.worker_batches_transform()
 
     def decode_on(self) -> torch.device | None:
         """The device that decodes training batches (this process's GPU), or None: loader workers decode."""
