@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import hashlib
 import io
+import itertools
 import json
 import re
+import shutil
 from pathlib import Path
 
 import lightning as L
@@ -227,6 +229,37 @@ def test_train_epoch_over_two_ranks_sees_each_sample_at_most_once(local_shards: 
         assert N_TRAIN_READABLE - 2 * 2 * 4 < len(seen) <= N_TRAIN_READABLE
         per_epoch.append(seen)
     assert per_epoch[0] != per_epoch[1]
+
+
+def test_shards_are_written_shuffled_so_batches_mix_classes(
+    local_shards: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+):
+    """Each split is written in a fixed random order: every training batch mixes the classes (written class
+    by class, litdata's chunk shuffle gave batches of one to three classes of ten), and a split's prefix is a
+    random sample of it. Shards written before, in class order, train with a one-line warning."""
+    meta = json.loads((local_shards / METADATA_FILE).read_text())
+    assert meta["order"] == "shuffled" and meta["split_seed"] == 0
+    labels = [int(streaming.StreamingDataset(str(local_shards / "train"))[i]["label"]) for i in range(24)]
+    # written class by class the first 24 would change class at most twice
+    assert sum(a != b for a, b in itertools.pairwise(labels)) >= 8, labels
+    dm = _datamodule(local_shards, tmp_path, batch_size=8, workers=1)
+    with caplog.at_level("WARNING"):
+        dm.setup("fit")
+    assert "written in folder order" not in caplog.text
+    batches = [y.tolist() for _, y in dm.train_dataloader()]
+    assert len(batches) >= 6 and all(len(set(b)) >= 2 for b in batches)
+    assert sum(len(set(b)) == len(CLASSES) for b in batches) >= len(batches) // 2
+
+    old = tmp_path / "old"
+    shutil.copytree(local_shards, old)
+    (old / METADATA_FILE).write_text(
+        json.dumps({k: v for k, v in meta.items() if k not in ("order", "split_seed")})
+    )
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        _datamodule(old, tmp_path / "c2", batch_size=8, workers=1).setup("fit")
+    assert caplog.text.count("written in folder order, class by class") == 1
+    assert f"make shards SRC=<image folder> DST={old}" in caplog.text
 
 
 def test_eval_reads_every_sample_once_on_two_ranks(local_shards: Path, tmp_path: Path):

@@ -7,6 +7,7 @@ SRC is a `train/<class>/` tree with `val/<class>/` and/or `test/<class>/` (the I
 (`DST/<split>/index.json` + `chunk-*.bin`) holding the files' encoded bytes as they are (JPEG, PNG, WebP:
 no re-encoding, no decoded pixels) with the label and the sample's index; `DST/vitrain-shards.json` names
 the classes, the splits and the format version. A validation split is carved from train when SRC has none.
+Each split is written in a fixed random order (`--split-seed`), not class by class (`shuffled`).
 
 S3 output is written to a local staging folder first and uploaded with vitrain's verified uploader (same
 AWS credential chain and endpoint settings as the checkpoint upload); the metadata file goes up last, so a
@@ -19,6 +20,7 @@ import argparse
 import json
 import logging
 import os
+import random
 import shutil
 import sys
 import tempfile
@@ -54,6 +56,20 @@ def read_sample(item: tuple[str, int, int]) -> dict[str, Any]:
     """One sample as stored: the file's bytes untouched, its label and its index within the split."""
     path, label, index = item
     return {"image": Path(path).read_bytes(), "label": label, "index": index}
+
+
+#: how `write_shards` orders each split's samples (the metadata's `order`)
+SHUFFLED = "shuffled"
+
+
+def shuffled(files: list[tuple[str, int]], seed: int, split: str) -> list[tuple[str, int]]:
+    """The split's files in a fixed random order, drawn from (seed, split).
+
+    Why: a folder lists its images class by class, and litdata's training shuffle permutes whole chunks, then
+    samples only within a window of each worker's stream: from chunks written in class order a batch held one
+    to three classes of ten (the datamodule's training loader, 32 images of CIFAR-10). Written shuffled, every
+    chunk, and any prefix of a split (`trainer.limit_test_batches`), is a random sample of it."""
+    return random.Random(f"{seed}|{split}").sample(files, len(files))
 
 
 def write_split(files: list[tuple[str, int]], out_dir: Path, chunk_bytes: str, workers: int) -> None:
@@ -130,6 +146,8 @@ def write_shards(
         "splits": {k: len(v) for k, v in splits.items()},
         "skipped": [p for p, _ in bad],
         "source": str(src),
+        "order": SHUFFLED,
+        "split_seed": split_seed,
     }
     if remote:
         stage = Path(tempfile.mkdtemp(prefix="shards-", dir=_mkdir(cache / "staging")))
@@ -140,7 +158,7 @@ def write_shards(
     try:
         for split, files in splits.items():
             log.info("writing %s: %d images", split, len(files))
-            write_split(files, stage / split, chunk_bytes, workers)
+            write_split(shuffled(files, split_seed, split), stage / split, chunk_bytes, workers)
         if remote:
             for split in splits:
                 store.upload_tree(stage / split, target.child(split))

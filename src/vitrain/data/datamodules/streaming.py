@@ -38,7 +38,7 @@ from vitrain.data.gpu_decode import (
     gpu_decode_device,
 )
 from vitrain.data.sampling import sample_seed, seeded_sample
-from vitrain.data.shards import FORMAT_NAME, FORMAT_VERSION, METADATA_FILE
+from vitrain.data.shards import FORMAT_NAME, FORMAT_VERSION, METADATA_FILE, SHUFFLED
 from vitrain.data.transforms import check_color_jitter
 from vitrain.errors import DataError
 
@@ -48,6 +48,14 @@ logging.getLogger("litdata").setLevel(logging.WARNING)
 
 
 # --- metadata ---------------------------------------------------------------------------------------------
+
+
+#: shards written before `make shards` shuffled each split (the metadata has no `order`)
+CLASS_ORDER = (
+    "the shards at %s were written in folder order, class by class: litdata's shuffle permutes chunks and "
+    "mixes samples only within a window, so a training batch holds few classes, and a partial evaluation "
+    "scores few; write them again with `make shards SRC=<image folder> DST=%s` (each split then shuffled)"
+)
 
 
 def read_metadata(location: str, endpoint_url: str | None = None) -> dict[str, Any]:
@@ -335,6 +343,8 @@ class StreamingDataModule(ImageDataModule):
             )
         eval_sample = SampleTransform(self.build_transform(train=False), hp.shuffle_seed)
         world, rank = self._world()
+        if rank == 0 and meta.get("order") != SHUFFLED:
+            log.warning(CLASS_ORDER, self.hparams.data_dir, self.hparams.data_dir)
         train = ShardStream(
             sample=train_sample,
             shuffle=True,
