@@ -238,7 +238,7 @@ def test_timm_transform_hands_out_uint8_and_crops_by_the_model(tmp_path: Path):
     from vitrain.data.transforms import timm_transform
 
     spec = {"interpolation": "bicubic", "crop_pct": 0.5}
-    train_t = timm_transform(True, 32, (0.5,) * 3, (0.5,) * 3, spec, "rand-m9-mstd0.5-inc1", 0.25, 0.5)
+    train_t = timm_transform(True, 32, (0.5,) * 3, (0.5,) * 3, spec, "rand-m9-mstd0.5-inc1", 0.5)
     assert not any(type(t).__name__ in ("RandomErasing", "Normalize") for t in train_t.transforms)
     image = Image.new("RGB", (48, 40), (200, 100, 50))
     x = train_t(image)

@@ -38,7 +38,6 @@ def timm_transform(
     std: Sequence[float],
     spec: Mapping[str, Any],
     auto_augment: str | None = None,
-    re_prob: float = 0.0,
     hflip: float = 0.5,
     color_jitter: float | Sequence[float] | None = None,
 ) -> Any:
@@ -47,8 +46,8 @@ def timm_transform(
     data config (interpolation, crop_pct; absent keys keep timm's defaults).
 
     The samples leave the workers as uint8 tensors (timm's `use_prefetcher` form): the device normalises the
-    batch and, in training, erases (`re_prob`, augment.py's batched erasing), as for in-memory data
-    (`ImageDataModule.worker_batches_transform`). A quarter of float32's bytes through the workers' shared
+    batch and, in training, erases (`re_prob`: augment.py's batched erasing in timm's pixel mode, DeiT's and
+    timm's train.py's), as for in-memory data (`ImageDataModule.worker_batches_transform`). A quarter of float32's bytes through the workers' shared
     memory, the pinned copy and the copy to the GPU (58 MB instead of 231 MB for a batch of 384 at 224 px),
     and ~0.2 ms less per image in a worker on a CPU (docs/benchmarks.md 2b).
 
@@ -67,8 +66,6 @@ def timm_transform(
     if spec.get("interpolation"):
         kwargs["interpolation"] = spec["interpolation"]
     if train:
-        # re_mode pixel (per-pixel normal noise in the erased box): timm's train.py and DeiT's default, and what
-        # the in-memory path (augment.py) does; create_transform's own default is a constant fill
         kwargs.update(
             auto_augment=auto_augment,
             hflip=hflip,

@@ -213,7 +213,6 @@ class ImageDataModule(LightningDataModule):
             self.std,
             self._spec,
             hp.get("auto_augment"),
-            hp.get("re_prob", 0.0),
             hp.get("hflip", 0.5),
             hp.get("color_jitter"),
         )
