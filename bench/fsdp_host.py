@@ -4,8 +4,8 @@ On one H100 the one-GPU FSDP run was bound by the host (31 ms of kernels in a 14
 section 7b). Host work is measured here on the CPU, where it can be isolated: a network with ViT-B's
 parameter tensors (12 blocks, the same 152 weights and biases) at a width so small that the arithmetic is
 negligible, trained by a plain loop (fused AdamW, the batch already in memory; in fp32, and under bf16 autocast), then
-the same loop with the network sharded as `trainer=fsdp` shards it (each block, then the root; one gloo rank,
-one thread), without and with the bf16 policy (`trainer.strategy.mixed_precision=bf16`; compared with the
+the same loop with the network sharded by the template's own `apply_fsdp` (each block, then the root; the
+unit backward starts with keeps its gathered weights; one gloo rank, one thread), without and with the bf16 policy (`trainer.strategy.mixed_precision=bf16`; compared with the
 bf16 plain loop, since bf16 kernels on a CPU have costs of their own), with `reshard_after_forward=false`,
 with all twelve blocks in one unit (what `trainer.strategy.unit_params`, default 1e8, makes of ViT-B's blocks,
 85 M parameters), with that and AdamW stepping on the local shards (`steps_on_local_shards`: the template's
@@ -25,31 +25,31 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from common import Result, interleave, median, parse_args, top_level_ops
-from torch import nn
+
+from vitrain.distributed.fsdp import UNIT_PARAMS, apply_fsdp
 
 VARIANTS = {
-    # name: (shard, bf16: FSDP's policy when sharded, else autocast; reshard_after_forward, blocks per unit,
+    # name: (shard, bf16: FSDP's policy when sharded, else autocast; reshard_after_forward, unit_params,
     # each block compiled, the optimizer stepping on the local shards)
-    "plain": (False, False, True, 1, False, False),
-    "plain_bf16": (False, True, True, 1, False, False),
-    "fsdp": (True, False, True, 1, False, False),
-    "fsdp_bf16": (True, True, True, 1, False, False),
-    "fsdp_bf16_keep_gathered": (True, True, False, 1, False, False),
-    "fsdp_bf16_one_unit": (True, True, True, 12, False, False),
-    "fsdp_bf16_defaults": (True, True, True, 12, False, True),
-    "plain_compiled": (False, False, True, 1, True, False),
-    "fsdp_compiled": (True, False, True, 1, True, False),
-    "fsdp_compiled_defaults": (True, False, True, 12, True, True),
+    "plain": (False, False, True, 0, False, False),
+    "plain_bf16": (False, True, True, 0, False, False),
+    "fsdp": (True, False, True, 0, False, False),
+    "fsdp_bf16": (True, True, True, 0, False, False),
+    "fsdp_bf16_keep_gathered": (True, True, False, 0, False, False),
+    "fsdp_bf16_one_unit": (True, True, True, UNIT_PARAMS, False, False),
+    "fsdp_bf16_defaults": (True, True, True, UNIT_PARAMS, False, True),
+    "plain_compiled": (False, False, True, 0, True, False),
+    "fsdp_compiled": (True, False, True, 0, True, False),
+    "fsdp_compiled_defaults": (True, False, True, UNIT_PARAMS, True, True),
 }
 
 
 def build(
-    shard: bool, bf16: bool, reshard: bool, per_unit: int, compiled: bool, local: bool, depth: int
+    shard: bool, bf16: bool, reshard: bool, unit_params: int, compiled: bool, local: bool, depth: int
 ) -> tuple[Callable[[], None], int]:
     """One training step of the variant's network (fresh weights, the same seed), and its parameter tensors."""
     import timm
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     torch.manual_seed(0)
     net = timm.create_model(
@@ -59,16 +59,10 @@ def build(
     if compiled:  # before sharding, as vitrain/distributed/parallelize.py orders it (no drop path here)
         for block in net.blocks:
             block.compile()
-    if shard:
-        mesh = init_device_mesh("cpu", (1,))
-        dtypes = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32} if bf16 else {}
-        blocks: list[nn.Module] = list(net.blocks)
-        for i in range(0, len(blocks), per_unit):
-            unit = blocks[i : i + per_unit]
-            fully_shard(unit if per_unit > 1 else unit[0], mesh=mesh,
-                        mp_policy=MixedPrecisionPolicy(**dtypes), reshard_after_forward=reshard)  # fmt: skip
-        fully_shard(net, mesh=mesh, reshard_after_forward=reshard,
-                    mp_policy=MixedPrecisionPolicy(**dtypes, output_dtype=torch.float32 if bf16 else None))  # fmt: skip
+    if shard:  # the template's own sharding (which unit keeps its weights gathered included)
+        apply_fsdp(net, init_device_mesh("cpu", (1,)), units=list(net.blocks),
+                   mixed_precision="bf16" if bf16 else None, reshard_after_forward=reshard,
+                   unit_params=unit_params)  # fmt: skip
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-4, fused=True)
     if local:
         from vitrain.distributed.local_step import steps_on_local_shards

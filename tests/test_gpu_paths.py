@@ -198,17 +198,29 @@ def _worker(rank: int, store: str, out: str) -> None:
             dist.all_gather_single = original
         return {"lists": lists, "gathers_at_block_start": seen}
 
-    def kept_gathered() -> list[str]:
-        """The FSDP modules that keep their gathered weights from forward to backward, for a ResNet under
-        bf16 (each BatchNorm an FSDP group of its own)."""
+    def kept_gathered() -> dict[str, list[str]]:
+        """The FSDP modules that keep their gathered weights from forward to backward: for a ResNet under
+        bf16 (each BatchNorm an FSDP group of its own), and for a ViT's blocks sharded in groups (the modules
+        of a group share its setting)."""
+
+        def kept(net: torch.nn.Module) -> list[str]:
+            return [
+                name
+                for name, m in net.named_modules()
+                if fsdp.is_sharded(m) and m._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info is None
+            ]
+
         torch.manual_seed(0)
-        net = create_net({"model_name": "resnet10t", "num_classes": 4}, None)
-        parallelize(net, MeshOnly(mesh, mixed_precision="bf16"))
-        return [
-            name
-            for name, m in net.named_modules()
-            if fsdp.is_sharded(m) and m._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info is None
-        ]
+        resnet = create_net({"model_name": "resnet10t", "num_classes": 4}, None)
+        parallelize(resnet, MeshOnly(mesh, mixed_precision="bf16"))
+        out = {"resnet_bf16": kept(resnet)}
+        for name, unit_params in (("vit_one_group", 10**9), ("vit_groups_of_2", None)):
+            net = seeded_net(depth=PREFETCH_DEPTH)
+            if unit_params is None:  # two blocks' parameters
+                unit_params = 2 * sum(p.numel() for p in net.blocks[0].parameters())
+            parallelize(net, MeshOnly(mesh, unit_params=unit_params))
+            out[name] = kept(net)
+        return out
 
     def rng_streams() -> dict[str, Any]:
         torch.manual_seed(42)
@@ -379,9 +391,15 @@ def test_fsdp_prefetch_lists_and_early_all_gathers(two_ranks: list[dict[str, Any
 
 def test_backward_starts_with_the_root_and_last_block_gathered(two_ranks: list[dict[str, Any]]):
     """The root and the last block keep their weights from forward to backward (re-gathering them at once
-    would be pure cost), also when BatchNorms are FSDP groups of their own (a ResNet under bf16)."""
+    would be pure cost), also when BatchNorms are FSDP groups of their own (a ResNet under bf16), and when
+    blocks are sharded in groups (the last group)."""
     for rank in two_ranks:
-        assert rank["kept_gathered"] == ["", "layer4"], rank["kept_gathered"]
+        assert rank["kept_gathered"] == {
+            "resnet_bf16": ["", "layer4"],
+            # one group of all blocks: it is the last, kept whatever reshard_after_forward says
+            "vit_one_group": ["", "blocks.0", "blocks.1", "blocks.2", "blocks.3"],
+            "vit_groups_of_2": ["", "blocks.2", "blocks.3"],
+        }, rank["kept_gathered"]
 
 
 def test_fsdp_optimizer_steps_on_local_shards_change_no_number(two_ranks: list[dict[str, Any]]):
