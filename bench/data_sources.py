@@ -10,7 +10,11 @@ RandomResizedCrop 224, flip; no colour jitter, the template's default) in W Data
 out uint8 tensors, as timm's own fast path does (`use_prefetcher`: normalised on the device, which this
 loader-only figure leaves out on both sides):
 - `image_folder`: `datamodule=image_folder`'s training loader;
-- `torchvision`: `torchvision.datasets.ImageFolder` with that transform in a plain `DataLoader`;
+- `torchvision`: `torchvision.datasets.ImageFolder` with that transform in a plain `DataLoader` (PIL images,
+  what timm's and torchvision's examples do);
+- `torchvision_tensors`: the best hand-written loader for the same work: `ImageFolder` whose loader is
+  torchvision's `decode_image` (uint8 tensors) and whose transform is v2's RandomResizedCrop (bicubic,
+  antialiased) + flip on those tensors, as the template's workers run timm's transform where no op needs PIL;
 - `streaming`: `datamodule=streaming`'s loader (litdata `StreamingDataLoader`) from the local shards.
 Interleaved A/B rounds, medians; each segment on a new loader (4 untimed batches first), whose
 workers are stopped before the next segment, so no loader's prefetching runs inside another's clock.
@@ -130,6 +134,30 @@ def torchvision_loader(folder: Path, args: Any) -> DataLoader:
     )  # fmt: skip
 
 
+def decode_file(path: str) -> Any:
+    """A file -> uint8 RGB tensor (torchvision's decoder; a module-level function the workers can unpickle)."""
+    from torchvision.io import ImageReadMode, decode_image
+
+    return decode_image(path, mode=ImageReadMode.RGB)
+
+
+def torchvision_tensors_loader(folder: Path, args: Any) -> DataLoader:
+    """The best hand-written loader for the same work: torchvision decodes each file to a uint8 tensor and its
+    v2 transforms crop, resize (bicubic, antialiased) and flip it as a tensor."""
+    from torchvision.datasets import ImageFolder
+    from torchvision.transforms import InterpolationMode, v2
+
+    transform = v2.Compose([
+        v2.RandomResizedCrop(IMG, interpolation=InterpolationMode.BICUBIC, antialias=True),
+        v2.RandomHorizontalFlip(),
+    ])  # fmt: skip
+    dataset = ImageFolder(str(folder / "train"), transform=transform, loader=decode_file)
+    return DataLoader(
+        dataset, batch_size=args.batch_size, shuffle=True, drop_last=True, num_workers=args.workers,
+        persistent_workers=args.workers > 0,
+    )  # fmt: skip
+
+
 def data_wait(source: str, data_dir: Path, args: Any, workdir: Path) -> dict[str, Any]:
     """Share of step time in the training loader's next() during a short fit at 224 px."""
     from vitrain.tasks.build import build
@@ -197,7 +225,10 @@ def main() -> None:
     # datamodule=image_folder comes with issue 13's part A; until it is there, streaming stands in for it
     have_folder = (ROOT / "configs" / "datamodule" / "image_folder.yaml").is_file()
     ours = "image_folder" if have_folder else "streaming"
-    loaders: dict[str, Callable[[], DataLoader]] = {"torchvision": lambda: torchvision_loader(folder, args)}
+    loaders: dict[str, Callable[[], DataLoader]] = {
+        "torchvision": lambda: torchvision_loader(folder, args),
+        "torchvision_tensors": lambda: torchvision_tensors_loader(folder, args),
+    }
     if have_folder:
         loaders["image_folder"] = datamodule("image_folder", folder, args, workdir).train_dataloader
     loaders["streaming"] = datamodule("streaming", workdir / "shards", args, workdir).train_dataloader
@@ -209,10 +240,12 @@ def main() -> None:
     wait = data_wait(ours, folder if have_folder else workdir / "shards", args, workdir)
     rates = {k: round(median(v)) for k, v in runs.items()}
     folder_ratio = round(ratio(runs[ours], runs["torchvision"]), 2)
+    tensors_ratio = round(ratio(runs[ours], runs["torchvision_tensors"]), 2)
     stream_ratio = round(ratio(runs["streaming"], runs["image_folder"]), 2) if have_folder else None
     met = folder_ratio >= 1.0 and wait["fraction"] < 0.05
     line = (
-        f"{ours}/torchvision ImageFolder images/s = {folder_ratio:.2f}x"
+        f"{ours}/torchvision ImageFolder images/s = {folder_ratio:.2f}x ({tensors_ratio:.2f}x torchvision's "
+        "tensor decode and v2 transforms)"
         + (
             f", streaming/image_folder = {stream_ratio:.2f}x"
             if have_folder
@@ -225,6 +258,7 @@ def main() -> None:
         line,
         figures={
             f"{ours}_vs_torchvision": folder_ratio,
+            f"{ours}_vs_torchvision_tensors": tensors_ratio,
             "streaming_vs_image_folder": stream_ratio,
             **{f"{k}_images_per_s": v for k, v in rates.items()},
             "data_wait_percent": round(100 * wait["fraction"], 2),

@@ -26,7 +26,7 @@ from vitrain.data.decode_ahead import DecodedAhead, decode_ahead
 from vitrain.data.gpu_decode import EncodedBatch, GpuDecoder, crop_batch, decode_batch
 from vitrain.data.loaders import ResumableLoader, TensorImageDataset, passthrough_collate
 from vitrain.data.sampling import make_sampler, partial_pass_note, per_process_batch
-from vitrain.data.transforms import timm_transform
+from vitrain.data.transforms import on_tensors, timm_transform
 from vitrain.errors import DataError
 from vitrain.utils.config import plain
 
@@ -204,9 +204,10 @@ class ImageDataModule(LightningDataModule):
     def worker_transform(self, train: bool) -> Any:
         """timm's per-sample transform for the datamodules whose loader workers decode (image folders,
         streaming shards), from the model's data config and the datamodule's augmentation options; uint8
-        out, finished on the device by `worker_batches_transform`."""
+        out, finished on the device by `worker_batches_transform`; on uint8 tensors unless an op needs PIL
+        images (`on_tensors`)."""
         hp = self.hparams
-        return timm_transform(
+        transform = timm_transform(
             train,
             self.img_size,
             self.mean,
@@ -216,6 +217,7 @@ class ImageDataModule(LightningDataModule):
             hp.get("hflip", 0.5),
             hp.get("color_jitter"),
         )
+        return on_tensors(transform) or transform
 
     def worker_batches_transform(self) -> BatchTransform:
         """What the device does to the uint8 batches of `worker_transform`: normalise, and erase while

@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from PIL import Image
 from torch import Tensor
 from torch.utils.data import Dataset
 
@@ -54,7 +53,7 @@ from vitrain.data.readers import decode as in_memory
 from vitrain.data.readers.cache import unpack_archive
 from vitrain.data.readers.image_folders import Source, carve_val, find_source, find_unreadable, scan
 from vitrain.data.sampling import sample_seed, seeded_sample
-from vitrain.data.transforms import check_color_jitter
+from vitrain.data.transforms import check_color_jitter, decode_for
 from vitrain.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -75,9 +74,8 @@ class ImageFileDataset(Dataset):
         epoch, index = key if isinstance(key, tuple) else (0, key)
         path, label = self.files[index]
         try:
-            with Image.open(path) as img:
-                image = img.convert("RGB")  # grayscale, palette, RGBA, CMYK; decodes the pixels
-        except Exception as e:  # PIL raises many types; only reachable with verify_images=false
+            image = decode_for(self.transform, Path(path).read_bytes())
+        except Exception as e:  # the decoders raise many types; only reachable with verify_images=false
             raise DataError(
                 f"cannot decode {path} ({type(e).__name__}: {e}): remove or replace it "
                 "(datamodule.verify_images=true finds such files before training)"

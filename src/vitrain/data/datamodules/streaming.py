@@ -12,7 +12,6 @@ sample exactly once.
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import os
@@ -39,7 +38,7 @@ from vitrain.data.gpu_decode import (
 )
 from vitrain.data.sampling import sample_seed, seeded_sample
 from vitrain.data.shards import FORMAT_NAME, FORMAT_VERSION, METADATA_FILE, SHUFFLED
-from vitrain.data.transforms import check_color_jitter
+from vitrain.data.transforms import check_color_jitter, decode_for
 from vitrain.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -118,14 +117,6 @@ def read_metadata(location: str, endpoint_url: str | None = None) -> dict[str, A
 # --- samples ----------------------------------------------------------------------------------------------
 
 
-def decode_rgb(data: bytes) -> Any:
-    """Encoded bytes -> RGB PIL image (grayscale, palette, RGBA and CMYK converted)."""
-    from PIL import Image
-
-    img = Image.open(io.BytesIO(data))
-    return img.convert("RGB") if img.mode != "RGB" else img
-
-
 class SampleTransform:
     """A stored sample -> (image tensor, label). CPU: decode + timm's per-sample transform, seeded by
     (seed, epoch, index) so a sample's augmentation does not depend on rank, worker or a resume.
@@ -149,7 +140,7 @@ class SampleTransform:
                     f"({type(e).__name__}: {e}): write the shards again with `make shards`"
                 ) from None
         with seeded_sample(seed):
-            return self.transform(decode_rgb(item["image"])), item["label"]
+            return self.transform(decode_for(self.transform, item["image"])), item["label"]
 
 
 def collate(batch: list[tuple[Tensor, int]]) -> tuple[Tensor, Tensor]:
