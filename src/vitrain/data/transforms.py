@@ -126,11 +126,18 @@ class TensorPipeline:
         return f"{type(self).__name__}({self.ops})"
 
 
-class _ResizedCrop:
-    """timm's RandomResizedCropAndInterpolation: its own crop draw, torchvision's v2 resize."""
+class _OnTensors:
+    """One op of timm's transform (`op`: its parameters and draws) as run on tensors."""
 
     def __init__(self, op: Any) -> None:
         self.op = op
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.op})"
+
+
+class _ResizedCrop(_OnTensors):
+    """timm's RandomResizedCropAndInterpolation: its own crop draw, torchvision's v2 resize."""
 
     def __call__(self, image: Tensor) -> Tensor:
         from torchvision.transforms.v2 import functional as F
@@ -138,24 +145,15 @@ class _ResizedCrop:
         i, j, h, w = self.op.get_params(image, self.op.scale, self.op.ratio)
         return F.resized_crop(image, i, j, h, w, list(self.op.size), self.op.interpolation, antialias=True)
 
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.op})"
 
-
-class _Resize:
+class _Resize(_OnTensors):
     """torchvision's Resize (the evaluation resize timm builds) through the v2 kernel."""
-
-    def __init__(self, op: Any) -> None:
-        self.op = op
 
     def __call__(self, image: Tensor) -> Tensor:
         from torchvision.transforms.v2 import functional as F
 
         size = [self.op.size] if isinstance(self.op.size, int) else list(self.op.size)
         return F.resize(image, size, self.op.interpolation, max_size=self.op.max_size, antialias=True)
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.op})"
 
 
 def on_tensors(transform: Any) -> TensorPipeline | None:
