@@ -93,8 +93,11 @@ def test_experiment_trains_on_a_folder(experiment: str, drawn: PhotoFolder, tmp_
     assert objects.model.net.head.out_features == len(drawn.classes)
     dm = objects.datamodule
     assert dm.hparams.auto_augment == "rand-m9-mstd0.5-inc1" and dm.hparams.re_prob == 0.25
-    # RandAugment per sample in the workers; random erasing on the device, on the normalised batch
-    assert not any(type(t).__name__ == "RandomErasing" for t in dm.train_set.transform.transforms)
+    # RandAugment per sample in the workers (on a PIL image of the crop made on tensors); random erasing on
+    # the device, on the normalised batch
+    ops = dm.train_set.transform.ops
+    names = [type(o).__name__ for op in ops for o in (op.op if type(op).__name__ == "_OnPil" else [op])]
+    assert "RandAugment" in names and "RandomErasing" not in names, names
     assert dm.device_transform().re_prob == 0.25
     if experiment == "imagenet":
         assert objects.model.mixup is not None

@@ -77,7 +77,35 @@ def timm_transform(
         )
     elif spec.get("crop_pct"):
         kwargs["crop_pct"] = spec["crop_pct"]
-    return create_transform(**kwargs)
+    transform = create_transform(**kwargs)
+    posterize_to_zero_bits(transform)
+    return transform
+
+
+def _posterize(img: Any, bits_to_keep: int, **kwargs: Any) -> Any:
+    """timm's posterize, where 0 bits kept gives a black image, as Pillow before 13 gave (and TensorFlow's
+    RandAugment, which timm follows)."""
+    from PIL import Image
+    from timm.data.auto_augment import posterize
+
+    if bits_to_keep <= 0:
+        return Image.new(img.mode, img.size)
+    return posterize(img, bits_to_keep, **kwargs)
+
+
+def posterize_to_zero_bits(transform: Any) -> None:
+    """Pillow 13's `ImageOps.posterize` refuses to keep 0 bits, which timm's RandAugment asks for: the 'inc1'
+    ops keep 4 - int(4 m / 10) bits, and `mstd0.5` draws m >= 10 (clipped to 10) in 2.3 % of the draws around m9: with 2 of 15 ops a
+    round, each applied with p 0.5, about one training image in 660 raised ValueError in a loader worker and
+    stopped the run. The posterize
+    ops of an auto-augment policy in `transform` get `_posterize` instead (timm's own, below 0 bits)."""
+    from timm.data.auto_augment import AugmentOp, posterize
+
+    for op in getattr(transform, "transforms", []):
+        policy = getattr(op, "ops", None) or [o for sub in getattr(op, "policy", []) for o in sub]
+        for aug in policy:
+            if isinstance(aug, AugmentOp) and aug.aug_fn is posterize:
+                aug.aug_fn = _posterize
 
 
 def decode_pil(data: bytes) -> Any:
@@ -108,9 +136,10 @@ class TensorPipeline:
     """timm's per-sample transform run on uint8 tensors that torchvision decoded: the same ops and random
     draws (timm's crop box from `random`, torchvision's flip from torch: the per-sample seeding covers both),
     resized by torchvision's v2 kernels, which antialias uint8 images with vectorised code where PIL's
-    resampling is scalar: on one 2-core EPYC core, decode + crop + resize + flip of a 224 px JPEG took ~340
-    us against ~650 with PIL, ~510 against ~1,110 for a 400x350 photo (docs/benchmarks.md 2b). Pixels within
-    1 of PIL's (the same bicubic antialiasing, rounded elsewhere)."""
+    resampling is scalar. On one EPYC core, decode + crop + resize + flip took 304 us against 706 with PIL
+    for a 224 px JPEG, 491 against 1,008 for a 400x350 photo; with RandAugment after the crop (on a PIL
+    image of it) 1.13-1.22x (docs/benchmarks.md 2b). Pixels within 2 levels of PIL's (the same bicubic
+    antialiasing, rounded elsewhere; tests/test_worker_transform.py)."""
 
     decode = staticmethod(decode_tensor)
 
@@ -156,31 +185,48 @@ class _Resize(_OnTensors):
         return F.resize(image, size, self.op.interpolation, max_size=self.op.max_size, antialias=True)
 
 
+class _OnPil(_OnTensors):
+    """The ops after the crop that need PIL images (an auto-augment policy, colour jitter): the cropped tensor
+    to a PIL image and back (~0.1 ms at 224 px); the resize before them, the costly part, stays on tensors.
+    The same ops in the same order draw what they draw on the PIL path."""
+
+    def __call__(self, image: Tensor) -> Tensor:
+        from torchvision.transforms.functional import pil_to_tensor, to_pil_image
+
+        pil = to_pil_image(image)
+        for op in self.op:
+            pil = op(pil)
+        return pil_to_tensor(pil)
+
+
 def on_tensors(transform: Any) -> TensorPipeline | None:
-    """`transform` (timm's Compose) as a TensorPipeline, or None where an op has no tensor form here: an
-    auto-augment policy and colour jitter work on PIL images, as does 'random' interpolation (timm draws
-    the mode per image) or one torchvision's tensor resize has not (box, hamming, lanczos)."""
+    """`transform` (timm's Compose) as a TensorPipeline: its resize and crop (and flips) on tensors, the ops
+    after them that need PIL images (auto-augment, colour jitter) on a PIL image of the cropped result. None
+    where the first op has no tensor form here: timm's 'random' interpolation (the mode drawn per image), a
+    resize torchvision's tensor kernels lack (box, hamming, lanczos), or a transform of your own."""
     from timm.data.transforms import MaybePILToTensor, RandomResizedCropAndInterpolation
     from torchvision import transforms as T
     from torchvision.transforms import InterpolationMode
 
     resizes = (InterpolationMode.NEAREST, InterpolationMode.BILINEAR, InterpolationMode.BICUBIC)
     ops: list[Callable[[Tensor], Tensor]] = []
-    for op in getattr(transform, "transforms", [None]):
-        if isinstance(op, MaybePILToTensor):
-            continue  # the decoder's output is the tensor
+    steps = [op for op in getattr(transform, "transforms", [None]) if not isinstance(op, MaybePILToTensor)]
+    for i, op in enumerate(steps):
         if type(op) is RandomResizedCropAndInterpolation and op.interpolation in resizes:
             ops.append(_ResizedCrop(op))
         elif type(op) is T.Resize and op.interpolation in resizes:
             ops.append(_Resize(op))
         elif type(op) in (T.CenterCrop, T.RandomHorizontalFlip, T.RandomVerticalFlip):
             ops.append(op)  # torchvision's, for tensors as for PIL images
-        else:
+        elif i == 0:
             return None
+        else:
+            ops.append(_OnPil(steps[i:]))
+            break
     return TensorPipeline(ops)
 
 
 def decode_for(transform: Any, data: bytes) -> Any:
-    """The image `transform` takes: a tensor for a TensorPipeline, else a PIL image (timm's transforms with
-    an auto-augment policy, or a `build_transform` of your own)."""
+    """The image `transform` takes: a tensor for a TensorPipeline, else a PIL image (a `build_transform` of
+    your own, or timm's with a resize that has no tensor form here)."""
     return transform.decode(data) if isinstance(transform, TensorPipeline) else decode_pil(data)
