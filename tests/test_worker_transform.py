@@ -135,6 +135,9 @@ def test_decode_tensor_reads_what_pil_reads():
     for name, data in {
         "jpeg": _encoded(rgb, "JPEG", quality=95),
         "jpeg_gray": _encoded(gray, "JPEG"),
+        "jpeg_cmyk": _encoded(
+            rgb.convert("CMYK"), "JPEG", quality=95
+        ),  # Adobe's inverted CMYK, as PIL writes
     }.items():
         got = decode_tensor(data)
         assert got.shape == (3, 10, 14), name
