@@ -152,6 +152,7 @@ def test_randaugment_posterize_to_zero_bits_does_not_stop_the_run():
     660): the template's transform keeps them as Pillow before 13 did (a black image)."""
     import random
 
+    import numpy as np
     from timm.data import create_transform
 
     transform = timm_transform(True, 32, MEAN, STD, {}, "rand-m9-mstd0.5-inc1")
@@ -165,7 +166,9 @@ def test_randaugment_posterize_to_zero_bits_does_not_stop_the_run():
     assert posterize(image).getpixel((0, 0)) == (192, 64, 0)
 
     def failures(t) -> int:
-        random.seed(0)
+        random.seed(0)  # every generator the transform draws from: the count is the same each run
+        np.random.seed(0)
+        torch.manual_seed(0)
         count = 0
         for _ in range(3000):
             try:
@@ -174,8 +177,9 @@ def test_randaugment_posterize_to_zero_bits_does_not_stop_the_run():
                 count += 1
         return count
 
-    timm_own = create_transform(
-        32, is_training=True, auto_augment="rand-m9-mstd0.5-inc1", use_prefetcher=True
-    )
-    assert failures(timm_own) > 0  # the failure this guards against, on this Pillow
-    assert failures(timm_transform(True, 32, MEAN, STD, {}, "rand-m9-mstd0.5-inc1")) == 0
+    # RandAugment (its `ops`) at m9 + noise and at m0 (the original posterize keeps int(4 m / 10) bits), and
+    # AutoAugment's v0 policy (its `policy`, lists of ops)
+    for policy in ("rand-m9-mstd0.5-inc1", "rand-m0", "v0"):
+        timm_own = create_transform(32, is_training=True, auto_augment=policy, use_prefetcher=True)
+        assert failures(timm_own) > 0, policy  # the failure this guards against, on this Pillow
+        assert failures(timm_transform(True, 32, MEAN, STD, {}, policy)) == 0, policy
