@@ -62,6 +62,13 @@ def on_device_choice(value: bool | str, nbytes: int, free: int, total: int, work
     return True
 
 
+#: `num_workers: null`'s ceiling. A worker decodes, crops and flips ~2,000 photo-sized JPEGs a second as
+#: tensors, ~700 with RandAugment (one EPYC core, docs/benchmarks.md 2b), and one H100 trains ViT-B/32 on
+#: 10-12k images a second: up to 16 workers per GPU can be busy (8, the ceiling before, fed ~6k with
+#: RandAugment); beyond that the loaders' memory grows for little.
+MAX_AUTO_WORKERS = 16
+
+
 def check_ints(**values: object) -> None:
     """Hydra passes `datamodule.batch_size=abc` through as a string: catch it here, by name."""
     for name, value in values.items():
@@ -344,11 +351,12 @@ class ImageDataModule(LightningDataModule):
         return self.trainer.fit_loop.epoch_progress.current.processed
 
     def num_workers(self) -> int:
-        """Loader worker processes per training process; null = the CPU cores this process may use."""
+        """Loader worker processes per training process; null = this process's share of the node's cores,
+        less one for itself, at most MAX_AUTO_WORKERS."""
         n = self.hparams.num_workers
         if n is not None:
             return n
-        return max(1, min(8, len(os.sched_getaffinity(0)) // self.local_processes() - 1))
+        return max(1, min(MAX_AUTO_WORKERS, len(os.sched_getaffinity(0)) // self.local_processes() - 1))
 
     def local_processes(self) -> int:
         """Training processes on this node (they share its cores and memory)."""
