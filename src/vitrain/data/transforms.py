@@ -94,11 +94,12 @@ def _posterize(img: Any, bits_to_keep: int, **kwargs: Any) -> Any:
 
 
 def posterize_to_zero_bits(transform: Any) -> None:
-    """Pillow 13's `ImageOps.posterize` refuses to keep 0 bits, which timm's RandAugment asks for: the 'inc1'
-    ops keep 4 - int(4 m / 10) bits, and `mstd0.5` draws m >= 10 (clipped to 10) in 2.3 % of the draws around m9: with 2 of 15 ops a
-    round, each applied with p 0.5, about one training image in 660 raised ValueError in a loader worker and
-    stopped the run. The posterize
-    ops of an auto-augment policy in `transform` get `_posterize` instead (timm's own, below 0 bits)."""
+    """Pillow 13's `ImageOps.posterize` refuses to keep 0 bits, which timm's auto-augment policies ask for:
+    RandAugment's 'inc1' ops keep 4 - int(4 m / 10) bits, and `mstd0.5` draws m >= 10 (clipped to 10) in
+    2.3 % of the draws around m9; with 2 of 15 ops a round, each applied with p 0.5, about one training image
+    in 660 raised ValueError in a loader worker and stopped the run (the original ops at low magnitudes and
+    AutoAugment's v0 policy too). The posterize ops of an auto-augment policy in `transform` get `_posterize`
+    instead (timm's own above 0 bits)."""
     from timm.data.auto_augment import AugmentOp, posterize
 
     for op in getattr(transform, "transforms", []):
