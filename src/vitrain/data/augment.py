@@ -183,8 +183,10 @@ OPS: dict[str, _Op] = {
     "TranslateY": lambda x, m, r: _warp(x, _matrix(len(x), x.device, m12=2 * _signed(m) * r["translate"])),
 }
 
-# RandAugment (timm's rand-* ops and ranges: rotate 30 deg, shear 0.3, translate 45 %, enhance 0.9, posterize
-# down to 4 bits); TrivialAugmentWide (Mueller & Hutter 2021: wider ranges, identity among the ops)
+# RandAugment (timm's rand-* ops and ranges: rotate 30 deg, shear 0.3, translate 45 %, enhance 0.9; posterize
+# as torchvision's, 8 bits down to 4 with the magnitude, where timm's ops keep 0-4 bits: its original ops 0 up
+# to 4, its `inc1` ops 4 down to 0); TrivialAugmentWide (Mueller & Hutter 2021: wider ranges, identity among
+# the ops)
 RAND_RANGES = {"rotate": 30.0, "shear": 0.3, "translate": 0.45, "enhance": 0.9, "posterize": 4.0}
 TRIVIAL_RANGES = {"rotate": 135.0, "shear": 0.99, "translate": 0.32, "enhance": 0.99, "posterize": 6.0}
 RAND_OPS = [name for name in OPS if name != "Identity"]
