@@ -632,3 +632,22 @@ def test_default_worker_count_follows_the_cores(photos: Path, tmp_path: Path, mo
     assert (
         ImageFolderDataModule(str(photos), str(tmp_path), in_memory=False, num_workers=3).num_workers() == 3
     )
+
+
+def test_trivialaugment_from_disk_as_in_memory(photos: Path, tmp_path: Path):
+    """`auto_augment=trivial` (and its other names) works from disk as in memory and with the GPU decoder:
+    timm has no TrivialAugment, so the workers run torchvision's TrivialAugmentWide after the crop and flip;
+    a policy string timm cannot parse stops at set-up in one line, not with timm's AssertionError."""
+    from torchvision.transforms import TrivialAugmentWide
+
+    for name in ("trivial", "trivialaugment", "ta_wide"):
+        dm = _classes_and_setup(photos, tmp_path, auto_augment=name)
+        (segment,) = [op for op in dm.train_set.transform.ops if type(op).__name__ == "_OnPil"]
+        assert [type(op) for op in segment.op] == [TrivialAugmentWide], name
+        x, y = next(iter(dm.train_dataloader()))
+        assert x.dtype == torch.uint8 and x.shape[0] == len(y) == 4
+    with pytest.raises(
+        DataError, match=r"^datamodule\.auto_augment='rand-x9' is no policy timm knows"
+    ) as err:
+        _classes_and_setup(photos, tmp_path, auto_augment="rand-x9")
+    assert "\n" not in str(err.value)

@@ -35,6 +35,10 @@ def check_color_jitter(value: Any, decode_device: str = "cpu") -> None:
         )
 
 
+#: TrivialAugmentWide's names, as the in-memory and GPU-decode paths take them (vitrain/data/augment.py)
+TRIVIAL = ("trivial", "trivialaugment", "ta_wide")
+
+
 def timm_transform(
     train: bool,
     img_size: int,
@@ -69,15 +73,28 @@ def timm_transform(
     }
     if spec.get("interpolation"):
         kwargs["interpolation"] = spec["interpolation"]
+    trivial = train and auto_augment in TRIVIAL
     if train:
         kwargs.update(
-            auto_augment=auto_augment,
+            auto_augment=None if trivial else auto_augment,
             hflip=hflip,
             color_jitter=tuple(color_jitter) if isinstance(color_jitter, list | tuple) else color_jitter,
         )
     elif spec.get("crop_pct"):
         kwargs["crop_pct"] = spec["crop_pct"]
-    transform = create_transform(**kwargs)
+    try:
+        transform = create_transform(**kwargs)
+    except (AssertionError, KeyError, ValueError) as e:  # how timm refuses a policy string it cannot parse
+        raise DataError(
+            f"datamodule.auto_augment={auto_augment!r} is no policy timm knows ({type(e).__name__}: {e}): use e.g. "
+            "rand-m9-mstd0.5-inc1, augmix-m5-w4-d2, v0, original, or trivial (TrivialAugmentWide)"
+        ) from None
+    if trivial:
+        from torchvision.transforms import InterpolationMode, TrivialAugmentWide
+
+        # timm has no TrivialAugment: torchvision's, where timm puts a policy (after the crop and flip, before
+        # the conversion to a tensor); bilinear, as the in-memory path's batched warps
+        transform.transforms.insert(-1, TrivialAugmentWide(interpolation=InterpolationMode.BILINEAR))
     posterize_to_zero_bits(transform)
     return transform
 
