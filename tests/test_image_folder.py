@@ -651,3 +651,46 @@ def test_trivialaugment_from_disk_as_in_memory(photos: Path, tmp_path: Path):
     ) as err:
         _classes_and_setup(photos, tmp_path, auto_augment="rand-x9")
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        (
+            "hflip",
+            -1,
+            r"^datamodule\.hflip=-1: use true \(half the images\), false \(none\) or a probability",
+        ),
+        ("hflip", "abc", r"^datamodule\.hflip='abc': use true"),
+        ("img_size", 0, r"^datamodule\.img_size=0 must be at least 1"),
+        (
+            "mean",
+            [0.5],
+            r"^datamodule\.mean=\[0\.5\]: use null \(the model's\) or 3 numbers, one per RGB channel$",
+        ),
+        ("std", [1.0, 0.0, 1.0], r"^datamodule\.std=.*3 numbers, one per RGB channel, each above 0$"),
+    ],
+)
+def test_augmentation_and_input_values_are_checked(photos: Path, tmp_path: Path, option, value, message):
+    """Values the transforms would take silently (a negative flip probability never flips, img_size 0 fell
+    back to the model's size, one mean value broadcast over three channels) or fail on later stop at
+    construction in one line, for image folders, streaming shards and CIFAR alike."""
+    from vitrain.data.datamodules.cifar import CIFAR10DataModule
+    from vitrain.data.datamodules.streaming import StreamingDataModule
+
+    for build in (
+        lambda: ImageFolderDataModule(str(photos), str(tmp_path), **{option: value}),
+        lambda: StreamingDataModule(str(tmp_path), str(tmp_path), **{option: value}),
+        lambda: CIFAR10DataModule(str(tmp_path), str(tmp_path), **{option: value}),
+    ):
+        with pytest.raises(DataError, match=message) as err:
+            build()
+        assert "\n" not in str(err.value)
+
+
+def test_hflip_true_flips_half_the_images_from_disk(photos: Path, tmp_path: Path):
+    """`hflip: true` is half the images in memory; from disk it reached timm as p=True, which flips every
+    image: both paths now read true as 0.5."""
+    dm = _classes_and_setup(photos, tmp_path, hflip=True)
+    (flip,) = [op for op in dm.train_set.transform.ops if type(op).__name__ == "RandomHorizontalFlip"]
+    assert flip.p == 0.5

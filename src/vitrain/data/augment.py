@@ -339,6 +339,17 @@ class RandomAugment:
         return out
 
 
+def flip_probability(value: object) -> float:
+    """`datamodule.hflip`: true (half the images), false (none) or a probability in [0, 1]."""
+    if isinstance(value, bool):
+        return 0.5 if value else 0.0
+    if isinstance(value, int | float) and 0.0 <= value <= 1.0:
+        return float(value)
+    raise DataError(
+        f"datamodule.hflip={value!r}: use true (half the images), false (none) or a probability between 0 and 1"
+    )
+
+
 @dataclass
 class BatchTransform:
     """What the datamodule applies after a batch reaches the device; random ops draw from torch's global RNG."""
@@ -361,9 +372,7 @@ class BatchTransform:
 
     @property
     def flip_p(self) -> float:
-        if isinstance(self.hflip, bool):
-            return 0.5 if self.hflip else 0.0
-        return float(self.hflip)
+        return flip_probability(self.hflip)
 
     def __call__(self, x: Tensor, train: bool) -> Tensor:
         if train:

@@ -21,7 +21,7 @@ from lightning.pytorch import LightningDataModule
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from torch.utils.data import DataLoader, Dataset
 
-from vitrain.data.augment import BatchTransform
+from vitrain.data.augment import BatchTransform, flip_probability
 from vitrain.data.decode_ahead import DecodedAhead, decode_ahead
 from vitrain.data.gpu_decode import EncodedBatch, GpuDecoder, crop_batch, decode_batch
 from vitrain.data.loaders import ResumableLoader, TensorImageDataset, passthrough_collate
@@ -60,6 +60,25 @@ def on_device_choice(value: bool | str, nbytes: int, free: int, total: int, work
             f"of the GPU's {free / 2**30:.1f} GB free; set it to auto or false"
         )
     return True
+
+
+def check_channels(name: str, values: object, positive: bool = False) -> None:
+    """`datamodule.mean` / `std`: null (the model's) or one number per RGB channel."""
+    if values is None:
+        return
+    numbers = (
+        isinstance(values, Sequence)
+        and not isinstance(values, str)
+        and len(values) == 3
+        and all(
+            isinstance(v, int | float) and not isinstance(v, bool) and (v > 0 or not positive) for v in values
+        )
+    )
+    if not numbers:
+        above = ", each above 0" if positive else ""
+        raise DataError(
+            f"datamodule.{name}={values!r}: use null (the model's) or 3 numbers, one per RGB channel{above}"
+        )
 
 
 #: `num_workers: null`'s ceiling. A worker decodes, crops and flips ~2,000 photo-sized JPEGs a second as
@@ -141,6 +160,12 @@ class ImageDataModule(LightningDataModule):
         )
         if isinstance(val_size, bool) or not isinstance(val_size, int | float):
             raise DataError(f"datamodule.val_size={val_size!r} must be a count or a fraction below 1")
+        if img_size is not None and img_size < 1:
+            raise DataError(
+                f"datamodule.img_size={img_size} must be at least 1 (null: the model's input size)"
+            )
+        check_channels("mean", mean)
+        check_channels("std", std, positive=True)
         # collects the subclass's own arguments too (Lightning walks the __init__ frames)
         self.save_hyperparameters()
         # plain lists, not ListConfigs: checkpoints store these, and torch.load(weights_only=True) reads them
@@ -221,7 +246,7 @@ class ImageDataModule(LightningDataModule):
             self.std,
             self._spec,
             hp.get("auto_augment"),
-            hp.get("hflip", 0.5),
+            flip_probability(hp.get("hflip", 0.5)),
             hp.get("color_jitter"),
         )
         return on_tensors(transform) or transform

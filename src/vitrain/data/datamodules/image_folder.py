@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
-from vitrain.data.augment import BatchTransform
+from vitrain.data.augment import BatchTransform, flip_probability
 from vitrain.data.datamodules.base import ImageDataModule, Splits, check_ints
 from vitrain.data.datamodules.in_memory import device_augmentation, tensor_splits
 from vitrain.data.decode_ahead import check_depth
@@ -144,6 +144,7 @@ class ImageFolderDataModule(ImageDataModule):
             )
         check_decode_device(decode_device)
         check_depth(decode_ahead)
+        flip_probability(hflip)
         check_color_jitter(color_jitter, decode_device)
         if decode_device == "cuda":
             check_augment(auto_augment, re_prob)
@@ -370,4 +371,4 @@ class ImageFolderDataModule(ImageDataModule):
             self.img_size, self.mean, self.std, device=device, auto_augment=hp.auto_augment,
             re_prob=hp.re_prob,
         )  # fmt: skip
-        return EncodedFileDataset(files, hp.shuffle_seed, hp.hflip)
+        return EncodedFileDataset(files, hp.shuffle_seed, flip_probability(hp.hflip))

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 
 from torch import Tensor
 
-from vitrain.data.augment import BatchTransform
+from vitrain.data.augment import BatchTransform, flip_probability
 from vitrain.data.datamodules.base import ImageDataModule, Splits, check_ints
 from vitrain.data.loaders import TensorImageDataset
 from vitrain.data.readers.cifar_spec import Decoded
@@ -52,6 +52,7 @@ class InMemoryDataModule(ImageDataModule):
         **kwargs,
     ) -> None:
         check_ints(crop_padding=crop_padding)
+        flip_probability(hflip)
         super().__init__(*args, **kwargs)
         self._decoded: Decoded | None = None
 

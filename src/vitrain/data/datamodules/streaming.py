@@ -25,7 +25,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
 from vitrain.compat import litdata_allow_http, litdata_distributed_env
-from vitrain.data.augment import BatchTransform
+from vitrain.data.augment import BatchTransform, flip_probability
 from vitrain.data.datamodules.base import ImageDataModule, Splits
 from vitrain.data.decode_ahead import check_depth
 from vitrain.data.gpu_decode import (
@@ -264,6 +264,7 @@ class StreamingDataModule(ImageDataModule):
         check_decode_device(decode_device)
         check_depth(decode_ahead)
         check_color_jitter(color_jitter, decode_device)
+        flip_probability(hflip)
         if decode_device == "cuda":
             check_augment(auto_augment, re_prob)
         super().__init__(*args, **kwargs)
@@ -330,7 +331,11 @@ class StreamingDataModule(ImageDataModule):
                 re_prob=hp.re_prob,
             )  # fmt: skip
             train_sample = SampleTransform(
-                None, hp.shuffle_seed, raw=True, hflip=hp.hflip, source=self._split_dir("train")
+                None,
+                hp.shuffle_seed,
+                raw=True,
+                hflip=flip_probability(hp.hflip),
+                source=self._split_dir("train"),
             )
         eval_sample = SampleTransform(self.build_transform(train=False), hp.shuffle_seed)
         world, rank = self._world()
