@@ -694,3 +694,23 @@ def test_hflip_true_flips_half_the_images_from_disk(photos: Path, tmp_path: Path
     dm = _classes_and_setup(photos, tmp_path, hflip=True)
     (flip,) = [op for op in dm.train_set.transform.ops if type(op).__name__ == "RandomHorizontalFlip"]
     assert flip.p == 0.5
+
+
+def test_val_size_and_crop_padding_are_checked(photos: Path, tmp_path: Path):
+    """`val_size=1.5` carved one image (int(1.5)) and a negative `crop_padding` failed inside torch at the
+    first batch: both stop at construction in one line."""
+    from vitrain.data.datamodules.cifar import CIFAR10DataModule
+
+    for cls, root in ((ImageFolderDataModule, photos), (CIFAR10DataModule, tmp_path)):
+        for option, value, message in (
+            (
+                "val_size",
+                1.5,
+                r"^datamodule\.val_size=1\.5 must be a count of images \(at least 1\) or a fraction",
+            ),
+            ("val_size", -1, r"^datamodule\.val_size=-1 must be a count"),
+            ("crop_padding", -2, r"^datamodule\.crop_padding=-2 must be at least 0"),
+        ):
+            with pytest.raises(DataError, match=message) as err:
+                cls(str(root), str(tmp_path), **{option: value})
+            assert "\n" not in str(err.value)

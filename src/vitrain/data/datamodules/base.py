@@ -62,6 +62,12 @@ def on_device_choice(value: bool | str, nbytes: int, free: int, total: int, work
     return True
 
 
+def check_padding(crop_padding: int | None) -> None:
+    """`datamodule.crop_padding`: the zero padding around an in-memory image before its random crop."""
+    if crop_padding is not None and crop_padding < 0:
+        raise DataError(f"datamodule.crop_padding={crop_padding} must be at least 0 (0: no shifted crops)")
+
+
 def check_channels(name: str, values: object, positive: bool = False) -> None:
     """`datamodule.mean` / `std`: null (the model's) or one number per RGB channel."""
     if values is None:
@@ -158,8 +164,16 @@ class ImageDataModule(LightningDataModule):
             train_subset=train_subset,
             test_subset=test_subset,
         )
-        if isinstance(val_size, bool) or not isinstance(val_size, int | float):
-            raise DataError(f"datamodule.val_size={val_size!r} must be a count or a fraction below 1")
+        if (
+            isinstance(val_size, bool)
+            or not isinstance(val_size, int | float)
+            or val_size <= 0
+            or (val_size >= 1 and val_size != int(val_size))
+        ):
+            raise DataError(
+                f"datamodule.val_size={val_size!r} must be a count of images (at least 1) or a fraction between 0 "
+                "and 1"
+            )
         if img_size is not None and img_size < 1:
             raise DataError(
                 f"datamodule.img_size={img_size} must be at least 1 (null: the model's input size)"

@@ -37,7 +37,7 @@ from torch import Tensor
 from torch.utils.data import Dataset
 
 from vitrain.data.augment import BatchTransform, flip_probability
-from vitrain.data.datamodules.base import ImageDataModule, Splits, check_ints
+from vitrain.data.datamodules.base import ImageDataModule, Splits, check_ints, check_padding
 from vitrain.data.datamodules.in_memory import device_augmentation, tensor_splits
 from vitrain.data.decode_ahead import check_depth
 from vitrain.data.gpu_decode import (
@@ -149,6 +149,7 @@ class ImageFolderDataModule(ImageDataModule):
         if decode_device == "cuda":
             check_augment(auto_augment, re_prob)
         check_ints(in_memory_size=in_memory_size, crop_padding=crop_padding)
+        check_padding(crop_padding)
         if in_memory_size is not None and in_memory_size < 1:
             raise DataError(f"datamodule.in_memory_size={in_memory_size} must be at least 1 (null: img_size)")
         super().__init__(*args, **kwargs)

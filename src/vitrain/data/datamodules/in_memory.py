@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from torch import Tensor
 
 from vitrain.data.augment import BatchTransform, flip_probability
-from vitrain.data.datamodules.base import ImageDataModule, Splits, check_ints
+from vitrain.data.datamodules.base import ImageDataModule, Splits, check_ints, check_padding
 from vitrain.data.loaders import TensorImageDataset
 from vitrain.data.readers.cifar_spec import Decoded
 from vitrain.data.sampling import split_indices
@@ -52,6 +52,7 @@ class InMemoryDataModule(ImageDataModule):
         **kwargs,
     ) -> None:
         check_ints(crop_padding=crop_padding)
+        check_padding(crop_padding)
         flip_probability(hflip)
         super().__init__(*args, **kwargs)
         self._decoded: Decoded | None = None
