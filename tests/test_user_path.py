@@ -135,7 +135,10 @@ def test_report_of_a_run_killed_before_its_stats_is_truthful(tmp_path: Path):
         ("model.optimizer.lr=abc", "error: model.optimizer.lr=abc: must be a positive number"),
         ("datamodule.batch_size=0", "error: datamodule.batch_size=0: must be a positive whole number"),
         # each ran before: drop-path 2 failed in torch at the first step, the others trained silently
-        ("model.net.drop_path_rate=2", "error: model.net.drop_path_rate=2: must be a number in [0, 1)"),
+        (
+            "model.net.drop_path_rate=2",
+            "error: model.net.drop_path_rate=2: must be a number in [0, 1) or null (the model's)",
+        ),
         (
             "model.scheduler.warmup_fraction=2",
             "error: model.scheduler.warmup_fraction=2: must be a number in [0, 1]",

@@ -102,7 +102,10 @@ VALUE_CHECKS: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "model.optimizer.lr": ("a positive number", lambda v: _number(v) and v > 0),
     "model.optimizer.weight_decay": ("a number >= 0", lambda v: _number(v) and v >= 0),
     "model.label_smoothing": ("a number in [0, 1)", lambda v: _number(v) and 0 <= v < 1),
-    "model.net.drop_path_rate": ("a number in [0, 1)", lambda v: _number(v) and 0 <= v < 1),
+    "model.net.drop_path_rate": (
+        "a number in [0, 1) or null (the model's)",
+        lambda v: v is None or (_number(v) and 0 <= v < 1),
+    ),
     "model.scheduler.warmup_fraction": ("a number in [0, 1]", lambda v: _number(v) and 0 <= v <= 1),
     "model.scheduler.min_lr_ratio": ("a number in [0, 1]", lambda v: _number(v) and 0 <= v <= 1),
     "model.mixup.mixup_alpha": ("a number >= 0 (0: off)", lambda v: _number(v) and v >= 0),
