@@ -145,6 +145,20 @@ def test_report_of_a_run_killed_before_its_stats_is_truthful(tmp_path: Path):
         ),
         ("model.mixup.mixup_alpha=-1", "error: model.mixup.mixup_alpha=-1: must be a number >= 0 (0: off)"),
         ("model.tta_flip=maybe", "error: model.tta_flip=maybe: must be true or false"),
+        # a traceback from Lightning, a ZeroDivisionError, and gradients scaled by a negative factor before
+        (
+            "trainer.precision=foo",
+            "error: trainer.precision=foo: must be auto or one of Lightning's: 32-true, bf16-mixed, 16-mixed, "
+            "bf16-true, 16-true, 64-true",
+        ),
+        (
+            "trainer.accumulate_grad_batches=0",
+            "error: trainer.accumulate_grad_batches=0: must be a positive whole number",
+        ),
+        (
+            "trainer.gradient_clip_val=-1",
+            "error: trainer.gradient_clip_val=-1: must be a number >= 0 or null",
+        ),
         (
             "trainer=fsdp trainer.strategy.prefetch=-1",
             "error: trainer.strategy.prefetch=-1: must be a whole number >= 0",

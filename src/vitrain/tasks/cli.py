@@ -97,6 +97,12 @@ def describe(err: Exception, config_name: str, overrides: Sequence[str]) -> str:
     return first
 
 
+# Lightning's precision names (lightning.fabric.connector's, which loads torch), and their short forms
+PRECISIONS = {
+    "transformer-engine", "transformer-engine-float16", "16-true", "16-mixed", "bf16-true", "bf16-mixed",
+    "32-true", "64-true", "64", "32", "16", "bf16",
+}  # fmt: skip
+
 # values checked before torch and Lightning load: key -> (what it must be, test)
 VALUE_CHECKS: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "model.optimizer.lr": ("a positive number", lambda v: _number(v) and v > 0),
@@ -122,6 +128,13 @@ VALUE_CHECKS: dict[str, tuple[str, Callable[[Any], bool]]] = {
         "a whole number (-1: no limit) or null",
         lambda v: v is None or (_whole(v) and v >= -1),
     ),
+    "trainer.precision": (
+        "auto or one of Lightning's: 32-true, bf16-mixed, 16-mixed, bf16-true, 16-true, 64-true",
+        lambda v: v == "auto" or str(v) in PRECISIONS,
+    ),
+    "trainer.accumulate_grad_batches": ("a positive whole number", lambda v: _whole(v) and v > 0),
+    # a negative norm would scale every gradient by a negative factor: training would climb the loss
+    "trainer.gradient_clip_val": ("a number >= 0 or null", lambda v: v is None or (_number(v) and v >= 0)),
     # trainer=fsdp only (absent otherwise); FSDP2Strategy refuses them too, for runs that skip this check
     "trainer.strategy.prefetch": ("a whole number >= 0", lambda v: _whole(v) and v >= 0),
     "trainer.strategy.unit_params": ("a whole number >= 0", lambda v: _whole(v) and v >= 0),
