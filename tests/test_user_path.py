@@ -145,7 +145,7 @@ def test_report_of_a_run_killed_before_its_stats_is_truthful(tmp_path: Path):
         ),
         ("model.mixup.mixup_alpha=-1", "error: model.mixup.mixup_alpha=-1: must be a number >= 0 (0: off)"),
         ("model.tta_flip=maybe", "error: model.tta_flip=maybe: must be true or false"),
-        # a traceback from Lightning, a ZeroDivisionError, and gradients scaled by a negative factor before
+        # a traceback from Lightning, a ZeroDivisionError, and no clipping at all (Lightning skips <= 0) before
         (
             "trainer.precision=foo",
             "error: trainer.precision=foo: must be auto or one of Lightning's: 32-true, bf16-mixed, 16-mixed, "

@@ -133,7 +133,7 @@ VALUE_CHECKS: dict[str, tuple[str, Callable[[Any], bool]]] = {
         lambda v: v == "auto" or str(v) in PRECISIONS,
     ),
     "trainer.accumulate_grad_batches": ("a positive whole number", lambda v: _whole(v) and v > 0),
-    # a negative norm would scale every gradient by a negative factor: training would climb the loss
+    # Lightning skips clipping for a value <= 0: a negative one (a typo for a norm) would train unclipped, silently
     "trainer.gradient_clip_val": ("a number >= 0 or null", lambda v: v is None or (_number(v) and v >= 0)),
     # trainer=fsdp only (absent otherwise); FSDP2Strategy refuses them too, for runs that skip this check
     "trainer.strategy.prefetch": ("a whole number >= 0", lambda v: _whole(v) and v >= 0),
