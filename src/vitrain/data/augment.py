@@ -190,6 +190,8 @@ OPS: dict[str, _Op] = {
 RAND_RANGES = {"rotate": 30.0, "shear": 0.3, "translate": 0.45, "enhance": 0.9, "posterize": 4.0}
 TRIVIAL_RANGES = {"rotate": 135.0, "shear": 0.99, "translate": 0.32, "enhance": 0.99, "posterize": 6.0}
 RAND_OPS = [name for name in OPS if name != "Identity"]
+#: the `auto_augment` names of TrivialAugmentWide, on every path (the workers run torchvision's: transforms.py)
+TRIVIAL_NAMES = ("trivial", "trivialaugment", "ta_wide")
 TRIVIAL_OPS = list(OPS)
 
 
@@ -272,7 +274,7 @@ class RandomAugment:
     @classmethod
     def from_name(cls, spec: str) -> RandomAugment:
         """timm's policy strings: `rand-m9-n2-mstd0.5` (RandAugment) or `trivial` (TrivialAugmentWide)."""
-        if spec in ("trivial", "trivialaugment", "ta_wide"):
+        if spec in TRIVIAL_NAMES:
             return cls(TRIVIAL_OPS, TRIVIAL_RANGES, num_ops=1, magnitude=None, magnitude_std=0.0)
         parts = spec.split("-")
         if parts[0] != "rand":

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from vitrain.data.augment import TRIVIAL_NAMES
 from vitrain.errors import DataError
 
 
@@ -33,10 +34,6 @@ def check_color_jitter(value: Any, decode_device: str = "cpu") -> None:
             "datamodule.color_jitter runs in the loader workers, on PIL images: with datamodule.decode_device=cuda "
             "the GPU decodes and nothing applies it; set color_jitter=null or decode_device=cpu"
         )
-
-
-#: TrivialAugmentWide's names, as the in-memory and GPU-decode paths take them (vitrain/data/augment.py)
-TRIVIAL = ("trivial", "trivialaugment", "ta_wide")
 
 
 def timm_transform(
@@ -73,7 +70,7 @@ def timm_transform(
     }
     if spec.get("interpolation"):
         kwargs["interpolation"] = spec["interpolation"]
-    trivial = train and auto_augment in TRIVIAL
+    trivial = train and auto_augment in TRIVIAL_NAMES
     if train:
         kwargs.update(
             auto_augment=None if trivial else auto_augment,
