@@ -103,19 +103,11 @@ def render(run: dict[str, Any] | None, results: list[dict[str, Any]]) -> str:
                 f"Kept from their own runs, since this machine has no GPU: {', '.join(run['kept'])} (dates below).",
                 "",
             ]
-        for rerun in run.get("reruns", []):
-            replaced = rerun.get("replaced", [])
+        if run.get("reruns"):
             out += [
-                f"{'Re-run' if replaced else 'Added'} afterwards: {', '.join(rerun['benchmarks'])} by "
-                f"`{rerun['command']}` on {rerun['date']} ({rerun['seconds'] / 60:.1f} minutes; load "
-                f"{rerun['load_before']} -> {rerun['load_after']})."
-                + (" The results it replaced:" if replaced else " It replaced no earlier result."),
+                f"{len(run['reruns'])} benchmark runs since, each replacing its own results: "
+                "[Re-runs since the full run](#re-runs-since-the-full-run) lists them with what they replaced.",
                 "",
-                *[
-                    f"- {r['name']} ({r['date']}, load {r['load_before']} -> {r['load_after']}): {r['line']}"
-                    for r in replaced
-                ],
-                *([""] if replaced else []),
             ]
     gpu = f"{m['gpus']} x {m['gpu']}" if m.get("gpu") else "none"
     out += [
@@ -179,7 +171,30 @@ def render(run: dict[str, Any] | None, results: list[dict[str, Any]]) -> str:
                 "</details>",
                 "",
             ]
+    if run and run.get("reruns"):
+        out += ["## Re-runs since the full run", "", *reruns(run["reruns"])]
     return "\n".join(out)
+
+
+def reruns(runs: list[dict[str, Any]]) -> list[str]:
+    """The benchmarks run on their own after the full run, oldest first, with the lines they replaced: at the
+    end of the page, where this history does not stand between a reader and the table."""
+    out: list[str] = []
+    for rerun in runs:
+        replaced = rerun.get("replaced", [])
+        out += [
+            f"{'Re-run' if replaced else 'Added'}: {', '.join(rerun['benchmarks'])} by "
+            f"`{rerun['command']}` on {rerun['date']} ({rerun['seconds'] / 60:.1f} minutes; load "
+            f"{rerun['load_before']} -> {rerun['load_after']})."
+            + (" The results it replaced:" if replaced else " It replaced no earlier result."),
+            "",
+            *[
+                f"- {r['name']} ({r['date']}, load {r['load_before']} -> {r['load_after']}): {r['line']}"
+                for r in replaced
+            ],
+            *([""] if replaced else []),
+        ]
+    return out
 
 
 def cpu_kinds(folder: Path) -> list[str]:
