@@ -44,6 +44,9 @@ NET = {
 
 
 PREFETCH_DEPTH = 4
+# the collective FSDP2 gathers its parameters with: torch 2.14's `all_gather_single`, before it
+# `all_gather_into_tensor` (the GPU image's torch 2.11)
+GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
 # prefetch 0 is the reference; activation checkpointing recomputes each block in backward (no prefetch then)
 PREFETCH_RUNS = {
     "0": {},
@@ -153,14 +156,14 @@ def _worker(rank: int, store: str, out: str) -> None:
                 losses.append(loss.item())
                 if step == 1:
                     gather_for_eval(net)
-                    original = dist.all_gather_single
-                    dist.all_gather_single = _refuse_all_gather
+                    original = getattr(dist, GATHER)
+                    setattr(dist, GATHER, _refuse_all_gather)
                     try:
                         with torch.no_grad():
                             for _ in range(3 - rank):
                                 net(x)
                     finally:
-                        dist.all_gather_single = original
+                        setattr(dist, GATHER, original)
                     reshard_after_eval(net, True)
             state = {k: v.full_tensor() for k, v in net.state_dict().items()}
             groups = len({id(block._get_fsdp_state()) for block in net.blocks})
@@ -188,14 +191,14 @@ def _worker(rank: int, store: str, out: str) -> None:
             lists["backward"][i] = [states[id(s)] for s in state._states_to_backward_prefetch]
         issued: list[int] = []
         seen: list[int] = []
-        original = dist.all_gather_single
-        dist.all_gather_single = lambda *a, **k: issued.append(1) or original(*a, **k)
+        original = getattr(dist, GATHER)
+        setattr(dist, GATHER, lambda *a, **k: issued.append(1) or original(*a, **k))
         for block in net.blocks:  # runs after FSDP2's own pre-forward hook (prepended)
             block.register_forward_pre_hook(lambda *_: seen.append(len(issued)))
         try:
             net(torch.randn(2, 3, 32, 32)).sum().backward()
         finally:
-            dist.all_gather_single = original
+            setattr(dist, GATHER, original)
         return {"lists": lists, "gathers_at_block_start": seen}
 
     def kept_gathered() -> dict[str, list[str]]:

@@ -96,6 +96,8 @@ def apply_compile(
     if scope == "stack":
         stack = unit_stack(root, units)
         if stack is not None:
+            if type(stack) is nn.Sequential:
+                stack.__class__ = BlockStack
             stack.compile(**options)
             return units
         log.warning(
@@ -113,6 +115,19 @@ def apply_compile(
     else:
         root.compile(**options)
     return units
+
+
+class BlockStack(nn.Sequential):
+    """An `nn.Sequential` whose forward is defined outside torch.nn, what `compile_scope=stack` compiles. Dynamo
+    up to torch 2.11 does not trace a frame of torch.nn's own files that it is handed first (it traces them
+    only inlined into another): `nn.Sequential.compile()` compiled each block as a frame of its own there, a
+    graph per stochastic-depth rate, eager past the recompile limit (torch 2.14 traces the container). Same
+    children, same state-dict keys."""
+
+    def forward(self, x: Any) -> Any:
+        for module in self:
+            x = module(x)
+        return x
 
 
 def unit_stack(root: nn.Module, units: list[nn.Module]) -> nn.Module | None:
