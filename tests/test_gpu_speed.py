@@ -144,6 +144,19 @@ def test_progressive_resizing_compiles_the_stack_of_blocks_twice(monkeypatch: py
     assert _graphs_for_sizes(per_block=True, monkeypatch=monkeypatch, scope="stack", drop_path_rate=0.1) == 2
 
 
+def test_stack_scope_with_timms_grad_checkpointing_compiles_the_blocks(monkeypatch: pytest.MonkeyPatch):
+    """`model.grad_checkpointing=true` (timm's `checkpoint_seq`) calls the container's blocks one by one and never
+    the container: `compile_scope=stack` compiles the blocks instead, which that loop does call."""
+    seen: list[nn.Module] = []
+    monkeypatch.setattr(nn.Module, "compile", lambda self, **kw: seen.append(self))
+    net = timm.create_model(
+        "vit_tiny_patch16_224", img_size=32, patch_size=8, embed_dim=32, depth=3, num_heads=2, num_classes=4
+    )
+    net.set_grad_checkpointing(True)
+    parallelize(net, None, compile=True, compile_scope="stack")
+    assert seen == list(net.blocks)
+
+
 def test_stack_scope_finds_the_blocks_container_or_falls_back_to_blocks(monkeypatch: pytest.MonkeyPatch):
     """The stack is the `nn.Sequential` holding exactly the alike blocks (with activation checkpointing, their
     wrappers); a hybrid ViT's stem stays out; a model whose blocks sit in a `ModuleList` its forward loops over

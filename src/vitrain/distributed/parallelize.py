@@ -93,6 +93,11 @@ def apply_compile(
     (`uniform_drop_paths`): with timm's per-block float rates each block would compile a graph of its own.
     `mode`: torch.compile's (`model.compile_mode`; reduce-overhead replays each graph as a CUDA graph)."""
     options = {"mode": mode} if mode else {}
+    if scope == "stack" and getattr(root, "grad_checkpointing", False):
+        # timm's own checkpointing (`model.grad_checkpointing`) runs the container's children one by one
+        # (`checkpoint_seq`), never the container: a compiled container would never run
+        log.warning("compile_scope=stack with timm's grad checkpointing: the blocks are compiled one by one")
+        scope = "blocks"
     if scope == "stack":
         stack = unit_stack(root, units)
         if stack is not None:
