@@ -93,11 +93,6 @@ def apply_compile(
     (`uniform_drop_paths`): with timm's per-block float rates each block would compile a graph of its own.
     `mode`: torch.compile's (`model.compile_mode`; reduce-overhead replays each graph as a CUDA graph)."""
     options = {"mode": mode} if mode else {}
-    if scope == "stack" and getattr(root, "grad_checkpointing", False):
-        # timm's own checkpointing (`model.grad_checkpointing`) runs the container's children one by one
-        # (`checkpoint_seq`), never the container: a compiled container would never run
-        log.warning("compile_scope=stack with timm's grad checkpointing: the blocks are compiled one by one")
-        scope = "blocks"
     if scope == "stack":
         stack = unit_stack(root, units)
         if stack is not None:
@@ -106,7 +101,7 @@ def apply_compile(
             stack.compile(**options)
             return units
         log.warning(
-            "compile_scope=stack: %s's blocks are not one container's, compiled one by one",
+            "compile_scope=stack: %s's blocks are not called through one container, compiled one by one",
             type(root).__name__,
         )
         scope = "blocks"
@@ -138,9 +133,10 @@ class BlockStack(nn.Sequential):
 def unit_stack(root: nn.Module, units: list[nn.Module]) -> nn.Module | None:
     """The `nn.Sequential` whose children are exactly the twin units, in order (a ViT's `blocks`), or None
     (units spread over stages, a `ModuleList` looped over in the model's own forward, other children beside
-    them): what `compile_scope=stack` compiles as one graph."""
+    them, or timm's grad checkpointing on, whose `checkpoint_seq` calls each child, never the container):
+    what `compile_scope=stack` compiles as one graph."""
     twins = twin_units(units)
-    if len(twins) < 2:
+    if len(twins) < 2 or getattr(root, "grad_checkpointing", False):
         return None
     for container in root.modules():
         if isinstance(container, nn.Sequential) and list(container.children()) == twins:
