@@ -18,7 +18,8 @@ model on the CPU and marks every figure "not measured".
 """
 
 # python bench/gpu.py                     # every section, ~15 minutes on one H100 (--budget 900)
-# python bench/gpu.py --quick             # one path of each kind, ~8 minutes
+# python bench/gpu.py --quick             # one path of each kind, ~8 minutes (--plan quick)
+# python bench/gpu.py --plan table        # a prepared run that fits one device call (PLANS; bench/lease.sh)
 # python bench/gpu.py --only hand,seed    # a subset
 # python bench/gpu.py --smoke             # a tiny model on the CPU: checks the script, measures nothing
 
@@ -116,8 +117,24 @@ WHAT = {
     "streaming": "`datamodule=streaming` (litdata shards of the photos), CPU decode in workers",
     "streaming_gpu_decode": "`datamodule=streaming`, `decode_device=cuda` (nvJPEG)",
 }
-# --quick: one path of each kind, in this order (section times measured on one H100: ~50-150 s each)
-QUICK = ["hand", "seed", "fsdp", "fsdp_compiled", "folder_gpu_decode", "recipes"]
+# Prepared runs (`--plan NAME`; `bench/lease.sh NAME` runs one on a lent GPU machine): each fits one call of the
+# device's 10-minute limit with its set-up (sections took 50-95 s each on one H100, compile included; a plan's
+# budget cuts the rest, listed as skipped). Flags given with --plan override its values.
+PLANS: dict[str, dict[str, Any]] = {
+    # one path of each kind (`--quick`)
+    "quick": {"only": "hand,seed,fsdp,fsdp_compiled,folder_gpu_decode,recipes", "steps": 20, "warmup": 6,
+              "photos": 9600, "budget": 480},
+    # the issue's table: every path once, each next to the compiled hand-written loop and the seed
+    "table": {"only": "hand,seed,recipes,fsdp_compiled,folder,folder_gpu_decode,streaming_gpu_decode",
+              "steps": 30, "warmup": 6, "photos": 9600, "budget": 480},
+    # towards 40 % MFU: all levers at once, then each alone, each next to the hand-written loop at its batch
+    "levers": {"only": "hand,seed_levers,seed_1024,seed_cudagraphs,seed_fp8,hand_fp8",
+               "hand_variants": "compiled_patchmm,compiled_patchmm@1024", "steps": 30, "warmup": 6,
+               "budget": 480},
+    # the alternatives to today's defaults, each beside the default measured in `table`
+    "alternatives": {"only": "hand,seed_host_data,recipes_stack,fsdp_per_block,folder_gpu_decode_inline,"
+                     "streaming,seed_blocks", "steps": 30, "warmup": 6, "photos": 9600, "budget": 480},
+}  # fmt: skip
 # hand-written variants `compiled...+NAME`: torch.compile modes, levers measured before the template offers
 # them (autotune: Inductor benchmarks Triton/cuBLAS choices per matmul; cudagraphs: each graph replayed as one
 # CUDA graph, no per-kernel launches; shapes are static in this loop)
@@ -138,11 +155,8 @@ def hand_loop(variant: str, batch: int, steps: int, warmup: int, cpu: bool) -> d
     import timm
     import torch.nn.functional as F
 
-    variant, _, at = variant.partition("@")
-    batch = int(at) if at else batch
-    variant, _, mode_name = variant.partition("+")
-    if mode_name and (mode_name not in COMPILE_MODES or not variant.startswith("compiled")):
-        raise ValueError(f"+{mode_name}: a compiled variant's mode is one of {', '.join(COMPILE_MODES)}")
+    variant, mode_name, at = split_variant(variant)
+    batch = at or batch
     mode = COMPILE_MODES.get(mode_name)
     device = torch.device("cpu" if cpu else "cuda")
     torch.manual_seed(0)
@@ -219,6 +233,22 @@ def hand_loop(variant: str, batch: int, steps: int, warmup: int, cpu: bool) -> d
         "peak_memory_gb": torch.cuda.max_memory_allocated() / 1024**3 if device.type == "cuda" else None,
         "flops_per_image": flops,
     }
+
+
+def split_variant(variant: str) -> tuple[str, str, int | None]:
+    """A hand-written variant's name, torch.compile mode (COMPILE_MODES' key or "") and batch (None: --batch);
+    a name `hand_loop` would not know fails here, before anything is built."""
+    rest, _, at = variant.partition("@")
+    name, _, mode_name = rest.partition("+")
+    base = name.removesuffix("_mathattn").removesuffix("_patchmm")
+    known = name == "fp8" or base in ("eager", "compiled")
+    bad_mode = mode_name and (base != "compiled" or mode_name not in COMPILE_MODES)
+    if not known or bad_mode or (at and not at.isdigit()):
+        raise ValueError(
+            f"hand-written variant {variant!r}: eager|compiled[_patchmm][_mathattn][+{'|'.join(COMPILE_MODES)}]"
+            "[@batch], or fp8 (+MODE on a compiled variant only)"
+        )
+    return name, mode_name, int(at) if at else None
 
 
 def kernel_profile(step: Any, first: int, steps: int = 3) -> dict[str, Any]:
@@ -634,14 +664,16 @@ def gpu_facts() -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------------- main
-def parse() -> argparse.Namespace:
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU: checks the script")
+    p.add_argument("--plan", choices=sorted(PLANS), default=None, help="a prepared run (PLANS): its sections, "
+                   "steps and budget; flags given beside it win")  # fmt: skip
     p.add_argument(
         "--quick",
         action="store_true",
-        help="one path of each kind (" + ",".join(QUICK) + "), the compiled hand-written loop only, fewer "
-        "steps: ~8 minutes on one H100",
+        help=f"--plan quick: one path of each kind ({PLANS['quick']['only']}), the compiled hand-written loop "
+        "only, fewer steps: ~8 minutes on one H100",
     )
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--data-dir", type=Path, default=DATA_DIR, help="CIFAR-10 JPEG archive or folder")
@@ -669,7 +701,15 @@ def parse() -> argparse.Namespace:
     )
     p.add_argument("--hand", default="", help=argparse.SUPPRESS)
     p.add_argument("--hand-out", type=Path, default=None, help=argparse.SUPPRESS)
-    return p.parse_args()
+    first = p.parse_args(argv)
+    plan = "quick" if first.quick and first.plan is None else first.plan
+    if plan is None:
+        return first
+    # the plan's values as defaults, so that flags on the command line still win
+    p.set_defaults(**{"hand_variants": "compiled_patchmm", **PLANS[plan]})
+    args = p.parse_args(argv)
+    args.plan = plan
+    return args
 
 
 def hand_main(args: argparse.Namespace) -> int:
@@ -688,19 +728,20 @@ def hand_main(args: argparse.Namespace) -> int:
     return 0
 
 
+def section_deadline(budget: float) -> float:
+    """When the sections must end (time.perf_counter): `budget` seconds from now, or the caller's wall-clock
+    end in VITRAIN_BENCH_DEADLINE (seconds since the epoch; bench/lease.sh sets the device call's limit less
+    the time to pack the results) if that comes first."""
+    deadline = time.perf_counter() + budget
+    end = os.environ.get("VITRAIN_BENCH_DEADLINE")
+    return min(deadline, time.perf_counter() + float(end) - time.time()) if end else deadline
+
+
 def main() -> int:
     args = parse()
     if args.hand:
         return hand_main(args)
     cpu = args.smoke or not torch.cuda.is_available()
-    if args.quick:
-        args.steps, args.warmup, args.photos = (
-            min(args.steps, 20),
-            min(args.warmup, 6),
-            min(args.photos, 9600),
-        )
-        args.hand_variants = "compiled_patchmm"
-        args.only = args.only or ",".join(QUICK)
     if cpu:
         args.batch, args.steps, args.warmup, args.photos = 8, 3, 2, 160
     result = Result("gpu", args)
@@ -722,7 +763,11 @@ def main() -> int:
     unknown = set(names) - set(SECTIONS)
     if unknown:
         raise SystemExit(f"unknown section(s) {', '.join(sorted(unknown))}; known: {', '.join(SECTIONS)}")
-    deadline = time.perf_counter() + args.budget
+    try:  # a misspelt variant stops here, not minutes into a GPU call
+        [split_variant(v) for v in args.hand_variants.split(",")]
+    except ValueError as err:
+        raise SystemExit(str(err)) from None
+    deadline = section_deadline(args.budget)
     results: dict[str, Any] = {}
     for name in names:
         left = deadline - time.perf_counter()

@@ -179,3 +179,39 @@ def test_gpu_kernels_are_classified_by_what_they_do():
     assert kernel_kind("void at::native::elementwise_kernel<128, 2, direct_copy_kernel_cuda>") == "copy"
     assert kernel_kind("ncclDevKernel_AllReduce_Sum_bf16_RING_LL") == "communication"
     assert kernel_kind("void at::native::vectorized_elementwise_kernel<4, GeluCUDAKernelImpl>") == "other"
+
+
+def test_gpu_plans_run_known_sections_and_fit_one_device_call(monkeypatch: pytest.MonkeyPatch):
+    """Each prepared run (bench/gpu.py's PLANS, what bench/lease.sh runs on a lent GPU) names sections and
+    hand-written variants the script has, and its budget leaves a call of the lease script's default limit
+    time to install, check and pack; flags given beside --plan win over the plan's values; --quick is the
+    quick plan; a caller's deadline (VITRAIN_BENCH_DEADLINE) shortens the budget, never lengthens it."""
+    import re
+    import time
+
+    import gpu
+
+    limit = int(re.search(r"LIMIT:-(\d+)", (BENCH / "lease.sh").read_text()).group(1))
+    assert limit <= 590  # the device tool's call limit is 600 s
+    assert {"quick", "table"} <= set(gpu.PLANS)
+    for name in gpu.PLANS:
+        args = gpu.parse(["--plan", name])
+        sections = args.only.split(",")
+        assert set(sections) <= set(gpu.SECTIONS) and sections[0] == "hand", name  # the reference first
+        assert all(gpu.split_variant(v) for v in args.hand_variants.split(","))
+        assert args.budget <= limit - 100, name
+    args = gpu.parse(["--plan", "table", "--steps", "5", "--only", "seed"])
+    assert (args.steps, args.only, args.budget) == (5, "seed", gpu.PLANS["table"]["budget"])
+    quick = gpu.parse(["--quick"])
+    assert quick.plan == "quick" and quick.only == gpu.PLANS["quick"]["only"]
+    assert gpu.parse([]).plan is None and gpu.parse([]).budget == 900
+    assert gpu.split_variant("compiled_patchmm+cudagraphs@1024") == ("compiled_patchmm", "cudagraphs", 1024)
+    for bad in ("compild", "eager+autotune", "compiled+fast", "compiled@big"):
+        with pytest.raises(ValueError, match="hand-written variant"):
+            gpu.split_variant(bad)
+    now = time.perf_counter()
+    monkeypatch.delenv("VITRAIN_BENCH_DEADLINE", raising=False)
+    assert 99 < gpu.section_deadline(100) - now < 101
+    for seconds, expected in ((50, 50), (500, 100)):
+        monkeypatch.setenv("VITRAIN_BENCH_DEADLINE", str(time.time() + seconds))
+        assert expected - 1 < gpu.section_deadline(100) - now < expected + 1
