@@ -211,7 +211,7 @@ def test_gpu_plans_run_known_sections_and_fit_one_device_call(monkeypatch: pytes
             gpu.split_variant(bad)
     now = time.perf_counter()
     monkeypatch.delenv("VITRAIN_BENCH_DEADLINE", raising=False)
-    assert 99 < gpu.section_deadline(100) - now < 101
+    assert 95 < gpu.section_deadline(100) - now < 105  # seconds apart: no clock is compared closely
     for seconds, expected in ((50, 50), (500, 100)):
         monkeypatch.setenv("VITRAIN_BENCH_DEADLINE", str(time.time() + seconds))
-        assert expected - 1 < gpu.section_deadline(100) - now < expected + 1
+        assert expected - 5 < gpu.section_deadline(100) - now < expected + 5
