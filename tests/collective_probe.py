@@ -1,14 +1,17 @@
-"""A callback for multi-process test runs: the collectives each training step issued, per rank, as recorded by
-torch.profiler (c10d's ops), from one batch end to the next, written to `<out>/collectives_<rank>.json`."""
+"""Callbacks for multi-process test runs: the collectives each training step issued, per rank, as recorded by
+torch.profiler (c10d's ops), from one batch end to the next, written to `<out>/collectives_<rank>.json`; and a
+time budget spent at a chosen step, whatever the machine's speed."""
 
 from __future__ import annotations
 
 import collections
 import json
+import time
 from pathlib import Path
 from typing import Any
 
 import lightning as L
+from lightning.pytorch.callbacks import Timer
 from torch.profiler import ProfilerActivity, profile
 
 
@@ -31,3 +34,16 @@ class CollectiveProbe(L.Callback):
     def on_train_end(self, trainer: L.Trainer, *args: Any) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / f"collectives_{trainer.global_rank}.json").write_text(json.dumps(self.per_step))
+
+
+class SpendBudgetAt(L.Callback):
+    """At training step `step`, waits until the run's `trainer.max_time` is used up: the budget then ends at that
+    step on a fast machine and a slow one alike (a machine slower than the budget reaches it earlier)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            timer = next(c for c in trainer.callbacks if isinstance(c, Timer))
+            time.sleep(max(timer.time_remaining() or 0.0, 0.0) + 0.2)

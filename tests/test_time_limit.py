@@ -80,28 +80,33 @@ def test_a_bad_max_time_is_refused_in_one_line(tmp_path: Path, tiny_cifar: Path,
 def test_two_ranks_stop_together_at_an_agreed_step(
     strategy: str, tmp_path: Path, tiny_cifar: Path, data_cache: Path
 ):
-    """A real 2-process run whose budget ends inside its first epoch: both ranks stop at the same step, a
-    multiple of the agreement's cadence, and the run ends normally (validated, checkpointed). Between the
-    agreements (every 10 steps: the stop decision, the SIGTERM check, the LR schedule's clock) a step issues
-    the strategy's own collectives and no other (each one on a GPU a wait for the other ranks)."""
+    """A real 2-process run whose budget ends inside its first epoch (56 steps), at step 15 (`SpendBudgetAt`
+    waits there until it is used up, so no machine's speed moves it): both ranks stop together at step 20, the
+    next agreement, and the run ends normally (validated, checkpointed). Between the agreements (every 10
+    steps: the stop decision, the SIGTERM check, the LR schedule's clock) a step issues the strategy's own
+    collectives and no other (each one on a GPU a wait for the other ranks)."""
     overrides = [
         *tiny_overrides(tiny_cifar, data_cache, batch_size=2),
         f"trainer={strategy}",
         "trainer.devices=2",
         "trainer.accelerator=cpu",
         "trainer.max_epochs=1000",
-        "trainer.max_time=00:00:00:04",
+        # the 15 steps before the wait: 2.7 s of the budget with three busy loops on the 2 cores; ~6 s in a CI run
+        # whose 4 s budget (before the wait existed) ran out at step 10
+        "trainer.max_time=00:00:00:15",
         "trainer.num_sanity_val_steps=0",
         "logger=csv",
         "test=false",
         f"hydra.run.dir={tmp_path}",
         "+callbacks.collectives._target_=collective_probe.CollectiveProbe",
         f"+callbacks.collectives.out={tmp_path / 'probe'}",
+        "+callbacks.spend_budget._target_=collective_probe.SpendBudgetAt",
+        "+callbacks.spend_budget.step=15",
     ]
     run = run_cli("train.py", overrides, env={"PYTHONPATH": str(ROOT / "tests")})
     assert run.returncode == 0, run.stderr[-3000:]
     saved = checkpoints.load(tmp_path / "checkpoints" / "last.ckpt")  # a file, or FSDP's folder
-    assert saved["global_step"] > 0 and saved["global_step"] % CHECK_EVERY_N_STEPS == 0, saved["global_step"]
+    assert saved["global_step"] == 2 * CHECK_EVERY_N_STEPS, saved["global_step"]
     for rank in (0, 1):
         per_step = json.loads((tmp_path / "probe" / f"collectives_{rank}.json").read_text())
         assert len(per_step) == 11, per_step  # steps 4..14 recorded
