@@ -763,10 +763,11 @@ def main() -> int:
     unknown = set(names) - set(SECTIONS)
     if unknown:
         raise SystemExit(f"unknown section(s) {', '.join(sorted(unknown))}; known: {', '.join(SECTIONS)}")
-    try:  # a misspelt variant stops here, not minutes into a GPU call
-        [split_variant(v) for v in args.hand_variants.split(",")]
-    except ValueError as err:
-        raise SystemExit(str(err)) from None
+    for variant in args.hand_variants.split(","):  # a misspelt one stops here, not minutes into a GPU call
+        try:
+            split_variant(variant)
+        except ValueError as err:
+            raise SystemExit(str(err)) from None
     deadline = section_deadline(args.budget)
     results: dict[str, Any] = {}
     for name in names:

@@ -43,13 +43,15 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
+# seconds left until $1 (at least 1: `timeout 0` would mean no limit at all)
+left() { local s=$(($1 - $(date +%s))); echo $((s > 0 ? s : 1)); }
 status=0
 # gpu.py ends its sections by VITRAIN_BENCH_DEADLINE; the timeout only guards against a hang after it
-timeout $((VITRAIN_BENCH_DEADLINE - $(date +%s) + 30)) python3 bench/gpu.py --plan "$plan" --out "$out" \
+timeout "$(left $((VITRAIN_BENCH_DEADLINE + 30)))" python3 bench/gpu.py --plan "$plan" --out "$out" \
     --work /tmp/gw --data-dir .gpu/cifar10-jpeg.tar.gz --compile-cache .gpu/compile_cache.tar.gz "$@" || status=$?
 if [ -n "${CHECKS:-}" ]; then
     # the checks a lease runs load data and run no training: 100 generated images a class are plenty
-    timeout $((end - $(date +%s))) python3 bench/gpu_check.py --only "$CHECKS" --per-class 100 \
+    timeout "$(left "$end")" python3 bench/gpu_check.py --only "$CHECKS" --per-class 100 \
         --out /tmp/gw/gpu-check >"$out/gpu_check.log" 2>&1 || status=$?
     cp /tmp/gw/gpu-check/gpu_check.json "$out/" 2>/dev/null || true
 fi

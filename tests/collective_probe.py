@@ -38,7 +38,7 @@ class CollectiveProbe(L.Callback):
 
 class SpendBudgetAt(L.Callback):
     """At training step `step`, waits until the run's `trainer.max_time` is used up: the budget then ends at that
-    step on a fast machine and a slow one alike (a machine slower than the budget reaches it earlier)."""
+    step on a fast machine and a slow one alike (as long as the machine gets there within the budget)."""
 
     def __init__(self, step: int) -> None:
         self.step = step
