@@ -11,6 +11,10 @@ at a size other than 32 px also the bilinear resize alone (`F.interpolate` of a 
 pipeline calls it): the ceiling of any pipeline that resizes on this device.
 The data wait is measured inside a short `experiment=cifar_cpu` fit: time in the loader's `next()` and in
 `on_after_batch_transfer` (augmentation), as a share of the steady-state step time.
+The batch augmentation's cost per batch of 384, what a GPU's training thread pays for it: the device ops
+it issues (counted on the "meta" device: each a kernel launch on a GPU) and its host time on this CPU with
+4 px images (where the pixels cost next to nothing, so the time is the ops' dispatch and the host's draws),
+for the seed's crop and flip, random erasing, TrivialAugment and RandAugment.
 """
 
 from __future__ import annotations
@@ -137,6 +141,51 @@ def pipeline_rates(args: Any, workdir: Path, device: torch.device) -> dict[str, 
     return out
 
 
+AUGMENTS = {  # name -> (auto_augment, re_prob)
+    "crop_flip": (None, 0.0),
+    "crop_flip_erasing": (None, 0.25),
+    "trivial_erasing": ("trivial", 0.25),
+    "randaugment_erasing": ("rand-m9-n2-mstd0.5", 0.25),
+}
+
+
+def augment_cost(args: Any) -> dict[str, Any]:
+    """Device ops and host milliseconds of one training batch's `BatchTransform`, per recipe (AUGMENTS)."""
+    from vitrain.data.augment import BatchTransform
+    from vitrain.utils.measuring import DeviceOps
+
+    batch, repeats = (32, 5) if args.smoke else (384, 200)
+    torch.manual_seed(0)
+    out: dict[str, Any] = {}
+    timers = {}
+    for name, (spec, re_prob) in AUGMENTS.items():
+        transform = BatchTransform(32, CIFAR10_MEAN, CIFAR10_STD, auto_augment=spec, re_prob=re_prob)
+        meta = torch.empty(batch, 3, 32, 32, dtype=torch.uint8, device="meta")
+        transform(meta, train=True)  # cached constants made
+        with DeviceOps() as counted:
+            transform(meta, train=True)
+        out[name] = {"device_ops": counted.total}
+        tiny = torch.randint(0, 256, (batch, 3, 4, 4), dtype=torch.uint8)
+        small = BatchTransform(
+            4, CIFAR10_MEAN, CIFAR10_STD, crop_padding=1, auto_augment=spec, re_prob=re_prob
+        )
+
+        def segment(t: BatchTransform = small, x: torch.Tensor = tiny) -> float:
+            start = time.perf_counter()
+            for _ in range(repeats):
+                t(x, train=True)
+            return 1000 * (time.perf_counter() - start) / repeats
+
+        segment()  # warm-up
+        timers[name] = segment
+    runs = interleave(timers, args.rounds)
+    for name, times in runs.items():
+        out[name]["host_ms"] = round(median(times), 3)
+        out[name]["host_x_crop_flip"] = round(median(times) / median(runs["crop_flip"]), 2)
+        out[name]["rounds_ms"] = [round(t, 3) for t in times]
+    return {"batch_size": batch, "recipes": out}
+
+
 def data_wait(args: Any, workdir: Path) -> dict[str, Any]:
     """Share of step time in the loader's next() and in on_after_batch_transfer during a real fit."""
     from omegaconf import open_dict
@@ -209,6 +258,7 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     rates = pipeline_rates(args, workdir, device)
     wait = data_wait(args, workdir)
+    augment = augment_cost(args)
     small, large = rates[str(args.sizes[0])], rates[str(args.sizes[-1])]
     resize_only = large.get("resize_only_images_per_s")
     # the goal is judged at the input of the model this machine trains (experiment=cifar_cpu, 32 px);
@@ -241,6 +291,19 @@ def main() -> None:
             "(crop, flip and normalisation are the rest). On a GPU the resize is cheap next to the step; "
             "not measured here."
         )
+    costs = augment["recipes"]
+    notes.append(
+        f"Batch augmentation, per batch of {augment['batch_size']} (device ops: kernel launches on a GPU, "
+        "counted on the meta device; host ms: this CPU, 4 px images, so the ops' dispatch and the host's "
+        "draws): "
+        + "; ".join(
+            f"{name.replace('_', ' ')} {c['device_ops']} device ops, {c['host_ms']} ms "
+            f"({c['host_x_crop_flip']}x crop+flip)"
+            for name, c in costs.items()
+        )
+        + ". Every draw and per-image parameter is worked out on the host, so the device only applies them "
+        "(vitrain/data/augment.py)."
+    )
     result.save(
         line,
         notes=notes,
@@ -251,6 +314,8 @@ def main() -> None:
                 f"dataloader_images_per_s_{s}px": rates[str(s)]["dataloader_images_per_s"] for s in args.sizes
             },
             "data_wait_percent": round(100 * wait["fraction"], 3),
+            "randaugment_erasing_device_ops": augment["recipes"]["randaugment_erasing"]["device_ops"],
+            "randaugment_erasing_host_ms": augment["recipes"]["randaugment_erasing"]["host_ms"],
             **({f"resize_only_images_per_s_{args.sizes[-1]}px": resize_only} if resize_only else {}),
         },
         goal="on-device >= 10x the 2-worker DataLoader; data wait < 2 % of step time",
@@ -258,6 +323,7 @@ def main() -> None:
         verdict=verdict,
         rates=rates,
         data_wait=wait,
+        augment=augment,
         device=str(device),
         batch_size=args.batch_size,
         workers=args.workers,

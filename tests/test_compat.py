@@ -188,6 +188,20 @@ def test_foreach_lerp():
     torch.testing.assert_close(start[1], torch.full((2,), 1.5))
 
 
+def test_torch_dispatch_mode():
+    """A mode sees the ops run under it, with their schema names (what DeviceOps counts)."""
+    seen = []
+
+    class Seen(compat.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func._schema.name)
+            return func(*args, **(kwargs or {}))
+
+    with Seen():
+        torch.ones(2, device="meta").add_(1)
+    assert "aten::add_" in seen, f"{UPGRADE} torch.utils._python_dispatch.TorchDispatchMode: {seen}"
+
+
 def test_local_shard(tmp_path: Path):
     """The DTensor's own local tensor: the same storage, so an update through it is the DTensor's."""
     import torch.distributed as dist

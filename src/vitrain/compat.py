@@ -26,10 +26,12 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import RunningStage
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.optim.swa_utils import AveragedModel
+from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = [
     "HYDRA_LAUNCHER_MODULES",
     "META_FILENAME",
+    "TorchDispatchMode",
     "UnsyncedThroughputMonitor",
     "attached_trainer",
     "averaging_device",
@@ -321,6 +323,11 @@ def foreach_lerp_(start: list[torch.Tensor], end: list[torch.Tensor], weight: fl
     """`start[i].lerp_(end[i], weight)` for all i in one fused kernel: torch's foreach ops are documented
     but carry an underscore (`torch._foreach_*`)."""
     torch._foreach_lerp_(start, end, weight)
+
+
+# TorchDispatchMode: the base class of a mode that sees every op torch dispatches (`__torch_dispatch__`,
+# documented in torch's extending guide), exported only from a private module; vitrain/utils/measuring.py
+# counts device ops with it.
 
 
 def local_shard(t: Any) -> torch.Tensor:

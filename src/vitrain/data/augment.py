@@ -1,12 +1,14 @@
-"""Batch-wise augmentation and normalisation on the training device: one kernel per op for the whole
+"""Batch-wise augmentation and normalisation on the training device: a few kernels per op for the whole
 batch instead of per-image Python in loader workers.
 
-A batch costs a fixed number of kernels whatever its size (a few per op group of RandomAugment, where ops
-that differ only in a parameter form one group; none per image), and nothing is read back from the device:
-each random decision the host needs (the op of each image, which images are erased and where) is drawn on
-the CPU from torch's global generator, seeded by the run's seed and restored on resume, then sent to the
-device without waiting. Hence our random erasing instead of timm's
-(a Python loop over the images) and our autocontrast instead of torchvision's (a masked assignment)."""
+A batch costs a fixed number of device ops whatever its size (a few per op group of RandomAugment, where ops
+that share a kernel form one group; none per image), and nothing is read back from the device. Every random
+draw but the erasing noise is made on the host from torch's global CPU generator (seeded by the run's seed,
+restored on resume), and what follows from the draws (which images go where, each image's matrix, factor
+or box) is worked out there on vectors of the batch's size, then sent to the device in one copy without
+waiting. On a GPU each device op is a kernel launch by the training thread; the host's small CPU ops cost
+less than the launches they replace. Hence our random erasing instead of timm's (a Python loop over the
+images) and our autocontrast instead of torchvision's (a masked assignment)."""
 
 from __future__ import annotations
 
@@ -28,23 +30,29 @@ def random_crop_flip(x: Tensor, padding: int, flip_p: float = 0.5) -> Tensor:
     """Per sample: a random HxW window of the image zero-padded by `padding`, mirrored left-right with
     probability `flip_p` (torchvision's RandomCrop(padding=p) then RandomHorizontalFlip(p), per image).
 
-    One gather for the whole batch: the source pixel of every output pixel is computed from the sample's
-    shift (and flip) without building the padded batch; pixels that fall in the padding are zeroed. About
-    twice as fast on the CPU as pad + unfold-crop + where-flip (docs/benchmarks.md, data pipeline).
+    One gather for the whole batch, without building the padded batch: the shifts and flips are drawn on the
+    host (torch's global CPU generator, as every draw here), which works out the source row and column of
+    each output row and column and whether it lies in the padding; the device adds them into each output
+    pixel's source, gathers, and zeroes the padding: 6 device ops, whatever the batch. About twice as fast
+    on the CPU as pad + unfold-crop + where-flip (docs/benchmarks.md, data pipeline).
     """
     b, c, h, w = x.shape
     if padding <= 0 and flip_p <= 0:
         return x
-    dy = torch.randint(-padding, padding + 1, (b, 1), device=x.device)
-    dx = torch.randint(-padding, padding + 1, (b, 1), device=x.device)
-    flip = torch.rand(b, 1, device=x.device) < flip_p
-    rows = dy + torch.arange(h, device=x.device)  # [B,H] source row of each output row
-    cols = dx + torch.arange(w, device=x.device)  # [B,W] source column of each output column
-    cols = torch.where(flip, cols.flip(-1), cols)
-    inside = ((rows >= 0) & (rows < h))[:, :, None] & ((cols >= 0) & (cols < w))[:, None, :]  # [B,H,W]
-    source = rows.clamp(0, h - 1)[:, :, None] * w + cols.clamp(0, w - 1)[:, None, :]
-    out = x.reshape(b, c, h * w).gather(2, source.view(b, 1, h * w).expand(b, c, h * w)).view(b, c, h, w)
-    return out.masked_fill_(~inside[:, None], 0) if padding > 0 else out
+    rows = torch.randint(-padding, padding + 1, (b, 1)) + torch.arange(h)  # [B,H] source row of each row
+    cols = torch.randint(-padding, padding + 1, (b, 1)) + torch.arange(w)  # [B,W] source column
+    cols = torch.where(torch.rand(b, 1) < flip_p, cols.flip(-1), cols)
+    inside = torch.cat([(rows >= 0) & (rows < h), (cols >= 0) & (cols < w)], 1).to(torch.uint8)
+    rows, cols = to_device(torch.cat([rows.clamp(0, h - 1) * w, cols.clamp(0, w - 1)], 1), x.device).split(
+        [h, w], 1
+    )
+    source = (rows[:, :, None] + cols[:, None, :]).view(b, 1, h * w).expand(b, c, h * w)
+    out = x.reshape(b, c, h * w).gather(2, source).view(b, c, h, w)
+    if padding <= 0:
+        return out
+    # the padding zeroed by a product with a 0/1 mask: on the CPU ~10x faster than a broadcast masked_fill_
+    in_rows, in_cols = to_device(inside, x.device).split([h, w], 1)
+    return out.mul_((in_rows[:, :, None] * in_cols[:, None, :])[:, None])
 
 
 def to_model_input(x: Tensor, img_size: int, mean: Sequence[float], std: Sequence[float]) -> Tensor:
@@ -84,41 +92,86 @@ def _affine(mean: tuple[float, ...], std: tuple[float, ...], device: torch.devic
 # --- RandAugment / TrivialAugment, per image, batch-wise ---------------------------------------------------
 #
 # torchvision's and timm's RandAugment draw one op per call: applied to a batch tensor that is one op and one
-# magnitude for the whole batch. Here every image draws its own op and magnitude; the batch is grouped by op
-# and each group runs as one batched call with a magnitude per image (affine ops: one grid_sample with a
-# matrix per image). uint8 in, uint8 out.
+# magnitude for the whole batch. Here every image draws its own op and magnitude. The images are sorted by
+# kernel: ops that share one run as one batched call (the five affine warps: one grid_sample with a matrix per
+# image; the three blends against a degenerate image). Every image's parameters (its matrix, blend factor,
+# threshold, bit mask) follow from its magnitude and its op's coefficients in a few vector ops on the host,
+# for all ops at once; they reach the device in one copy with the sorted order. On a GPU each device op is a
+# kernel launch by the training thread: a round of RandAugment launches ~70 kernels instead of the ~155 it
+# took when the device worked out the parameters (tests/test_augment.py counts them). uint8 in, uint8 out.
+
+# what an op's parameters are made of: per unit of signed magnitude, degrees of rotation, shear, shift (of
+# the image's size), enhance factor, and posterize's bits per unit of magnitude; plus a blend's degenerate
+# image as gray x its grayscale + mean x its mean gray level. An op names the ones it uses (a `ranges` key,
+# or a number), the others are 0.
+COEFFICIENTS = ("rotate", "shear_x", "shear_y", "shift_x", "shift_y", "enhance", "posterize", "gray", "mean")
+# each image's parameters: columns THETA an affine matrix (normalised coordinates, output -> input); FACTOR,
+# GRAY, MEAN a blend; SOLARIZE the threshold; KEEP posterize's mask of the bits it keeps
+THETA, FACTOR, GRAY, MEAN, SOLARIZE, KEEP = slice(0, 6), 6, 7, 8, 9, 10
+PARAMS = 11
+_KEEP_BITS = torch.tensor([256.0 - 2 ** (8 - bits) for bits in range(9)])  # exact: a table, not a float pow
 
 
-def _blend(x: Tensor, degenerate: Tensor, factor: Tensor) -> Tensor:
-    """PIL ImageEnhance: degenerate + factor * (image - degenerate), per image factor."""
-    f = factor.view(-1, 1, 1, 1)
-    return (degenerate + f * (x.float() - degenerate)).clamp_(0, 255).round_().to(torch.uint8)
+def _signed(m: Tensor) -> Tensor:
+    """Half of the images take the negative magnitude (rotate left or right, shear either way)."""
+    return torch.where(torch.rand_like(m) < 0.5, -m, m)
 
 
-def _gray(x: Tensor) -> Tensor:
-    return TF.rgb_to_grayscale(x).float()
-
-
-def _warp(x: Tensor, theta: Tensor) -> Tensor:
-    """A 2x3 matrix per image (normalised coordinates, output -> input), nearest pixel, zeros outside."""
-    grid = F.affine_grid(theta, list(x.shape), align_corners=False)
-    return F.grid_sample(x.float(), grid, mode="nearest", padding_mode="zeros", align_corners=False).to(
-        x.dtype
+def op_params(coefficients: Tensor, m: Tensor) -> Tensor:
+    """[n, PARAMS]: each image's parameters from its op's coefficients ([n, len(COEFFICIENTS)]) and its
+    magnitude in [0, 1], on the host. A coefficient an op leaves at 0 keeps its matrix the identity (angle
+    0: cos 1, sin 0; no shear, no shift), and these sums exact (x + 0)."""
+    s = _signed(m)
+    rotate, shear_x, shear_y, shift_x, shift_y, enhance, posterize, gray, mean = coefficients.unbind(1)
+    rad = s * rotate * (math.pi / 180)
+    cos, sin = rad.cos(), rad.sin()
+    bits = 8 - (m * posterize).round().long()
+    return torch.stack(
+        [
+            *(cos, s * shear_x - sin, 2 * s * shift_x, sin + s * shear_y, cos, 2 * s * shift_y),
+            *(1 + s * enhance, gray, mean),
+            256 - 256 * m,
+            _KEEP_BITS[bits],
+        ],
+        dim=1,
     )
 
 
-def _matrix(n: int, device: torch.device, **entries: Tensor) -> Tensor:
-    theta = torch.zeros(n, 2, 3, device=device)
-    theta[:, 0, 0] = theta[:, 1, 1] = 1.0
-    for key, value in entries.items():
-        theta[:, int(key[1]), int(key[2])] = value
-    return theta
+@functools.lru_cache(maxsize=16)
+def _base_grid(height: int, width: int, device: torch.device) -> Tensor:
+    """[1, H*W, 3]: each output pixel's normalised (x, y, 1), which `F.affine_grid` builds at every call (a
+    few kernels); made once per size and device. Exact: the identity matrix times it adds only zeros."""
+    xy = F.affine_grid(torch.eye(2, 3)[None], [1, 1, height, width], align_corners=False)
+    return torch.cat([xy, torch.ones(1, height, width, 1)], dim=-1).view(1, height * width, 3).to(device)
 
 
-def _rotate(x: Tensor, degrees: Tensor) -> Tensor:
-    rad = degrees * (math.pi / 180)
-    cos, sin = rad.cos(), rad.sin()
-    return _warp(x, _matrix(len(x), x.device, m00=cos, m01=-sin, m10=sin, m11=cos))
+def _warp(x: Tensor, p: Tensor) -> Tensor:
+    """Each image through its own affine matrix, nearest pixel, zeros outside: affine_grid's arithmetic (one
+    batched matmul) on the cached base grid, then one grid_sample."""
+    n, _, h, w = x.shape
+    theta = p[:, THETA].reshape(n, 2, 3)
+    grid = torch.bmm(_base_grid(h, w, x.device).expand(n, -1, -1), theta.transpose(1, 2))
+    out = F.grid_sample(
+        x.float(), grid.view(n, h, w, 2), mode="nearest", padding_mode="zeros", align_corners=False
+    )
+    return out.to(x.dtype)
+
+
+def _blend(x: Tensor, degenerate: Tensor, factor: Tensor) -> Tensor:
+    """PIL ImageEnhance: degenerate + factor * (image - degenerate), rounded; `factor` [n,1,1,1]."""
+    return torch.sub(x, degenerate).mul_(factor).add_(degenerate).clamp_(0, 255).round_().to(torch.uint8)
+
+
+def _column(p: Tensor, k: int) -> Tensor:
+    return p[:, k, None, None, None]  # [n,1,1,1]: per image, broadcast over its pixels
+
+
+def _blends(x: Tensor, p: Tensor) -> Tensor:
+    """Color (a blend with the grayscale image), Contrast (with its mean gray level), Brightness (black)."""
+    gray = TF.rgb_to_grayscale(x).float()
+    level = gray.mean(dim=(1, 2, 3), keepdim=True)
+    degenerate = torch.addcmul(gray * _column(p, GRAY), level, _column(p, MEAN))
+    return _blend(x, degenerate, _column(p, FACTOR))
 
 
 @functools.lru_cache(maxsize=8)
@@ -127,60 +180,63 @@ def _smooth_kernel(device: torch.device) -> Tensor:
     return torch.tensor([[1.0, 1.0, 1.0], [1.0, 5.0, 1.0], [1.0, 1.0, 1.0]]).div_(13).to(device)
 
 
-def _sharpness_degenerate(x: Tensor) -> Tensor:
-    """PIL's SMOOTH filter inside, the image's own border pixels at the edge (as PIL and torchvision)."""
+def _sharpness(x: Tensor, p: Tensor) -> Tensor:
+    """A blend with PIL's SMOOTH filter inside, the image's own border pixels at the edge (as PIL and
+    torchvision)."""
     kernel = _smooth_kernel(x.device)
     c = x.shape[1]
-    out = x.to(torch.float32, copy=True)
-    smooth = F.conv2d(out, kernel.expand(c, 1, 3, 3), groups=c)
-    out[..., 1:-1, 1:-1] = smooth.round_()
-    return out
+    degenerate = x.to(torch.float32, copy=True)
+    degenerate[..., 1:-1, 1:-1] = F.conv2d(degenerate, kernel.expand(c, 1, 3, 3), groups=c).round_()
+    return _blend(x, degenerate, _column(p, FACTOR))
 
 
-def _autocontrast(x: Tensor) -> Tensor:
+def _autocontrast(x: Tensor, p: Tensor | None = None) -> Tensor:
     """torchvision's autocontrast (each channel stretched to 0..255, a flat channel kept), bitwise, with
     `torch.where` for flat channels: torchvision assigns through a boolean mask, which reads the fill value on
     the host and, off CUDA, turns the mask into indices, a wait for the device."""
     lo, hi = x.flatten(2).aminmax(dim=-1)
     lo, hi = lo.float()[..., None, None], hi.float()[..., None, None]
     flat = hi == lo
-    inv_scale = torch.where(flat, 1.0, (hi - lo).mul_(1.0 / 255))  # torchvision's arithmetic, same rounding
-    return x.float().sub_(torch.where(flat, 0.0, lo)).div_(inv_scale).clamp_(0, 255).to(torch.uint8)
+    inv_scale = (hi - lo).mul_(1.0 / 255).masked_fill_(flat, 1.0)  # torchvision's arithmetic, same rounding
+    return torch.sub(x, lo.masked_fill_(flat, 0.0)).div_(inv_scale).clamp_(0, 255).to(torch.uint8)
 
 
-def _posterize(x: Tensor, bits: Tensor) -> Tensor:
-    keep = (255 - (2 ** (8 - bits) - 1)).to(torch.uint8).view(-1, 1, 1, 1)  # mask of the top `bits` bits
-    return x & keep
+@dataclass(frozen=True)
+class Op:
+    """An op: `kernel(images, params)` runs where the uint8 images are, with their rows of `op_params`
+    there; `uses` names its coefficients (COEFFICIENTS), each a `ranges` key or a number."""
+
+    kernel: Callable[[Tensor, Tensor], Tensor]
+    uses: tuple[tuple[str, str | float], ...] = ()
+
+    def coefficients(self, ranges: dict[str, float]) -> list[float]:
+        uses = dict(self.uses)
+        values = {k: ranges[v] if isinstance(v, str) else v for k, v in uses.items()}
+        return [float(values.get(k, 0.0)) for k in COEFFICIENTS]
+
+    def __call__(self, x: Tensor, m: Tensor, ranges: dict[str, float]) -> Tensor:
+        """This op alone on every image of `x`, magnitudes `m` on the CPU."""
+        coefficients = torch.tensor([self.coefficients(ranges)]).expand(len(m), -1)
+        return self.kernel(x, to_device(op_params(coefficients, m), x.device))
 
 
-def _signed(m: Tensor) -> Tensor:
-    """Half of the images take the negative magnitude (rotate left or right, shear either way)."""
-    return torch.where(torch.rand_like(m) < 0.5, -m, m)
-
-
-# op(images, magnitude in [0, 1] per image, ranges) -> images; `ranges` scales the magnitude per policy
-_Op = Callable[[Tensor, Tensor, dict[str, float]], Tensor]
-OPS: dict[str, _Op] = {
-    "Identity": lambda x, m, r: x,
-    "AutoContrast": lambda x, m, r: _autocontrast(x),
+OPS: dict[str, Op] = {
+    "Identity": Op(lambda x, p: x),
+    "AutoContrast": Op(_autocontrast),
     # torchvision's v2 equalize is batched already: one scatter_add for all histograms, no read of the step
-    "Equalize": lambda x, m, r: TF.equalize(x),
-    "Rotate": lambda x, m, r: _rotate(x, _signed(m) * r["rotate"]),
-    "Solarize": lambda x, m, r: torch.where(x.float() >= (256 - 256 * m).view(-1, 1, 1, 1), 255 - x, x),
-    "Posterize": lambda x, m, r: _posterize(x, (8 - (m * r["posterize"]).round()).long()),
-    "Color": lambda x, m, r: _blend(x, _gray(x), 1 + _signed(m) * r["enhance"]),
-    "Contrast": lambda x, m, r: _blend(
-        x, _gray(x).mean(dim=(1, 2, 3), keepdim=True), 1 + _signed(m) * r["enhance"]
-    ),
-    "Brightness": lambda x, m, r: _blend(
-        x, torch.zeros_like(x, dtype=torch.float32), 1 + _signed(m) * r["enhance"]
-    ),
-    "Sharpness": lambda x, m, r: _blend(x, _sharpness_degenerate(x), 1 + _signed(m) * r["enhance"]),
-    "ShearX": lambda x, m, r: _warp(x, _matrix(len(x), x.device, m01=_signed(m) * r["shear"])),
-    "ShearY": lambda x, m, r: _warp(x, _matrix(len(x), x.device, m10=_signed(m) * r["shear"])),
-    # normalised coordinates span 2: a shift of fraction t of the image is 2t
-    "TranslateX": lambda x, m, r: _warp(x, _matrix(len(x), x.device, m02=2 * _signed(m) * r["translate"])),
-    "TranslateY": lambda x, m, r: _warp(x, _matrix(len(x), x.device, m12=2 * _signed(m) * r["translate"])),
+    "Equalize": Op(lambda x, p: TF.equalize(x)),
+    "Rotate": Op(_warp, (("rotate", "rotate"),)),
+    "Solarize": Op(lambda x, p: torch.where(x >= _column(p, SOLARIZE), 255 - x, x)),
+    "Posterize": Op(lambda x, p: x & _column(p, KEEP).to(torch.uint8), (("posterize", "posterize"),)),
+    "Color": Op(_blends, (("enhance", "enhance"), ("gray", 1.0))),
+    "Contrast": Op(_blends, (("enhance", "enhance"), ("mean", 1.0))),
+    "Brightness": Op(_blends, (("enhance", "enhance"),)),  # degenerate: black
+    "Sharpness": Op(_sharpness, (("enhance", "enhance"),)),
+    "ShearX": Op(_warp, (("shear_x", "shear"),)),
+    "ShearY": Op(_warp, (("shear_y", "shear"),)),
+    # normalised coordinates span 2: op_params doubles the shift, a fraction of the image
+    "TranslateX": Op(_warp, (("shift_x", "translate"),)),
+    "TranslateY": Op(_warp, (("shift_y", "translate"),)),
 }
 
 # RandAugment (timm's rand-* ops and ranges: rotate 30 deg, shear 0.3, translate 45 %, enhance 0.9; posterize
@@ -193,50 +249,6 @@ RAND_OPS = [name for name in OPS if name != "Identity"]
 #: the `auto_augment` names of TrivialAugmentWide, on every path (the workers run torchvision's: transforms.py)
 TRIVIAL_NAMES = ("trivial", "trivialaugment", "ta_wide")
 TRIVIAL_OPS = list(OPS)
-
-
-# Ops that differ only in a per-image parameter run as one batched call, a family: the affine warps as one
-# grid_sample with each image's own matrix, the blends against a degenerate image as one blend. Each image's
-# result is bitwise its own op's (tests/test_augment.py); a round of RandAugment makes 8 groups instead of 14,
-# about a third fewer kernel launches per batch (each a few microseconds of the training thread on a GPU).
-def _warps(x: Tensor, which: Tensor, m: Tensor, r: dict[str, float]) -> Tensor:
-    """Rotate, ShearX, ShearY, TranslateX, TranslateY (`which`: each image's index in WARPS)."""
-    s = _signed(m)
-    rad = s * r["rotate"] * (math.pi / 180)
-    cos, sin = rad.cos(), rad.sin()
-    shear, shift = s * r["shear"], 2 * s * r["translate"]
-    rotate, shear_x, shear_y, shift_x, shift_y = (which == k for k in range(len(WARPS)))
-    diagonal = torch.where(rotate, cos, 1.0)
-    theta = torch.stack(
-        [
-            diagonal,
-            torch.where(rotate, -sin, torch.where(shear_x, shear, 0.0)),
-            torch.where(shift_x, shift, 0.0),
-            torch.where(rotate, sin, torch.where(shear_y, shear, 0.0)),
-            diagonal,
-            torch.where(shift_y, shift, 0.0),
-        ],
-        dim=-1,
-    )
-    return _warp(x, theta.view(-1, 2, 3))
-
-
-def _blends(x: Tensor, which: Tensor, m: Tensor, r: dict[str, float]) -> Tensor:
-    """Color, Contrast, Brightness (`which`: each image's index in BLENDS): each image blended with its
-    grayscale image, its mean gray level, or black."""
-    gray = _gray(x)
-    per_image = which.view(-1, 1, 1, 1)
-    degenerate = torch.where(
-        per_image == 0, gray, torch.where(per_image == 1, gray.mean(dim=(1, 2, 3), keepdim=True), 0.0)
-    )
-    return _blend(x, degenerate, 1 + _signed(m) * r["enhance"])
-
-
-WARPS = ("Rotate", "ShearX", "ShearY", "TranslateX", "TranslateY")
-BLENDS = ("Color", "Contrast", "Brightness")
-# family(images, index of each image's op among the members, magnitude, ranges) -> images
-_Family = Callable[[Tensor, Tensor, Tensor, dict[str, float]], Tensor]
-FAMILIES: dict[tuple[str, ...], _Family] = {WARPS: _warps, BLENDS: _blends}
 
 
 @dataclass
@@ -252,24 +264,18 @@ class RandomAugment:
     num_ops: int = 2
     magnitude: float | None = 9.0  # None: uniform
     magnitude_std: float = 0.5
-    # one batched call per group: a lone op, or a family (then True: it takes each image's member index)
-    _groups: list[tuple[_Op | _Family, bool]] = field(init=False, repr=False)
-    # per op index: its group, and its index among its family's members (0 for a lone op)
+    # one batched call per kernel; per op index: its kernel's index and its coefficients
+    _kernels: list[Callable[[Tensor, Tensor], Tensor]] = field(init=False, repr=False)
     _group_of: Tensor = field(init=False, repr=False)
-    _member_of: Tensor = field(init=False, repr=False)
+    _coefficients: Tensor = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        keys: list[str | tuple[str, ...]] = []
-        group_of, member_of = [], []
+        self._kernels = []
         for name in self.ops:
-            family = next((members for members in FAMILIES if name in members), None)
-            key = family or name
-            if key not in keys:
-                keys.append(key)
-            group_of.append(keys.index(key))
-            member_of.append(family.index(name) if family else 0)
-        self._groups = [(FAMILIES[k], True) if isinstance(k, tuple) else (OPS[k], False) for k in keys]
-        self._group_of, self._member_of = torch.tensor(group_of), torch.tensor(member_of)
+            if OPS[name].kernel not in self._kernels:
+                self._kernels.append(OPS[name].kernel)
+        self._group_of = torch.tensor([self._kernels.index(OPS[name].kernel) for name in self.ops])
+        self._coefficients = torch.tensor([OPS[name].coefficients(self.ranges) for name in self.ops])
 
     @classmethod
     def from_name(cls, spec: str) -> RandomAugment:
@@ -320,25 +326,24 @@ class RandomAugment:
         return x
 
     def apply(self, x: Tensor, ops: Tensor, mag: Tensor) -> Tensor:
-        """Each image through its own op (`ops`, indices into `self.ops`, and `mag` on the CPU): grouped by
-        op, or by family, one batched call per group."""
+        """Each image through its own op (`ops`, indices into `self.ops`, and `mag`, on the CPU): sorted by
+        kernel on the host, where the parameters are worked out; the parameters and the order in one copy to
+        the device; one batched call per kernel; the results put back in the images' places."""
+        n = len(ops)
         group = self._group_of[ops]
-        order = group.argsort()
-        counts = torch.bincount(group, minlength=len(self._groups)).tolist()
-        # one copy to the device for what the groups need per image: magnitude and index among the members
-        order = to_device(order, x.device)
-        per_image = to_device(torch.stack([mag, self._member_of[ops].to(mag.dtype)]), x.device)
-        out = torch.empty_like(x)
-        start = 0
-        for (fn, family), count in zip(self._groups, counts, strict=True):
+        order = group.argsort(stable=True)
+        counts = torch.bincount(group, minlength=len(self._kernels)).tolist()
+        params = op_params(self._coefficients[ops[order]], mag[order])
+        packed = to_device(torch.cat([params.view(-1), order.to(params.dtype)]), x.device)  # n < 2**24: exact
+        params, order = packed[: n * PARAMS].view(n, PARAMS), packed[n * PARAMS :].long()
+        images, results, start = x.index_select(0, order), [], 0
+        for kernel, count in zip(self._kernels, counts, strict=True):
             if count:
-                idx = order[start : start + count]
-                m, which = per_image.index_select(1, idx).unbind(0)
-                images = x.index_select(0, idx)
-                result = fn(images, which.long(), m, self.ranges) if family else fn(images, m, self.ranges)
-                out.index_copy_(0, idx, result)
+                results.append(kernel(images[start : start + count], params[start : start + count]))
                 start += count
-        return out
+        if not results:
+            return x
+        return torch.empty_like(x).index_copy_(0, order, torch.cat(results))
 
 
 def flip_probability(value: object) -> float:
@@ -420,17 +425,19 @@ def erasing_boxes(batch: int, height: int, width: int, prob: float) -> Tensor:
 
 
 def random_erasing(x: Tensor, prob: float) -> Tensor:
-    """Erase a box of each chosen image of the float batch `x` (in place, as timm) with per-pixel normal noise:
-    the box mask is a broadcast comparison of row and column numbers on the device, and only the k erased
-    images draw noise and are rewritten."""
-    boxes = erasing_boxes(len(x), x.shape[-2], x.shape[-1], prob)
+    """Erase a box of each chosen image of the float batch `x` (in place, as timm) with per-pixel normal
+    noise: the boxes' rows and columns are worked out on the host, the device makes each box's mask from
+    them (one broadcast `and`), and only the k erased images draw noise and are rewritten."""
+    height, width = x.shape[-2:]
+    boxes = erasing_boxes(len(x), height, width, prob)
     if not len(boxes):
         return x
-    image, top, left, h, w = to_device(boxes, x.device).unbind(1)
-    rows = torch.arange(x.shape[-2], device=x.device)
-    cols = torch.arange(x.shape[-1], device=x.device)
+    image, top, left, h, w = boxes.unbind(1)
+    rows, cols = torch.arange(height), torch.arange(width)
     in_rows = (rows >= top[:, None]) & (rows < (top + h)[:, None])  # [k,H]
     in_cols = (cols >= left[:, None]) & (cols < (left + w)[:, None])  # [k,W]
+    in_rows, in_cols = to_device(torch.cat([in_rows, in_cols], 1), x.device).split([height, width], 1)
     inside = in_rows[:, None, :, None] & in_cols[:, None, None, :]  # [k,1,H,W]
+    image = to_device(image, x.device)
     noise = torch.randn((len(boxes), *x.shape[1:]), dtype=x.dtype, device=x.device)
     return x.index_copy_(0, image, torch.where(inside, noise, x.index_select(0, image)))

@@ -1,6 +1,6 @@
 """Measuring a process: its peak memory (Linux /proc probes, CUDA counters), its GPU's utilisation (a
-sampler thread), and logged metrics as plain floats. Used by the run-stats callback, the batch-size search
-and the benchmarks' probe."""
+sampler thread), logged metrics as plain floats, and the device ops code issues. Used by the run-stats
+callback, the batch-size search, the benchmarks' probe and the augmentation's tests."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from vitrain.compat import TorchDispatchMode
 
 GB = 1024**3
 
@@ -152,3 +154,32 @@ def metric_floats(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, flo
             except (TypeError, ValueError, RuntimeError):
                 continue
     return out
+
+
+# --- device ops ---------------------------------------------------------------------------------------------
+
+
+class DeviceOps(TorchDispatchMode):
+    """Counts, by name, the ops that compute on the "meta" device while active: run with its tensors on
+    "meta", code shows the kernels it would launch on a GPU, each a few microseconds of the launching
+    thread, without one. Views and allocations launch none and are left out; ops on CPU tensors (the host's
+    share of the work) are not counted. A torch dispatch mode: no profiler tells meta ops apart."""
+
+    FREE = frozenset({"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::new_empty"})
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        outs = out if isinstance(out, tuple | list) else [out]
+        on_device = any(isinstance(o, torch.Tensor) and o.device.type == "meta" for o in outs)
+        name = func._schema.name
+        if on_device and not func.is_view and name not in self.FREE and name != "aten::_unsafe_view":
+            self.ops[name] = self.ops.get(name, 0) + 1
+        return out
+
+    @property
+    def total(self) -> int:
+        return sum(self.ops.values())
