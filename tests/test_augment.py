@@ -242,6 +242,8 @@ REFERENCES: dict[str, Callable[[torch.Tensor, float], torch.Tensor]] = {
     "Color": lambda x, s: _reference_blend(x, _gray(x), 1 + 0.9 * s),
     "Contrast": lambda x, s: _reference_blend(x, _gray(x).mean(), 1 + 0.9 * s),
     "Brightness": lambda x, s: _reference_blend(x, torch.zeros(()), 1 + 0.9 * s),
+    # torchvision's blend truncates where PIL (and ours) rounds: within one level
+    "Sharpness": lambda x, s: TF.adjust_sharpness(x, 1 + 0.9 * s),
     "Solarize": lambda x, s: torch.where(x.float() >= 256 - 256 * abs(s), 255 - x, x),
     "Posterize": lambda x, s: x & (256 - 2 ** round(4 * abs(s))),
 }

@@ -191,9 +191,9 @@ def _sharpness(x: Tensor, p: Tensor) -> Tensor:
 
 
 def _autocontrast(x: Tensor, p: Tensor | None = None) -> Tensor:
-    """torchvision's autocontrast (each channel stretched to 0..255, a flat channel kept), bitwise, with
-    `torch.where` for flat channels: torchvision assigns through a boolean mask, which reads the fill value on
-    the host and, off CUDA, turns the mask into indices, a wait for the device."""
+    """torchvision's autocontrast (each channel stretched to 0..255, a flat channel kept), bitwise, with the
+    flat channels' bounds set by `masked_fill_`: torchvision assigns through a boolean mask, which reads the
+    fill value on the host and, off CUDA, turns the mask into indices, a wait for the device."""
     lo, hi = x.flatten(2).aminmax(dim=-1)
     lo, hi = lo.float()[..., None, None], hi.float()[..., None, None]
     flat = hi == lo
