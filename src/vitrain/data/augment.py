@@ -42,14 +42,14 @@ def random_crop_flip(x: Tensor, padding: int, flip_p: float = 0.5) -> Tensor:
     rows = torch.randint(-padding, padding + 1, (b, 1)) + torch.arange(h)  # [B,H] source row of each row
     cols = torch.randint(-padding, padding + 1, (b, 1)) + torch.arange(w)  # [B,W] source column
     cols = torch.where(torch.rand(b, 1) < flip_p, cols.flip(-1), cols)
+    if padding <= 0:  # a flip alone: each row gathers its image's columns, reversed or not (2 device ops)
+        return x.gather(3, to_device(cols, x.device)[:, None, None, :].expand(b, c, h, w))
     inside = torch.cat([(rows >= 0) & (rows < h), (cols >= 0) & (cols < w)], 1).to(torch.uint8)
     rows, cols = to_device(torch.cat([rows.clamp(0, h - 1) * w, cols.clamp(0, w - 1)], 1), x.device).split(
         [h, w], 1
     )
     source = (rows[:, :, None] + cols[:, None, :]).view(b, 1, h * w).expand(b, c, h * w)
     out = x.reshape(b, c, h * w).gather(2, source).view(b, c, h, w)
-    if padding <= 0:
-        return out
     # the padding zeroed by a product with a 0/1 mask: on the CPU ~10x faster than a broadcast masked_fill_
     in_rows, in_cols = to_device(inside, x.device).split([h, w], 1)
     return out.mul_((in_rows[:, :, None] * in_cols[:, None, :])[:, None])
@@ -97,7 +97,7 @@ def _affine(mean: tuple[float, ...], std: tuple[float, ...], device: torch.devic
 # image; the three blends against a degenerate image). Every image's parameters (its matrix, blend factor,
 # threshold, bit mask) follow from its magnitude and its op's coefficients in a few vector ops on the host,
 # for all ops at once; they reach the device in one copy with the sorted order. On a GPU each device op is a
-# kernel launch by the training thread: a round of RandAugment launches ~70 kernels instead of the ~155 it
+# kernel launch by the training thread: a round of RandAugment launches ~70 kernels instead of the ~150 it
 # took when the device worked out the parameters (tests/test_augment.py counts them). uint8 in, uint8 out.
 
 # what an op's parameters are made of: per unit of signed magnitude, degrees of rotation, shear, shift (of

@@ -165,7 +165,11 @@ class DeviceOps(TorchDispatchMode):
     thread, without one. Views and allocations launch none and are left out; ops on CPU tensors (the host's
     share of the work) are not counted. A torch dispatch mode: no profiler tells meta ops apart."""
 
-    FREE = frozenset({"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::new_empty"})
+    # allocations, and in-place views (a view's metadata set on the tensor itself): no kernel
+    FREE = frozenset(
+        {"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::new_empty", "aten::_unsafe_view"}
+        | {f"aten::{view}_" for view in ("unsqueeze", "squeeze", "transpose", "t", "as_strided", "detach")}
+    )
 
     def __init__(self) -> None:
         super().__init__()
@@ -176,7 +180,7 @@ class DeviceOps(TorchDispatchMode):
         outs = out if isinstance(out, tuple | list) else [out]
         on_device = any(isinstance(o, torch.Tensor) and o.device.type == "meta" for o in outs)
         name = func._schema.name
-        if on_device and not func.is_view and name not in self.FREE and name != "aten::_unsafe_view":
+        if on_device and not func.is_view and name not in self.FREE:
             self.ops[name] = self.ops.get(name, 0) + 1
         return out
 
