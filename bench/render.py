@@ -139,10 +139,14 @@ def render(run: dict[str, Any] | None, results: list[dict[str, Any]]) -> str:
         if what_it_measures(r["name"]):
             out += [f"*How:* {what_it_measures(r['name'])}", ""]
         out += [f"- `{k}`: {fmt(v)}" for k, v in r["figures"].items()]
+        # a benchmark re-run on its own may come from another machine than the header's: named then
+        mr = r.get("machine") or m
+        elsewhere = (mr.get("cpu"), mr.get("cores")) != (m.get("cpu"), m.get("cores"))
+        on = f" on {mr['cpu']}, {mr['cores']} cores, {_bf16(mr)}" if elsewhere else ""
         out += [
             "",
-            f"Measured {r['date']} in {r['seconds']:.0f} s (load {r['load_before']} -> {r['load_after']}) by "
-            f"`{r['command']}`.",
+            f"Measured {r['date']}{on} in {r['seconds']:.0f} s (load {r['load_before']} -> {r['load_after']}) "
+            f"by `{r['command']}`.",
             "",
         ]
         for note in r.get("notes") or []:

@@ -98,7 +98,8 @@ def test_render_writes_a_table(tmp_path: Path):
         "lightning": "l",
         "timm": "m",
     }
-    for name, met in (("overhead", True), ("accuracy", False)):
+    elsewhere = {**machine, "cpu": "Other CPU", "avx512_bf16": False}
+    for name, met, where in (("overhead", True, machine), ("accuracy", False, elsewhere)):
         (tmp_path / f"{name}.json").write_text(
             json.dumps(
                 {
@@ -115,7 +116,7 @@ def test_render_writes_a_table(tmp_path: Path):
                     "notes": ["a note"],
                     "details": {"k": [1, 2]},
                     "seconds": 3.0,
-                    "machine": machine,
+                    "machine": where,
                 }
             )
         )
@@ -135,6 +136,9 @@ def test_render_writes_a_table(tmp_path: Path):
     assert "| overhead figure | a goal | met |" in doc
     assert "**not met**" in doc and "not measured" in doc and "> a note" in doc
     assert doc.index("1. Framework overhead") < doc.index("6. Accuracy")
+    # a result from another machine than the header's names it; one from the header's does not repeat it
+    assert "Measured 2026-01-01 00:00 UTC on Other CPU, 2 cores, no native bf16" in doc
+    assert "Measured 2026-01-01 00:00 UTC in 3 s" in doc
 
 
 def test_recipes_table_compares_only_rows_of_the_current_recipe(tmp_path: Path):
