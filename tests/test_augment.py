@@ -14,8 +14,8 @@ import torchvision.transforms.v2.functional as TF
 from PIL import Image, ImageOps
 from timm.data.random_erasing import RandomErasing
 from torch.profiler import ProfilerActivity, profile
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from vitrain.compat import TorchDispatchMode
 from vitrain.data.augment import (
     OPS,
     RAND_RANGES,
