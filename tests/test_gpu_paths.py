@@ -29,6 +29,7 @@ from vitrain.distributed.fsdp import FSDP2Strategy, gather_for_eval, hybrid_mesh
 from vitrain.distributed.local_step import steps_on_local_shards
 from vitrain.distributed.parallelize import parallelize
 from vitrain.models.timm_net import create_net
+from warm import warm_forkserver
 
 WORLD = 2
 NET = {
@@ -317,7 +318,8 @@ def _worker(rank: int, store: str, out: str) -> None:
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out = tmp_path_factory.mktemp("gpu_paths")
-    mp.spawn(_worker, args=(str(out / "store"), str(out)), nprocs=WORLD, join=True)
+    args = (str(out / "store"), str(out))
+    mp.start_processes(_worker, args=args, nprocs=WORLD, join=True, start_method=warm_forkserver())
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
 

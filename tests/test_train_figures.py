@@ -15,6 +15,7 @@ from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 from vitrain.models.train_figures import TrainingFigures, accuracy_top_k, loss_and_figures
+from warm import warm_forkserver
 
 
 def _batches(sizes: list[int], classes: int = 10, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -145,7 +146,7 @@ def test_figures_are_summed_exactly_over_ranks_with_uneven_batches():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = mp.Manager().dict()
-    mp.spawn(_rank, args=(port, sizes, out), nprocs=2)
+    mp.start_processes(_rank, args=(port, sizes, out), nprocs=2, start_method=warm_forkserver())
     together = _torchmetrics_figures(_batches(sizes[0], seed=0) + _batches(sizes[1], seed=1), 0.0)
     for rank in (0, 1):
         assert out[rank]["acc1"] == together["acc1"] and out[rank]["acc5"] == together["acc5"]

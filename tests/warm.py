@@ -42,20 +42,24 @@ import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
-PRELOAD = ["torch", "lightning", "timm", "torchmetrics", "hydra", "omegaconf"]
+# tensorboard's writer too: every run with the default logger imports it (~0.25 CPU-s each)
+PRELOAD = ["torch", "lightning", "timm", "torchmetrics", "hydra", "omegaconf", "torch.utils.tensorboard"]
 # what the preloaded libraries read when they are imported: a run that sets one of these differently from the
 # server needs a new interpreter (PYTHONPATH is applied in the child, as Python does at start-up);
 # TORCHELASTIC_* and TORCH_NCCL_* are what torchrun sets for its workers, read when used, not on import;
 # KMP_DUPLICATE_LIB_OK and KMP_INIT_AT_FORK are what scikit-learn and joblib set in their own process on
 # import (Optuna imports scikit-learn): only Intel's/LLVM's OpenMP reads them, and the OpenMP runtime that
 # torch and scikit-learn ship here is GNU libgomp, which reads no KMP_* variable;
+# TORCHINDUCTOR_CACHE_DIR is read each time Inductor looks for its cache (torch/_inductor/runtime/
+# cache_dir_utils.py), as the template sets it from `paths.cache_dir`;
 # PYTORCH_NVML_BASED_CUDA_CHECK is set by Lightning's import and unset by vitrain's harness where NVML cannot
 # load (vitrain/utils/cuda_check.py): torch reads it at each CUDA availability question, not on import
 IMPORT_TIME = re.compile(
     r"^(OMP_|MKL_|KMP_|GOMP_|HF_|HUGGINGFACE_|TORCH|PYTORCH_|CUDA_|NCCL_|LD_|MALLOC_|PYTHON)"
 )
 RUN_TIME = re.compile(
-    r"^(PYTHONPATH$|TORCHELASTIC_|TORCH_NCCL_|KMP_DUPLICATE_LIB_OK$|KMP_INIT_AT_FORK$|PYTORCH_NVML_BASED_CUDA_CHECK$)"
+    r"^(PYTHONPATH$|TORCHELASTIC_|TORCH_NCCL_|TORCHINDUCTOR_CACHE_DIR$|KMP_DUPLICATE_LIB_OK$|KMP_INIT_AT_FORK$|"
+    r"PYTORCH_NVML_BASED_CUDA_CHECK$)"
 )
 SERVER_ENV = {"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
 # signals a zygote ignores: what is sent to a run's process group is for the run and its children
@@ -91,6 +95,15 @@ def _start_server() -> dict[str, str]:
             os.environ.update(saved)
         _server_env = env
     return _server_env
+
+
+def warm_forkserver() -> str:
+    """The start method whose processes come from this process's warm server (its imports done), started if
+    need be: for `torch.multiprocessing.start_processes(..., start_method=warm_forkserver())`. Such a
+    process has the server's environment and this process's sys.path and working directory; a spawned one
+    would spend ~10 CPU-s importing torch first."""
+    _start_server()
+    return "forkserver"
 
 
 def warm_ok(env: dict[str, str]) -> bool:
