@@ -1,5 +1,7 @@
 """Bad input ends in one clear line on stderr and a non-zero exit, not a traceback."""
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,6 +12,8 @@ from vitrain.checkpoints import state_dict_mismatch
 from vitrain.distributed.ranks import check_launch_env
 from vitrain.errors import ModelError, UserError
 from vitrain.models.timm_net import create_net
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _last_line(stderr: str) -> str:
@@ -154,6 +158,29 @@ def test_world_size_that_disagrees_with_the_trainer():
     env = {"MASTER_ADDR": "127.0.0.1", "NODE_RANK": "0", "MASTER_PORT": "29999", "WORLD_SIZE": "4"}
     with pytest.raises(UserError, match=r"WORLD_SIZE=4 but trainer.num_nodes x trainer.devices = 2 x 1 = 2"):
         check_launch_env(TWO_NODES, env)
+
+
+def test_slurm_task_count_is_refused_before_torch_loads():
+    """srun's task count against the trainer's devices is checked with the overrides: every task of a wrong
+    allocation stops in a second, before ~10 s of imports (tests/test_slurm.py runs it under a real srun)."""
+    code = (
+        "import sys\n"
+        "from vitrain.tasks.cli import check_overrides\n"
+        "try:\n"
+        "    check_overrides('train', ['trainer=ddp', 'trainer.devices=2', 'trainer.accelerator=cpu'])\n"
+        "except SystemExit as stop:\n"
+        "    print('exit', stop.code)\n"
+        "print(sorted(m for m in ('torch', 'lightning') if m in sys.modules))\n"
+    )
+    env = {"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin", "SLURM_NTASKS": "1", "SLURM_JOB_ID": "7"}
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env
+    )
+    assert done.stdout.splitlines() == ["exit 2", "[]"], done.stdout + done.stderr[-2000:]
+    assert done.stderr.strip() == (
+        "error: SLURM started SLURM_NTASKS=1 tasks but trainer.num_nodes x trainer.devices = 1 x 2 = 2: one task "
+        "per device, e.g. trainer.devices=$SLURM_NTASKS_PER_NODE trainer.num_nodes=$SLURM_NNODES (scripts/slurm/)"
+    )
 
 
 def test_master_port_in_use(tmp_path: Path):

@@ -174,6 +174,29 @@ def bad_value(cfg: Any) -> str | None:
     return None
 
 
+def launch_problem(cfg: Any) -> str | None:
+    """`check_launch_env`'s verdict on the launch variables, here where it needs no torch (devices given as a
+    number or as ids): a SLURM task count that disagrees with the trainer then ends in a second on every task,
+    not after ~10 s of imports. `auto` and -1 devices are left to the run, which counts the GPUs."""
+    from vitrain.distributed.ranks import LaunchError, check_launch_env
+
+    try:
+        # the three keys it reads: the trainer's other values may need the run (the run dir's interpolations)
+        trainer = {}
+        for key in ("num_nodes", "devices", "accelerator"):
+            value = OmegaConf.select(cfg, f"trainer.{key}", default=None)
+            if value is not None:
+                trainer[key] = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+        if str(trainer.get("devices", 1)).strip() in ("auto", "-1"):
+            return None
+        check_launch_env(trainer)
+    except LaunchError as err:
+        return str(err)
+    except Exception:  # an interpolation that needs the run, a value the run reports on: left to the run
+        return None
+    return None
+
+
 def check_overrides(config_name: str, argv: Sequence[str] | None = None) -> None:
     """Compose the config from the command line; on a mistake print one line and exit 2."""
     args = list(sys.argv[1:] if argv is None else argv)
@@ -186,7 +209,7 @@ def check_overrides(config_name: str, argv: Sequence[str] | None = None) -> None
         except (ConfigCompositionException, MissingConfigException, OverrideParseException) as err:
             print(f"error: {describe(err, config_name, overrides)}", file=sys.stderr, flush=True)
             sys.exit(2)
-        problem = bad_value(cfg)
+        problem = bad_value(cfg) or launch_problem(cfg)
         if problem:
             print(f"error: {problem}", file=sys.stderr, flush=True)
             sys.exit(2)
