@@ -23,8 +23,9 @@ MULTI_PROCESS = {"ddp_scaling", "fsdp_memory"}
 
 
 def _smoke(name: str, out: Path, data: Path, cache: Path) -> dict:
-    """`python bench/<name>.py --smoke ...`; the script runs warm (tests/warm.py), the training runs it
-    starts are fresh interpreters, as in a real benchmark."""
+    """`python bench/<name>.py --smoke ...`; the script runs warm (tests/warm.py), and so do the
+    `python src/train.py` runs it starts where their environment allows (a real benchmark's are new
+    interpreters); a smoke run measures nothing."""
     args = ["--smoke", "--out", str(out), "--data-dir", str(data), "--cache-dir", str(cache)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
     done = run_script([BENCH / f"{name}.py", *args], env, cwd=ROOT, timeout=600)

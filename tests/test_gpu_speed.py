@@ -29,6 +29,7 @@ from vitrain.models.timm_net import PatchConv2d, patch_convs_as_matmuls
 from vitrain.reporting.markdown import _throughput
 from vitrain.reporting.report import mfu_note
 from vitrain.tasks.training import keep_compiled_kernels, train
+from warm import run_script
 
 
 def _strategy(device: str, sharded: bool = False) -> SimpleNamespace:
@@ -85,10 +86,12 @@ print("ok")
 def test_fused_adamw_steps_fsdp2_shards_like_foreach(tmp_path: Path):
     """FSDP2's DTensor parameters count as fusable (`params_device_type`), and torch's fused AdamW updates
     them as its foreach implementation does (one gloo rank on the CPU; the GPU kernel is the same op)."""
-    code = SHARDED_FUSED.format(store=tmp_path / "store")
+    script = tmp_path / "sharded_fused.py"
+    script.write_text(SHARDED_FUSED.format(store=tmp_path / "store"))
     src = str(Path(__file__).resolve().parents[1] / "src")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    # a process of its own (a process group is for the process's life), forked warm: no ~10 s of imports
+    done = run_script([script], env, cwd=tmp_path, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
