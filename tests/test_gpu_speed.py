@@ -90,7 +90,8 @@ def test_fused_adamw_steps_fsdp2_shards_like_foreach(tmp_path: Path):
     script.write_text(SHARDED_FUSED.format(store=tmp_path / "store"))
     src = str(Path(__file__).resolve().parents[1] / "src")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
-    # a process of its own (a process group is for the process's life), forked warm: no ~10 s of imports
+    # a process of its own (torch.distributed's process group lasts as long as the process), forked warm:
+    # no ~10 s of imports
     done = run_script([script], env, cwd=tmp_path, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
