@@ -132,7 +132,7 @@ def test_report_is_rebuilt_from_the_run_dir(run_dir: Path, tmp_path: Path):
     shutil.rmtree(copy / "plots")
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     done = subprocess.run(
-        [PYTHON, "-m", "vitrain.reporting", str(copy)], env=env, capture_output=True, text=True, timeout=120
+        [PYTHON, "-m", "vitrain.reporting", str(copy)], env=env, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr[-3000:]
     after = json.loads((copy / "report.json").read_text())
