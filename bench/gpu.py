@@ -753,9 +753,13 @@ def main() -> int:
     # loops' child processes. A call may bring it warm from an earlier one (--compile-cache); the first steps'
     # seconds then measure a warm cache, which the JSON says
     cache = work / "cache" / "torch_compile"
+    # where a warm cache came from: the archive, or an earlier run's scratch (--work reused, as bench/lease.sh's
+    # second call on a warm machine does)
+    cache_from = f"{work / 'cache'} (an earlier run)"
     if args.compile_cache is not None and args.compile_cache.is_file():
         cache.mkdir(parents=True, exist_ok=True)
         shutil.unpack_archive(args.compile_cache, cache)
+        cache_from = args.compile_cache.name
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache)
     cache_at_start = sum(1 for f in cache.rglob("*") if f.is_file()) if cache.is_dir() else 0
     # --smoke (the tests' run) exercises the two kinds of section, a hand-written loop and a template run
@@ -819,7 +823,7 @@ def main() -> int:
         sections=results,
         gpu_facts=facts,
         compile_cache_at_start=(
-            f"warm: {cache_at_start} files from {args.compile_cache.name}" if cache_at_start else "cold"
+            f"warm: {cache_at_start} files from {cache_from}" if cache_at_start else "cold"
         ),
     )
     if args.compile_cache is not None and not cpu:

@@ -22,11 +22,11 @@ from run import SUITE  # noqa: E402
 MULTI_PROCESS = {"ddp_scaling", "fsdp_memory"}
 
 
-def _smoke(name: str, out: Path, data: Path, cache: Path) -> dict:
+def _smoke(name: str, out: Path, data: Path, cache: Path, *extra: str) -> dict:
     """`python bench/<name>.py --smoke ...`; the script runs warm (tests/warm.py), and so do the
     `python src/train.py` runs it starts where their environment allows (a real benchmark's are new
     interpreters); a smoke run measures nothing."""
-    args = ["--smoke", "--out", str(out), "--data-dir", str(data), "--cache-dir", str(cache)]
+    args = ["--smoke", "--out", str(out), "--data-dir", str(data), "--cache-dir", str(cache), *extra]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
     done = run_script([BENCH / f"{name}.py", *args], env, cwd=ROOT, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
@@ -39,7 +39,15 @@ def _smoke(name: str, out: Path, data: Path, cache: Path) -> dict:
     "name", [pytest.param(n, marks=pytest.mark.distributed) if n in MULTI_PROCESS else n for n in SUITE]
 )
 def test_benchmark_smoke_writes_json(name: str, tmp_path: Path, tiny_cifar: Path, data_cache: Path):
-    result = _smoke(name, tmp_path, tiny_cifar, data_cache)
+    extra = []
+    if (
+        name == "gpu"
+    ):  # a scratch folder an earlier call left, its compile cache in it, and no --compile-cache
+        work = tmp_path / "work"
+        (work / "cache" / "torch_compile").mkdir(parents=True)
+        (work / "cache" / "torch_compile" / "entry").write_text("x")
+        extra = ["--work", str(work)]
+    result = _smoke(name, tmp_path, tiny_cifar, data_cache, *extra)
     assert result["name"] == name and result["smoke"] is True and result["met"] is None
     assert isinstance(result["line"], str) and result["line"]
     assert isinstance(result["figures"], dict)
@@ -54,8 +62,11 @@ def test_benchmark_smoke_writes_json(name: str, tmp_path: Path, tiny_cifar: Path
         assert host["bare"]["template_steps_per_s"] > 0 and host["default"]["template_steps_per_s"] > 0
         assert {"ExactResume", "ImageThroughputMonitor", "ProgressBar"} <= set(host["hook_us"])
         assert all(us > 0 for us in host["hook_us"].values())
-    if name == "gpu":  # no --compile-cache given: every section compiled from nothing
-        assert result["details"]["compile_cache_at_start"] == "cold"
+    if name == "gpu":  # the JSON says where the warm cache came from (it named a --compile-cache never given)
+        assert (
+            result["details"]["compile_cache_at_start"]
+            == f"warm: 1 files from {work / 'cache'} (an earlier run)"
+        )
     if name == "ddp_scaling":  # the step anatomy of both DDP ranks came from their own probes
         assert len(result["details"]["anatomy"]["two"]) == 2
         for variant in ("one", "two", "independent"):
