@@ -39,11 +39,9 @@ def _smoke(name: str, out: Path, data: Path, cache: Path, *extra: str) -> dict:
     "name", [pytest.param(n, marks=pytest.mark.distributed) if n in MULTI_PROCESS else n for n in SUITE]
 )
 def test_benchmark_smoke_writes_json(name: str, tmp_path: Path, tiny_cifar: Path, data_cache: Path):
-    extra = []
-    if (
-        name == "gpu"
-    ):  # a scratch folder an earlier call left, its compile cache in it, and no --compile-cache
-        work = tmp_path / "work"
+    extra, work = [], tmp_path / "work"
+    if name == "gpu":
+        # a scratch folder an earlier call left, its compile cache in it, and no --compile-cache
         (work / "cache" / "torch_compile").mkdir(parents=True)
         (work / "cache" / "torch_compile" / "entry").write_text("x")
         extra = ["--work", str(work)]
