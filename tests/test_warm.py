@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -111,6 +112,9 @@ def test_a_timeout_kills_the_run_and_what_it_started(tmp_path: Path):
     with pytest.raises(subprocess.TimeoutExpired) as stopped:
         warm.run_script([script, "sleep"], _env(), tmp_path, timeout=5)
     grandchild = int(stopped.value.output.strip().splitlines()[-1])
+    # before the kill, the run wrote where it waited (faulthandler, on the harness's signal), and the failure
+    # shows it
+    assert re.search(r'File "[^"]*probe\.py", line \d+ in <module>', str(stopped.value)), str(stopped.value)
     for _ in range(50):  # killed with its process group (a zombie until something reaps it)
         stat = Path(f"/proc/{grandchild}/stat")
         if not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X"):

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import faulthandler
 import json
 import multiprocessing
 import os
@@ -64,6 +65,10 @@ RUN_TIME = re.compile(
 SERVER_ENV = {"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
 # signals a zygote ignores: what is sent to a run's process group is for the run and its children
 _SHIELDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+# a warm process (and the DataLoader workers it forks) writes every thread's Python stack to its stderr on
+# this signal, sent to a timed-out run's process group before it is killed: a hang in CI then says where
+# each rank and worker waited. SIGUSR2: what neither the template nor Lightning uses (SLURM's requeue is USR1)
+STACKS_SIGNAL = signal.SIGUSR2
 
 _server_env: dict[str, str] | None = None
 _base_path: list[str] = []
@@ -130,6 +135,7 @@ def _child(target: list[str], cwd: str, env: dict[str, str], out: str, err: str 
 def _become(target: list[str], cwd: str, env: dict[str, str]) -> None:
     """Become `python <script> args...` (or `python -m module args...`) on fds 0-2 as they are, and exit."""
     _start_zygote()  # first: the zygote is this process as the forkserver left it
+    faulthandler.register(STACKS_SIGNAL, all_threads=True, chain=False)
     subprocess.Popen = _WarmPopen
     os.environ.clear()
     os.environ.update(env)
@@ -378,6 +384,14 @@ def _read(line: socket.socket, size: int) -> bytes:
     return data
 
 
+class RunTimedOut(subprocess.TimeoutExpired):
+    """A run killed after its timeout; its message ends with the run's last output (stacks, log lines)."""
+
+    def __str__(self) -> str:
+        tail = (self.stderr or self.output or "")[-20000:]
+        return f"{super().__str__()}; the end of its output:\n{tail}"
+
+
 class ScriptRun:
     """A started run, warm (forked from the server) or with `fresh=True`, or when `env` sets what the
     libraries read on import differently, a new interpreter; always in a session of its own, its output in
@@ -429,9 +443,14 @@ class ScriptRun:
             return None
 
     def wait(self, timeout: float | None = None) -> subprocess.CompletedProcess:
-        """Wait for the end; on a timeout kill the run and raise `subprocess.TimeoutExpired`."""
+        """Wait for the end; on a timeout kill the run and raise `RunTimedOut` (a `subprocess.TimeoutExpired`)
+        that shows the end of its stderr, where a warm run's processes wrote their stacks first."""
         code = self._join(timeout)
         if code is None:
+            if self.warm:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(self.pid, STACKS_SIGNAL)
+                self._join(2)  # time to write the stacks (and little to write after them)
             self.kill()
             self._join(None)
 
@@ -441,7 +460,7 @@ class ScriptRun:
         stdout, stderr = read(self._out), read(self._err)
         self._tmp.cleanup()
         if code is None:
-            raise subprocess.TimeoutExpired(self.args, timeout or 0, output=stdout, stderr=stderr)
+            raise RunTimedOut(self.args, timeout or 0, output=stdout, stderr=stderr)
         return subprocess.CompletedProcess(self.args, code, stdout, stderr)
 
 
