@@ -40,10 +40,18 @@ class KillAt(Callback):
 
 
 class SigtermAt(Callback):
-    """SIGTERM the whole process group (as a scheduler does) once global rank zero reaches `step`."""
+    """SIGTERM the whole process group (as a scheduler does) once global rank zero reaches `step`; with
+    `linger_s`, global rank zero then stays that much longer in the stop, after the save (as a slow disk or
+    report would keep it), so the other ranks exit first."""
 
-    def __init__(self, step: int) -> None:
-        self.step = step
+    def __init__(self, step: int, linger_s: float = 0.0) -> None:
+        self.step, self.linger_s = step, linger_s
+
+    def on_exception(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
+    ) -> None:
+        if trainer.is_global_zero and self.linger_s:
+            time.sleep(self.linger_s)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
         if trainer.global_step == self.step and trainer.is_global_zero and not trainer.received_sigterm:

@@ -3,6 +3,7 @@ upgrade moved, renamed or changed, before a training run finds out."""
 
 import importlib
 import inspect
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -14,6 +15,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 
 from vitrain import compat
+from warm import ScriptRun
 
 UPGRADE = "Lightning/torch/litdata upgrade changed a private name vitrain relies on (vitrain/compat.py):"
 
@@ -331,3 +333,35 @@ def test_wandb_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     assert not compat.wandb_offline(WandbLogger(project="p", save_dir=str(tmp_path)))
     monkeypatch.setenv("WANDB_MODE", "offline")
     assert compat.wandb_offline(WandbLogger(project="p", save_dir=str(tmp_path)))
+
+
+OBSERVED = """
+import subprocess, sys, time
+from types import SimpleNamespace
+from lightning.fabric.strategies.launchers.subprocess_script import _launch_process_observer
+from vitrain.compat import unwatch_launched_ranks
+procs = [subprocess.Popen(["sh", "-c", "exit 143"])]  # a rank that ended its agreed stop first
+_launch_process_observer(procs)
+if sys.argv[1] == "unwatch":
+    assert [p.wait() for p in unwatch_launched_ranks(SimpleNamespace(procs=procs))] == [143]
+time.sleep(7)  # past the observer's next look (every 5 s)
+print("lived on")
+"""
+
+
+def test_unwatch_launched_ranks(tmp_path: Path):
+    """Lightning's launcher hands its own `procs` list to the observer that SIGKILLs this process once a child
+    exits non-zero; the ranks taken from that list no longer count. Without it, the process is killed."""
+    from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+    assert "_launch_process_observer(self.procs)" in inspect.getsource(_SubprocessScriptLauncher.launch), (
+        f"{UPGRADE} _SubprocessScriptLauncher.launch no longer hands `self.procs` to its observer"
+    )
+    script = tmp_path / "observed.py"
+    script.write_text(OBSERVED)
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": src}
+    runs = {mode: ScriptRun([script, mode], env, tmp_path) for mode in ("unwatch", "watch")}
+    done = {mode: run.wait(timeout=120) for mode, run in runs.items()}
+    assert done["unwatch"].returncode == 0 and "lived on" in done["unwatch"].stdout, done["unwatch"].stderr
+    assert done["watch"].returncode == -9 and "terminated with code 143" in done["watch"].stderr

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import subprocess
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -56,6 +57,7 @@ __all__ = [
     "should_update_logs",
     "tensorboard_purge_from",
     "uninstall_hydra_subprocess_cmd",
+    "unwatch_launched_ranks",
     "upstream_hydra_subprocess_cmd",
     "wandb_offline",
 ]
@@ -248,6 +250,26 @@ def set_data_parallel_size(strategy: ModelParallelStrategy, size: int) -> None:
     the size is a constructor argument only, and the world size is known once the trainer set the devices
     (its "auto" is the number of nodes, which on one node shards nothing)."""
     strategy._data_parallel_size = size
+
+
+# --- Lightning: the ranks its launcher started ------------------------------------------------------
+
+
+def unwatch_launched_ranks(launcher: Any) -> list[subprocess.Popen]:
+    """The rank processes Lightning's launcher started from this process, taken from its child-process
+    observer; empty where it started none (torchrun, SLURM, one device).
+
+    The observer (a thread the launcher starts, with no public way to stop it) polls them every 5 s and, once
+    one has exited with a non-zero code, SIGKILLs this process and the other ranks. After an agreed SIGTERM
+    stop every rank exits with 143, so a rank that ended first had this one killed in the middle of its own
+    save or report. The observer watches the launcher's own `procs` list: emptied, its next look finds
+    nothing to watch and it ends without a kill (the launcher's `kill` then forwards no signal either)."""
+    procs = getattr(launcher, "procs", None)
+    if not isinstance(procs, list):
+        return []
+    children = list(procs)
+    procs.clear()
+    return children
 
 
 # --- Lightning: multi-process launch under Hydra ----------------------------------------------------

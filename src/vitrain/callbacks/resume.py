@@ -1,11 +1,13 @@
 """What Lightning leaves out of a checkpoint for an exact resume, and a checkpoint on SIGTERM."""
 
+import atexit
 import logging
 import os
 import random
 import signal
 import subprocess
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
@@ -22,10 +24,13 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from vitrain.callbacks.epoch_metrics import CHECKPOINT_KEY, restore_states, states_to_save
 from vitrain.checkpoints import wait_for_writes
-from vitrain.compat import replace_sigterm_broadcast
+from vitrain.compat import replace_sigterm_broadcast, unwatch_launched_ranks
 from vitrain.loggers import forget_steps_from
 
 log = logging.getLogger(__name__)
+
+#: how long a launching process waits at its exit for the ranks it started, after an agreed stop
+RANKS_EXIT_TIMEOUT_S = 60.0
 
 
 class ExactResume(Callback):
@@ -243,6 +248,11 @@ class CheckpointOnSigterm(Callback):
     ) -> None:
         if not isinstance(exception, SIGTERMException) or trainer.state.fn != TrainerFn.FITTING:
             return
+        # every rank exits with 143 after the stop: the ranks this process launched (none may exit before the
+        # save's barrier) are waited for at its exit instead of having Lightning's observer kill it
+        launched = unwatch_launched_ranks(trainer.strategy.launcher)
+        if launched:
+            atexit.register(wait_for_ranks, launched)
         checkpoint = trainer.checkpoint_callback
         if not isinstance(checkpoint, ModelCheckpoint) or checkpoint.dirpath is None:
             log.warning("SIGTERM: no ModelCheckpoint configured, nothing saved")
@@ -258,6 +268,18 @@ class CheckpointOnSigterm(Callback):
         else:
             hint = self.resume_hint() if self.resume_hint else "resume it with ckpt_path=last"
             log.warning(f"SIGTERM: saved {path} at step {trainer.global_step}; {hint}")
+
+
+def wait_for_ranks(processes: list[subprocess.Popen], timeout: float = RANKS_EXIT_TIMEOUT_S) -> None:
+    """Wait for the launched ranks to end (their share of the save is written by then); any still running
+    after `timeout` is killed, as Lightning's observer would have."""
+    deadline = time.monotonic() + timeout
+    for process in processes:
+        try:
+            process.wait(timeout=max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            log.warning(f"rank process {process.pid} still running {timeout:.0f} s after the stop: killed")
+            process.kill()
 
 
 def slurm_requeue_signal(trainer: L.Trainer) -> int | None:
