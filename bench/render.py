@@ -26,11 +26,14 @@ ORDER = [
     "accuracy",
     "levers",
     "float8",
-    "gpu",
+    "gpu_h100_1504",
     "gpu_call1",
     "gpu_earlier",
     "gpu_first_call",
     "gpu_0539",
+    "gpu",
+    "gpu_levers",
+    "gpu_levers_blocks",
 ]
 TITLES = {
     "overhead": "1. Framework overhead",
@@ -45,11 +48,15 @@ TITLES = {
     "accuracy": "6. Accuracy under a 10-minute budget",
     "levers": "Levers (what each speed option is worth here)",
     "float8": "Float8 matmuls: the accuracy effect",
-    "gpu": "7. GPU: every path next to a hand-written loop",
+    "gpu_h100_1504": "7. GPU: every path next to a hand-written loop (one H100, 2026-11-27 15:04 UTC)",
     "gpu_call1": "7b. GPU: the day's third call, 05:28 UTC (batch 1024, FSDP compiled per block, nvJPEG decode)",
     "gpu_earlier": "7c. GPU: the day's second call (patch-embedding rewrite, eager FSDP)",
     "gpu_first_call": "7d. GPU: the day's first call (before the patch-embedding rewrite)",
     "gpu_0539": "7e. GPU: the day's fourth call, 05:39 UTC (seed 12,241 images/s, 1.00x the hand-written loop)",
+    # the newest GPU results (`bench/gpu.py` writes gpu.json): one H200, one lease of three calls, 2026-11-29
+    "gpu": "8. GPU on one H200: every path next to a hand-written loop",
+    "gpu_levers": "8a. GPU on one H200: the levers towards 40 % MFU (batch 1024, float8, CUDA graphs)",
+    "gpu_levers_blocks": "8b. GPU on one H200: the seed compiled block by block (float8's baseline), a float8 hand loop",
 }
 
 

@@ -195,6 +195,27 @@ def test_gpu_kernels_are_classified_by_what_they_do():
     assert kernel_kind("void at::native::vectorized_elementwise_kernel<4, GeluCUDAKernelImpl>") == "other"
 
 
+def test_gpu_summary_line_names_what_ran():
+    """The overview line of a GPU call: the seed against the hand-written loop when the seed ran, else each
+    measured row (a levers call has no seed section), never a line of dashes; failed sections are left out."""
+    import gpu
+
+    seed = {"figures": {"images_per_s": 13695.8, "mfu": 0.363}}
+    hand = {"figures": {"compiled_patchmm@1024": {"images_per_s": 14395.2, "mfu": 0.382}}}
+    line = gpu.summary_line("NVIDIA H200", {"hand": hand, "seed": seed}, 1.008)
+    assert line == "NVIDIA H200: seed run 13,696 images/s, MFU 36.3%, 1.01x the compiled hand-written loop"
+    levers = {"hand": hand, "seed_1024": {"figures": {"images_per_s": 14506.3, "mfu": None}},
+              "seed_fp8": {"error": "TimeoutExpired: 120 s"}}  # fmt: skip
+    line = gpu.summary_line("NVIDIA H200", levers, None)
+    assert line == (
+        "NVIDIA H200: no seed section in this call; hand-written compiled_patchmm@1024 14,395 images/s "
+        "(MFU 38.2%); seed_1024 14,506 images/s (MFU —)"
+    )
+    assert gpu.summary_line("NVIDIA H200", {"seed_fp8": levers["seed_fp8"]}, None).endswith(
+        "nothing measured"
+    )
+
+
 def test_gpu_plans_run_known_sections_and_fit_one_device_call(monkeypatch: pytest.MonkeyPatch):
     """Each prepared run (bench/gpu.py's PLANS, what bench/lease.sh runs on a lent GPU) names sections and
     hand-written variants the script has, and its budget leaves a call of the lease script's default limit

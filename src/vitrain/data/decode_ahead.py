@@ -3,7 +3,8 @@
 With `decode_device=cuda` the training thread used to decode each batch itself (`on_before_batch_transfer`):
 nvJPEG's host side (its Huffman decoding) and the crop-and-resize launches took 9-11 ms of that thread per
 384-image batch on an H100, on top of the step's own host work, and the GPU waited (image folder 0.69x,
-streaming 0.56x the in-memory seed run, docs/benchmarks.md section 7). Here a thread takes the encoded
+streaming 0.56x the in-memory seed run, docs/benchmarks.md section 7; with this thread, on one H200: 0.78x
+and 0.84x, section 8). Here a thread takes the encoded
 batches from the loader and decodes, crops, resizes and flips them on a CUDA stream of its own, `depth`
 batches ahead; the training thread only makes its stream wait for the batch's event, then applies the random
 augmentation (auto-augment, random erasing) and the normalisation itself, so the global generators are drawn

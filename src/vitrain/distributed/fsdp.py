@@ -269,7 +269,7 @@ def hybrid_mesh(device_type: str, world_size: int, shard_size: int) -> DeviceMes
 #: copies and DTensor dispatch still run each step, for no memory saved
 ONE_PROCESS = (
     "trainer=fsdp with one process shards nothing and saves no memory, but FSDP2's per-parameter work still "
-    "runs every step (ViT-B/32 on one H100: 0.42x the images/s of trainer=gpu, docs/benchmarks.md section 7): "
+    "runs every step (ViT-B/32 on one H200: 0.62x the images/s of trainer=gpu, docs/benchmarks.md section 8): "
     "on one device train with trainer=gpu (or trainer=cpu); keep trainer=fsdp to try the sharded path first"
 )
 
