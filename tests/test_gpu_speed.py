@@ -530,14 +530,18 @@ HOST_READS = ("aten::_local_scalar_dense", "aten::nonzero", "aten::is_nonzero", 
 CPU_KERNEL_READS = ("aten::_fused_adamw_", "aten::_fused_adam_", "aten::_fused_sgd_")
 
 
+@pytest.mark.parametrize(
+    "strategy", [[], ["trainer=fsdp", "trainer.devices=1"]], ids=["single_device", "fsdp_one_process"]
+)
 def test_training_steps_read_no_tensor_value_on_the_host_between_log_steps(
-    tmp_path: Path, tiny_cifar: Path, data_cache: Path
+    tmp_path: Path, tiny_cifar: Path, data_cache: Path, strategy: list[str]
 ):
     """Everything between two training batch ends (the fetch, augmentation, step, optimizer, every default
     callback and the logger) reads no tensor value on the host, on the steps Lightning writes no logs:
     each such read would be a sync per step on a GPU. What a CPU shows: the same Python, torch.profiler's
     record of the reads (`.item()`, `bool(t)`, `nonzero`), the CPU optimizer kernels' own reads of their step
-    counts left out. The GPU's own sync check is bench/gpu_check.py's `sync_probe`."""
+    counts left out. The GPU's own sync check is bench/gpu_check.py's `sync_probe`. Under FSDP too (its hooks,
+    the optimizer on the local shards): FSDP's longer steps on a GPU (docs/gpu.md) are not host reads."""
     from lightning.pytorch.callbacks import Callback
     from omegaconf import open_dict
     from torch.profiler import ProfilerActivity, profile
@@ -571,7 +575,7 @@ def test_training_steps_read_no_tensor_value_on_the_host_between_log_steps(
 
     recorder = RecordReads()
     overrides = [*tiny_overrides(tiny_cifar, data_cache), "trainer.log_every_n_steps=100",
-                 "+trainer.limit_train_batches=12", "trainer.limit_val_batches=1", "test=false"]  # fmt: skip
+                 "+trainer.limit_train_batches=12", "trainer.limit_val_batches=1", "test=false", *strategy]  # fmt: skip
     cfg = compose_cfg("train", overrides, tmp_path)
     with open_dict(cfg):
         cfg.callbacks["record_reads"] = {"_target_": f"{__name__}._recorder"}
