@@ -9,6 +9,7 @@ of the measured window, so the step loop itself is not serialised.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import json
 import threading
@@ -238,6 +239,62 @@ def gpu_time_shares(prof: Any, steps: int, wall_us: float) -> dict[str, Any]:
             for name, t in top
         ],
         "host_top": host_top(prof, steps),
+        "gpu_idle": _or_error(gpu_idle, prof.events(), steps),
+    }
+
+
+def _or_error(fn: Any, *args: Any) -> Any:
+    """An extra figure that fails says why and leaves the others standing."""
+    try:
+        return fn(*args)
+    except Exception as err:
+        return {"error": f"{type(err).__name__}: {err}"[:300]}
+
+
+def gpu_idle(events: Any, steps: int, n: int = 15, min_gap_us: float = 5.0) -> dict[str, Any]:
+    """Where a step that is not GPU-bound waits: the gaps between the GPU's kernels (all streams merged) and
+    the host ops that overlapped them, in ms per step by op name, the most first. An op that covers most of
+    the idle time is the host's bottleneck in those steps (a sync call shows by its name, `cudaStreamSynchronize`
+    and the like; Python work between ops shows as the annotation around it, Lightning's `Optimizer.step#...`);
+    nested ops each count. `host_top` says where the host's time goes, this says which of it the GPU waits
+    for. torch.profiler has no such view of its own (the trace viewer shows it, for a reader with a GPU trace)."""
+    kernels = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in events
+        if e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
+    )
+    if not kernels:
+        return {}
+    busy: list[list[float]] = []
+    for start, end in kernels:
+        if busy and start <= busy[-1][1]:
+            busy[-1][1] = max(busy[-1][1], end)
+        else:
+            busy.append([start, end])
+    gaps = [(a[1], b[0]) for a, b in itertools.pairwise(busy) if b[0] - a[1] >= min_gap_us]
+    starts = [g[0] for g in gaps]
+    overlap: dict[str, float] = {}
+    for e in events:
+        if e.device_type != torch.autograd.DeviceType.CPU or not gaps:
+            continue
+        lo, hi = e.time_range.start, e.time_range.end
+        i = max(bisect.bisect_right(starts, lo) - 1, 0)
+        total = 0.0
+        while i < len(gaps) and gaps[i][0] < hi:
+            total += max(0.0, min(hi, gaps[i][1]) - max(lo, gaps[i][0]))
+            i += 1
+        if total > 0:
+            overlap[e.name] = overlap.get(e.name, 0.0) + total
+    idle = sum(end - start for start, end in gaps)
+    span = busy[-1][1] - busy[0][0]
+    return {
+        "idle_ms_per_step": round(idle / 1e3 / steps, 3),
+        "idle_share_of_span": round(idle / span, 4) if span else None,
+        "gaps_per_step": round(len(gaps) / steps, 1),
+        "host_ops_during_idle": [
+            {"op": name[:100], "ms_per_step": round(t / 1e3 / steps, 3)}
+            for name, t in sorted(overlap.items(), key=lambda kv: -kv[1])[:n]
+        ],
     }
 
 

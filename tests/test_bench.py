@@ -195,6 +195,38 @@ def test_gpu_kernels_are_classified_by_what_they_do():
     assert kernel_kind("void at::native::vectorized_elementwise_kernel<4, GeluCUDAKernelImpl>") == "other"
 
 
+def test_gpu_idle_names_the_host_ops_the_gpu_waited_for():
+    """From a profile's events: the gaps between kernels (overlapping kernels of two streams merged, gaps under
+    5 us ignored) and, per host op name, how much of them it overlapped, per step; no kernels, no figures."""
+    from types import SimpleNamespace
+
+    import torch
+    from probe import gpu_idle
+
+    def event(name: str, start: float, end: float, device: str = "CPU") -> SimpleNamespace:
+        kind = getattr(torch.autograd.DeviceType, device)
+        return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end), device_type=kind)
+
+    events = [
+        event("gemm", 0, 100, "CUDA"), event("nccl", 90, 150, "CUDA"),  # one busy span 0-150
+        event("gelu", 152, 160, "CUDA"),  # a 2 us gap: not idle
+        event("gemm", 400, 500, "CUDA"), event("gemm", 700, 800, "CUDA"),  # idle 160-400 and 500-700
+        event("Optimizer.step#AdamW.step", 0, 800),  # covers both gaps
+        event("cudaStreamSynchronize", 150, 390),  # inside the first
+        event("aten::index_select", 550, 600), event("aten::index_select", 650, 720),  # 50 + 50 of the second
+        event("aten::mm", 0, 90),  # while the GPU was busy: not listed
+    ]  # fmt: skip
+    idle = gpu_idle(events, steps=2)
+    assert idle["idle_ms_per_step"] == 0.22 and idle["gaps_per_step"] == 1.0  # (240 + 200) us over 2 steps
+    assert idle["idle_share_of_span"] == round(440 / 800, 4)
+    assert idle["host_ops_during_idle"] == [
+        {"op": "Optimizer.step#AdamW.step", "ms_per_step": 0.22},
+        {"op": "cudaStreamSynchronize", "ms_per_step": 0.115},
+        {"op": "aten::index_select", "ms_per_step": 0.05},
+    ]
+    assert gpu_idle([event("aten::mm", 0, 90)], steps=1) == {}
+
+
 def test_gpu_summary_line_names_what_ran():
     """The overview line of a GPU call: the seed against the hand-written loop when the seed ran, else each
     measured row (a levers call has no seed section), never a line of dashes; failed sections are left out."""
