@@ -651,9 +651,9 @@ def summary_line(gpu: str | None, results: dict[str, Any], ratio: float | None) 
     for name, res in results.items():
         figures = (res or {}).get("figures") or {}
         # a hand-written section holds one figure set per variant, a template section one
-        for label, f in figures.items() if name.startswith("hand") else [(name, figures)]:
+        hand = name.startswith("hand")
+        for label, f in [(f"hand-written {v}", f) for v, f in figures.items()] if hand else [(name, figures)]:
             if isinstance(f, dict) and f.get("images_per_s"):
-                label = f"hand-written {label}" if name.startswith("hand") else label
                 rows.append(f"{label} {f['images_per_s']:,.0f} images/s (MFU {fmt(f.get('mfu'), '.1%')})")
     return f"{gpu}: no seed section in this call; " + ("; ".join(rows) or "nothing measured")
 

@@ -274,8 +274,8 @@ def gpu_idle(events: Any, steps: int, n: int = 15, min_gap_us: float = 5.0) -> d
     gaps = [(a[1], b[0]) for a, b in itertools.pairwise(busy) if b[0] - a[1] >= min_gap_us]
     starts = [g[0] for g in gaps]
     overlap: dict[str, float] = {}
-    for e in events:
-        if e.device_type != torch.autograd.DeviceType.CPU or not gaps:
+    for e in events if gaps else []:
+        if e.device_type != torch.autograd.DeviceType.CPU:
             continue
         lo, hi = e.time_range.start, e.time_range.end
         i = max(bisect.bisect_right(starts, lo) - 1, 0)
