@@ -16,6 +16,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import OmegaConf, open_dict
 
 from helpers import compose_cfg, fails_in_process, tiny_overrides
+from vitrain.callbacks.resume import CheckpointOnSigterm
 from vitrain.errors import DataError, UserError
 from vitrain.reporting.report import write_report
 from vitrain.tasks.build import build
@@ -103,15 +104,31 @@ def test_sigterm_tells_the_command_that_resumes_and_reports_interrupted(
     assert checkpoint_to_resume(resumed, objects.trainer) == str(tmp_path / "checkpoints" / "last.ckpt")
 
 
-def test_resume_hint_says_relaunch_only_where_a_relaunch_resumes(monkeypatch):
-    for var in RUN_ID_VARS:
-        monkeypatch.delenv(var, raising=False)
-    assert resume_hint({"resume": "auto"}, "logs/x").startswith("resume with: python src/train.py")
-    monkeypatch.setenv("VITRAIN_RUN_ID", "mine")
-    assert resume_hint({"resume": "auto"}, "logs/x").startswith("relaunch the same command")
+def test_resume_hint_says_relaunch_only_where_a_relaunch_resumes():
+    assert resume_hint({"resume": "auto"}, "logs/x", None).startswith("resume with: python src/train.py")
+    assert resume_hint({"resume": "auto"}, "logs/x", "mine").startswith("relaunch the same command")
     # resume=never, or an explicit checkpoint to start from: a relaunch would start over
-    assert "ckpt_path=last" in resume_hint({"resume": "never"}, "logs/x")
-    assert "ckpt_path=last" in resume_hint({"resume": "auto", "ckpt_path": "/w/pre.ckpt"}, "logs/x")
+    assert "ckpt_path=last" in resume_hint({"resume": "never"}, "logs/x", "mine")
+    assert "ckpt_path=last" in resume_hint({"resume": "auto", "ckpt_path": "/w/pre.ckpt"}, "logs/x", "mine")
+
+
+def test_resume_hint_is_the_launchs_not_what_the_strategy_later_sets(
+    tmp_path: Path, tiny_cifar: Path, data_cache: Path, monkeypatch
+):
+    """Lightning's launcher sets MASTER_ADDR, MASTER_PORT, NODE_RANK and LOCAL_RANK in a plain DDP or FSDP
+    run's own process: a SIGTERM after that still gets the command that resumes this time-named run."""
+    for var in (*RUN_ID_VARS, "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "GROUP_RANK", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    callbacks = build(compose_cfg("train", tiny_overrides(tiny_cifar, data_cache), tmp_path)).callbacks
+    hint = next(c for c in callbacks if isinstance(c, CheckpointOnSigterm)).resume_hint
+    for var, value in {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "41234",
+        "NODE_RANK": "0",
+        "LOCAL_RANK": "0",
+    }.items():
+        monkeypatch.setenv(var, value)
+    assert hint().startswith("resume with: python src/train.py")
 
 
 def test_report_of_a_run_killed_before_its_stats_is_truthful(tmp_path: Path):

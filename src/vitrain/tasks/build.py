@@ -23,7 +23,7 @@ from vitrain.errors import DataError
 from vitrain.loggers import MetricRecord
 from vitrain.models.timm_net import check_pretrained_available
 from vitrain.tasks.precision import resolve_precision
-from vitrain.tasks.runs import RemoteCopy, resume_hint
+from vitrain.tasks.runs import RemoteCopy, resume_hint, stable_run_id
 from vitrain.utils.config import instantiate_dict, plain, to_container
 
 log = logging.getLogger(__name__)
@@ -63,9 +63,10 @@ def build(cfg: DictConfig) -> RunObjects:
     run_config = to_container(cfg)
     model.describe_run(run_config, list(datamodule.classes))
     callbacks = instantiate_dict(cfg.get("callbacks"))
+    launched_as = stable_run_id()  # before the strategy's launcher adds its variables to the environment
     for callback in callbacks:
         if isinstance(callback, RunStats | CheckpointOnSigterm):  # an interrupted run says how to resume it
-            callback.resume_hint = partial(resume_hint, run_config, cfg.paths.output_dir)
+            callback.resume_hint = partial(resume_hint, run_config, cfg.paths.output_dir, launched_as)
     loggers = instantiate_dict(cfg.get("logger"))
     time_budget_wins(cfg.trainer)
     warn_shared_checkpoint_dir(cfg)

@@ -281,13 +281,16 @@ def _local_last(trainer: L.Trainer) -> Path | None:
     return max(found, key=lambda p: p.stat().st_mtime, default=None)
 
 
-def resume_hint(run_config: Mapping | None, output_dir: str | Path, script: str = "src/train.py") -> str:
-    """What resumes this run, exactly: "relaunch the same command" only where that is true (a stable run id
-    with resume=auto and no explicit checkpoint to start from), else the command line with
-    `ckpt_path=last` and this run's directory."""
+def resume_hint(
+    run_config: Mapping | None, output_dir: str | Path, name: str | None, script: str = "src/train.py"
+) -> str:
+    """What resumes this run, exactly: "relaunch the same command" only where that is true (`name`, the
+    stable run id the launch had, with resume=auto and no explicit checkpoint to start from), else the
+    command line with `ckpt_path=last` and this run's directory. `name` is taken at launch: by the time a
+    SIGTERM comes, Lightning's launcher has set MASTER_ADDR, MASTER_PORT and NODE_RANK in a plain run's
+    process too, which would make it look launched by hand."""
     run_config = run_config or {}
     ckpt_path = run_config.get("ckpt_path")
-    name = stable_run_id()
     if name is not None and str(run_config.get("resume") or "auto") == "auto" and ckpt_path in (None, "last"):
         return f"relaunch the same command to resume (run id {name}; resume=auto continues from its last)"
     kept = [
