@@ -8,7 +8,6 @@ import torch
 
 from data_factory import make_class_folders
 from vitrain.tasks.decisions import BATCH_SIZE_SEARCH, CPU_BF16_SPEEDUP, RESUME_FROM, RankZeroDecisions
-from vitrain.tasks.runs import RUN_ID_VARS
 
 # pytest-xdist runs several test processes at once (pyproject addopts): one compute thread each, here and in
 # the processes a test starts (they inherit OMP_NUM_THREADS), so the tests share the cores instead of
@@ -88,28 +87,20 @@ def xdist_groups_in_effect(request: pytest.FixtureRequest) -> None:
 DECISIONS = [RankZeroDecisions.variable(name) for name in (RESUME_FROM, CPU_BF16_SPEEDUP, BATCH_SIZE_SEARCH)]
 
 
-# what Lightning's in-process DDP/FSDP set up (MASTER_ADDR, MASTER_PORT) and launchers set: with a rank variable
-# left over as well, a later in-process run would take itself for a hand-launched multi-node run
-LAUNCH_VARS = [
-    *RUN_ID_VARS,
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "NODE_RANK",
-    "GROUP_RANK",
-    "RANK",
-    "LOCAL_RANK",
-    "WORLD_SIZE",
-]
-
-
 @pytest.fixture(autouse=True)
-def decisions_stay_in_their_test():  # -> Iterator[None]
-    """What a test leaves in a decision or launch variable goes with it. Else a CPU bf16 speed-up that one test
+def environment_stays_in_its_test():  # -> Iterator[None]
+    """What a test leaves in a decision or launch variable, or a process group, goes with it. Else a CPU bf16 speed-up that one test
     fed (0.5, 2.4) or that this CPU measured would decide `trainer.precision=auto` for every later test in the
     same xdist process and for every run those start (an outcome of the test order and of the CPU), and an
     in-process FSDP run's MASTER_PORT would name a later plain run."""
+    from helpers import LAUNCH_VARS  # here: the test runner's own process need not import Lightning for it
+
     before = {name: os.environ.get(name) for name in [*DECISIONS, *LAUNCH_VARS]}
     yield
+    # Lightning leaves an in-process DDP/FSDP run's default process group up (for a next fit): a later test's
+    # `init_process_group` in the same xdist process would fail with "initialize ... twice"
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
     for name, value in before.items():
         if value is None:
             os.environ.pop(name, None)

@@ -19,11 +19,15 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, open_dict
 
 import warm
-from vitrain.tasks.runs import register_resolvers
+from vitrain.tasks.runs import RUN_ID_VARS, register_resolvers
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
 PYTHON = sys.executable
+# what launchers set (torchrun, Lightning's own launcher, also in an in-process DDP/FSDP run's own process): none
+# may leak from the test runner into a run, nor from one test into the next (conftest.py)
+RANK_VARS = ("LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")
+LAUNCH_VARS = (*RUN_ID_VARS, *RANK_VARS)
 
 # a ViT small enough that a CPU step takes milliseconds
 TINY_VIT = [
@@ -112,7 +116,7 @@ def run_cli(
     `subprocess.run`."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
     # no rank/launcher variables leak in from the test runner
-    for var in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT"):
+    for var in RANK_VARS:
         if env is None or var not in env:
             full_env.pop(var, None)
     if not popen:

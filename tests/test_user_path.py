@@ -15,7 +15,7 @@ import torch
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import OmegaConf, open_dict
 
-from helpers import compose_cfg, fails_in_process, tiny_overrides
+from helpers import LAUNCH_VARS, compose_cfg, fails_in_process, tiny_overrides
 from vitrain.callbacks.resume import CheckpointOnSigterm
 from vitrain.errors import DataError, UserError
 from vitrain.reporting.report import write_report
@@ -117,7 +117,7 @@ def test_resume_hint_is_the_launchs_not_what_the_strategy_later_sets(
 ):
     """Lightning's launcher sets MASTER_ADDR, MASTER_PORT, NODE_RANK and LOCAL_RANK in a plain DDP or FSDP
     run's own process: a SIGTERM after that still gets the command that resumes this time-named run."""
-    for var in (*RUN_ID_VARS, "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "GROUP_RANK", "RANK", "LOCAL_RANK"):
+    for var in LAUNCH_VARS:
         monkeypatch.delenv(var, raising=False)
     callbacks = build(compose_cfg("train", tiny_overrides(tiny_cifar, data_cache), tmp_path)).callbacks
     hint = next(c for c in callbacks if isinstance(c, CheckpointOnSigterm)).resume_hint
