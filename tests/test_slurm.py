@@ -3,7 +3,6 @@ run, the repository's sbatch script signalled mid-epoch, requeued and resumed to
 2-point submitit sweep, and a task count that disagrees with the trainer."""
 
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -12,9 +11,19 @@ import torch
 
 from helpers import PYTHON, ROOT, tiny_overrides
 from slurm_cluster import SlurmCluster, unavailable
+from warm import ExecServer, run_script
 
 pytestmark = pytest.mark.slow
 SBATCH_1NODE = ROOT / "scripts" / "slurm" / "train_1node.sbatch"
+
+
+@pytest.fixture(scope="module")
+def job_python():
+    """The folder of the `python` that SLURM's tasks run: warm runs (tests/warm.py, `ExecServer`), where a
+    new interpreter would first spend ~12 CPU-s on imports, nine times a module."""
+    server = ExecServer()
+    yield server.bin
+    server.close()
 
 
 @pytest.fixture(scope="module")
@@ -30,9 +39,10 @@ def slurm(tmp_path_factory: pytest.TempPathFactory):
     cluster.stop()
 
 
-def _job_env() -> dict[str, str]:
+def _job_env(job_python: str) -> dict[str, str]:
     env = {
-        "PATH": f"{Path(PYTHON).parent}:{os.environ['PATH']}",  # `python` in the sbatch script: this venv's
+        # `python` in the sbatch script and the srun commands: this venv's, through the warm shim
+        "PATH": f"{job_python}:{Path(PYTHON).parent}:{os.environ['PATH']}",
         # the submitit job unpickles our task function: vitrain must be importable (or pip install -e .)
         "PYTHONPATH": f"{ROOT / 'src'}:{ROOT / 'tests'}",
         "HF_HUB_OFFLINE": "1",
@@ -83,7 +93,9 @@ def _last(run_dir: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def srun_ddp(slurm: SlurmCluster, tmp_path_factory, tiny_cifar: Path, data_cache: Path) -> dict:
+def srun_ddp(
+    slurm: SlurmCluster, job_python: str, tmp_path_factory, tiny_cifar: Path, data_cache: Path
+) -> dict:
     """`srun --ntasks=2 python src/train.py ... trainer=ddp trainer.devices=2`, as in an allocation."""
     logs = tmp_path_factory.mktemp("srun-logs")
     done = slurm.run(
@@ -92,13 +104,13 @@ def srun_ddp(slurm: SlurmCluster, tmp_path_factory, tiny_cifar: Path, data_cache
         "--nodes=1",
         "--ntasks-per-node=2",
         "--cpus-per-task=1",
-        PYTHON,
+        "python",
         "src/train.py",
         *_overrides(tiny_cifar, data_cache, logs),
         "trainer=ddp",
         "trainer.devices=2",
         "trainer.num_nodes=1",
-        env=_job_env(),
+        env=_job_env(job_python),
         cwd=ROOT,
         check=False,
     )
@@ -116,7 +128,7 @@ def test_srun_two_task_ddp(srun_ddp: dict):
 
 
 def test_sbatch_signalled_mid_epoch_requeues_and_resumes_to_the_same_weights(
-    slurm: SlurmCluster, srun_ddp: dict, tmp_path: Path, tiny_cifar: Path, data_cache: Path
+    slurm: SlurmCluster, job_python: str, srun_ddp: dict, tmp_path: Path, tiny_cifar: Path, data_cache: Path
 ):
     """scripts/slurm/train_1node.sbatch with 2 tasks; SIGUSR1 (the time-limit warning) at step 25: the ranks
     agree to stop at step 30, save `last`, rank zero requeues the job, the second attempt resumes mid-epoch in
@@ -135,7 +147,7 @@ def test_sbatch_signalled_mid_epoch_requeues_and_resumes_to_the_same_weights(
         "trainer.plugins.0.background=true",  # the requeue waits for the save's background write
         "+callbacks.fault._target_=fault_injection.SlurmSignalAt",
         "+callbacks.fault.step=25",
-        env=_job_env(),
+        env=_job_env(job_python),
         cwd=ROOT,
     )
     job = submitted.stdout.strip().split(";")[0]
@@ -163,18 +175,18 @@ def test_sbatch_signalled_mid_epoch_requeues_and_resumes_to_the_same_weights(
 
 
 def test_task_count_that_disagrees_with_the_trainer_stops_in_one_line(
-    slurm: SlurmCluster, tmp_path: Path, tiny_cifar: Path, data_cache: Path
+    slurm: SlurmCluster, job_python: str, tmp_path: Path, tiny_cifar: Path, data_cache: Path
 ):
     done = slurm.run(
         "srun",
         "--job-name=mismatch",
         "--ntasks-per-node=1",
-        PYTHON,
+        "python",
         "src/train.py",
         *_overrides(tiny_cifar, data_cache, tmp_path / "logs"),
         "trainer=ddp",
         "trainer.devices=2",
-        env=_job_env(),
+        env=_job_env(job_python),
         cwd=ROOT,
         check=False,
     )
@@ -188,25 +200,28 @@ def test_task_count_that_disagrees_with_the_trainer_stops_in_one_line(
 
 
 def test_submitit_sweep_runs_one_slurm_job_per_point(
-    slurm: SlurmCluster, tmp_path: Path, tiny_cifar: Path, data_cache: Path
+    slurm: SlurmCluster, job_python: str, tmp_path: Path, tiny_cifar: Path, data_cache: Path
 ):
     logs = tmp_path / "logs"
-    env = _clean({**slurm.env, **_job_env()})
-    done = slurm.run(
-        sys.executable,
-        "src/train.py",
-        "-m",
-        "hydra/launcher=submitit_slurm",
-        f"hydra.launcher.submitit_folder={tmp_path}/submitit/%j",
-        "hydra.launcher.cpus_per_task=1",
-        "hydra.launcher.tasks_per_node=1",
-        "hydra.launcher.timeout_min=10",
-        *[o for o in _overrides(tiny_cifar, data_cache, logs) if not o.startswith("trainer.max_epochs")],
-        "trainer.max_epochs=1",
-        "seed=1,2",
-        env=env,
+    env = _clean({**slurm.env, **_job_env(job_python)})
+    # the launching process warm too (it submits, waits and writes the summary); the jobs run
+    # `<its interpreter> -m submitit.core._submit`, new interpreters: submitit takes sys.executable
+    done = run_script(
+        [
+            "src/train.py",
+            "-m",
+            "hydra/launcher=submitit_slurm",
+            f"hydra.launcher.submitit_folder={tmp_path}/submitit/%j",
+            "hydra.launcher.cpus_per_task=1",
+            "hydra.launcher.tasks_per_node=1",
+            "hydra.launcher.timeout_min=10",
+            *[o for o in _overrides(tiny_cifar, data_cache, logs) if not o.startswith("trainer.max_epochs")],
+            "trainer.max_epochs=1",
+            "seed=1,2",
+        ],
+        env,
         cwd=ROOT,
-        check=False,
+        timeout=600,
     )
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     (sweep,) = (logs / "train" / "multiruns").iterdir()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -159,3 +160,71 @@ def test_the_python_children_of_a_warm_run_are_warm_and_see_what_new_ones_would(
     assert seen["running"] is None and seen["killed"] == -9 and seen["sleeping_own_session"]
     assert not seen["other_warm"], "an import-time variable set otherwise: a new interpreter"
     assert seen == expected
+
+
+SIGNALLED = """
+import os, signal, sys, time
+got = []
+signal.signal(signal.SIGUSR1, lambda signum, frame: got.append(signum))
+print(os.getpid(), "torch" in sys.modules, os.environ.get("PROBE"), os.getcwd(), flush=True)
+sys.stdin.readline()  # the shim's own standard input: the test writes this line
+while not got:
+    time.sleep(0.05)
+if sys.argv[1] == "term":
+    os.kill(os.getpid(), signal.SIGTERM)
+sys.exit(7)
+"""
+
+
+@pytest.fixture(scope="module")
+def exec_server():
+    server = warm.ExecServer()
+    yield server
+    server.close()
+
+
+def test_the_exec_servers_python_runs_a_script_warm_and_stands_in_for_it(exec_server, tmp_path: Path):
+    """What SLURM's tasks get (tests/test_slurm.py): `python <script>` started by someone else, warm, with the
+    shim's environment, working directory and standard streams; the shim passes on SIGUSR1 and exits with
+    the run's status, a death by signal included; `python -c` runs in the real interpreter."""
+    script = tmp_path / "signalled.py"
+    script.write_text(SIGNALLED)
+    python = os.path.join(exec_server.bin, "python")
+    env = _env(PROBE="shim")
+    for how, code in (("exit", 7), ("term", -15)):
+        shim = subprocess.Popen(
+            [python, str(script), how], cwd=tmp_path, env=env, text=True,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        )  # fmt: skip
+        pid, is_warm, probe, cwd = shim.stdout.readline().split()
+        assert (is_warm, probe, cwd) == ("True", "shim", str(tmp_path))
+        assert int(pid) != shim.pid, "the run is the server's child, not the shim"
+        shim.stdin.write("go\n")
+        shim.stdin.flush()
+        time.sleep(0.2)
+        shim.send_signal(signal.SIGUSR1)
+        assert shim.wait(60) == code, shim.stderr.read()
+    done = subprocess.run([python, "-c", "import sys; print(sys.flags.no_site); sys.exit(3)"], env=env,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert (done.returncode, done.stdout) == (3, "0\n"), "not -S: the real interpreter ran it"
+
+
+def test_a_killed_shim_takes_its_run_with_it(exec_server, tmp_path: Path):
+    script = tmp_path / "signalled.py"
+    script.write_text(SIGNALLED)
+    shim = subprocess.Popen(
+        [os.path.join(exec_server.bin, "python"), str(script), "exit"], env=_env(), text=True,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+    )  # fmt: skip
+    run = int(shim.stdout.readline().split()[0])
+    shim.kill()
+    shim.wait(10)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            os.kill(run, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"the run {run} outlived its killed shim")

@@ -14,6 +14,9 @@ environment, working directory and standard streams (pipes included), runs in th
 (`poll`, `wait`, `communicate`, `returncode`) through the zygote, which is its parent. Any other command,
 or one with `preexec_fn`, `pass_fds`, a user or group change, goes to the real `Popen`.
 
+Processes that no warm process starts (SLURM's tasks, started by slurmstepd) get a `python` on PATH that
+asks an exec server, forked from the warm server, for the run and stands in for it (`ExecServer`).
+
 What none of this can show is a fault of the start-up itself (import order, environment read at import
 time), so a run or child whose environment differs from the server's in a variable the libraries read on
 import is a new interpreter, with everything it starts, and the tests about the start-up ask for
@@ -271,6 +274,170 @@ def _warm_child(request: dict, stdio: list[int]) -> None:
         traceback.print_exc()
     finally:
         os._exit(1)
+
+
+# --- `python` on PATH for processes no warm process started (SLURM's tasks) ---------------------------------
+
+# what a shim passes on to its run: what SLURM sends a job step's processes (scancel --signal, the time limit's
+# warning, the end of a requeued or cancelled job) and a terminal's keys
+_FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+
+
+class ExecServer:
+    """A `python` (in the folder `bin`, for the front of PATH) whose `python <script>` and `python -m
+    <module>` runs are warm, for the processes that no warm process starts: SLURM's tasks, which slurmstepd
+    starts as `srun python src/train.py ...` (about 12 CPU-s of imports each otherwise, nine per test run).
+
+    That `python` is a shim (`shim`): it sends its command line, environment, working directory and
+    standard streams to this server, a process forked from the warm server, which forks the run from itself
+    (in a session of its own). The shim stays in the job step in the run's place: it passes on the signals
+    SLURM sends it and exits with the run's status (killed by a signal: by the same signal); when it is
+    killed (SIGKILL), the server kills the run's process group. Anything else (`python -c`, an environment
+    that reads differently on import) runs in the real interpreter, which the shim then execs."""
+
+    def __init__(self) -> None:
+        server = _start_server()
+        self._dir = tempfile.mkdtemp(prefix="warm-exec-")  # short: a Unix socket's path has < 108 bytes
+        self.socket = os.path.join(self._dir, "socket")
+        self.bin = os.path.join(self._dir, "bin")
+        os.mkdir(self.bin)
+        shim = os.path.join(self.bin, "python")
+        with open(shim, "w") as f:  # -S: the standard library alone, no site-packages to scan
+            f.write(
+                f"#!{sys.executable} -S\nimport sys\nsys.path.insert(0, {os.path.dirname(__file__)!r})\n"
+                f"import warm\nwarm.shim({sys.executable!r}, {self.socket!r})\n"
+            )
+        os.chmod(shim, 0o755)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        listener.bind(self.socket)
+        listener.listen(16)
+        ctx = multiprocessing.get_context("forkserver")
+        self._process = ctx.Process(target=_exec_serve, args=(listener, (server, _base_path)), daemon=True)
+        self._process.start()
+        listener.close()
+
+    def close(self) -> None:
+        self._process.kill()
+        self._process.join(10)
+        import shutil
+
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _exec_serve(listener: socket.socket, server: tuple) -> None:
+    """The exec server's loop: a warm child per shim that asks, signals passed on, each status sent back."""
+    global _server_env, _base_path
+    _server_env, _base_path = server
+    for sig in _SHIELDED:
+        signal.signal(sig, signal.SIG_IGN)
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    os.set_blocking(wake_r, False)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    signal.set_wakeup_fd(wake_w)
+    runs: dict[socket.socket, int | None] = {}  # a shim's line -> its run's pid
+    lines: dict[int, socket.socket] = {}  # a run's pid -> its shim's line
+    while True:
+        ready, _, _ = select.select([listener, wake_r, *runs], [], [], 5.0)
+        if wake_r in ready:
+            with contextlib.suppress(BlockingIOError):
+                os.read(wake_r, 4096)
+        if listener in ready:
+            line, _ = listener.accept()
+            runs[line] = None
+        for line in [r for r in ready if r in runs]:
+            try:
+                msg, fds, _, _ = socket.recv_fds(line, 1 << 20, 3)
+            except OSError:
+                msg, fds = b"", []
+            pid = runs[line]
+            if not msg:  # the shim is gone (killed): so is its run
+                if pid is not None:
+                    with contextlib.suppress(OSError):
+                        os.killpg(pid, signal.SIGKILL)
+                runs.pop(line)
+                line.close()
+                continue
+            request = json.loads(msg)
+            if "signal" in request:
+                if pid is not None:
+                    with contextlib.suppress(OSError):
+                        os.kill(pid, request["signal"])
+                continue
+            target = _warm_target([sys.executable, *request["argv"]], None, request["env"])
+            if target is None or len(fds) != 3:
+                for fd in fds:
+                    os.close(fd)
+                line.send(b'{"exec": true}')
+                continue
+            pid = os.fork()
+            if pid == 0:
+                signal.set_wakeup_fd(-1)
+                for fd in (wake_r, wake_w):
+                    os.close(fd)
+                for other in (listener, *runs):
+                    other.close()
+                _warm_child({**request, "target": target, "new_session": True}, fds)
+            for fd in fds:
+                os.close(fd)
+            runs[line], lines[pid] = pid, line
+            line.send(json.dumps({"pid": pid}).encode())
+        while True:  # reap every run that ended; its shim gets the status waitpid gave
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            line = lines.pop(pid, None)
+            if line is not None and line in runs:
+                with contextlib.suppress(OSError):
+                    line.send(json.dumps({"status": status}).encode())
+                runs.pop(line)
+                line.close()
+
+
+def shim(real: str, path: str) -> None:
+    """`python ...` as the exec server at `path` runs it (`ExecServer`), or as `real` does where it cannot."""
+    argv = sys.argv[1:]
+    line = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    stdio = []
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+            stdio.append(fd)
+        except OSError:  # a closed standard stream: the run gets /dev/null there
+            stdio.append(os.open(os.devnull, os.O_RDWR))
+    try:
+        line.connect(path)
+        request = {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd()}
+        socket.send_fds(line, [json.dumps(request).encode()], stdio)
+        reply = json.loads(line.recv(1 << 16) or b'{"exec": true}')
+    except OSError:  # no server (any more): the real interpreter
+        reply = {"exec": True}
+    if reply.get("exec"):
+        line.close()
+        os.execv(real, [real, *argv])
+
+    def forward(signum: int, frame) -> None:
+        with contextlib.suppress(OSError):
+            line.send(json.dumps({"signal": signum}).encode())
+
+    for sig in _FORWARDED:
+        signal.signal(sig, forward)
+    while True:
+        msg = line.recv(1 << 16)
+        if not msg:  # the server went away without a status
+            os._exit(1)
+        status = json.loads(msg).get("status")
+        if status is not None:
+            break
+    code = os.waitstatus_to_exitcode(status)
+    if code < 0:  # ended by a signal: so does the shim, for whoever waits on it
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+        code = 128 - code
+    os._exit(code)
 
 
 def _warm_target(args, executable, env: dict) -> list[str] | None:
