@@ -108,19 +108,21 @@ def run_cli(
     timeout: float = 300,
     cwd: Path = ROOT,
     fresh: bool = False,
+    file_size_limit: int | None = None,
     **popen: object,
 ) -> subprocess.CompletedProcess:
     """`python src/<script> overrides...` in a process and session of its own, as a user types it: forked
     from a server that has imported torch, Lightning and timm (tests/warm.py says what that leaves out), or,
     with `fresh=True`, a new interpreter; with Popen arguments (`preexec_fn`), a new interpreter started by
-    `subprocess.run`."""
+    `subprocess.run`. `file_size_limit`: no file written past it (EFBIG, as a full disk gives ENOSPC)."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
     # no rank/launcher variables leak in from the test runner
     for var in RANK_VARS:
         if env is None or var not in env:
             full_env.pop(var, None)
     if not popen:
-        return warm.run_script([ROOT / "src" / script, *overrides], full_env, cwd, timeout, fresh=fresh)
+        target = [ROOT / "src" / script, *overrides]
+        return warm.run_script(target, full_env, cwd, timeout, fresh=fresh, file_size_limit=file_size_limit)
     command = [PYTHON, str(ROOT / "src" / script), *overrides]
     return subprocess.run(
         command, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout, **popen

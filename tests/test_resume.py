@@ -184,18 +184,6 @@ def test_truncated_checkpoint_gives_a_clear_error(tmp_path: Path, tiny_cifar: Pa
         assert f"{bad}" in stderr and "truncated or corrupted" in stderr
 
 
-def _no_bigger_files_than(limit: int):
-    """preexec_fn: the child cannot write files over `limit` bytes (EFBIG, as a full disk gives ENOSPC)."""
-
-    def apply() -> None:
-        import resource
-
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # fail the write instead of killing the process
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-
-    return apply
-
-
 def test_disk_full_while_saving_keeps_the_previous_checkpoint(
     tmp_path: Path, tiny_cifar: Path, data_cache: Path, tiny_checkpoint: Path
 ):
@@ -207,7 +195,7 @@ def test_disk_full_while_saving_keeps_the_previous_checkpoint(
     # only `last` is saved: the failing write is the one that replaces a good checkpoint
     full = _run(
         [*overrides, f"ckpt_path={last}", "trainer.max_epochs=2", "callbacks.model_checkpoint.save_top_k=0"],
-        preexec_fn=_no_bigger_files_than(len(before) // 2),
+        file_size_limit=len(before) // 2,
     )
     assert full.returncode == 2, full.stderr[-3000:]
     assert "Traceback" not in full.stderr

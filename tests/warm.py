@@ -121,11 +121,20 @@ def warm_ok(env: dict[str, str]) -> bool:
     return all(env.get(n) == server.get(n) for n in names)
 
 
-def _child(target: list[str], cwd: str, env: dict[str, str], out: str, err: str | None, server: tuple):
+def _child(
+    target: list[str],
+    cwd: str,
+    env: dict[str, str],
+    out: str,
+    err: str | None,
+    server: tuple,
+    file_size_limit: int | None = None,
+):
     """In the process forked by the forkserver: a session of its own, output to files, then `_become`."""
     global _server_env, _base_path
     _server_env, _base_path = server
     os.setsid()  # a session of its own: a timeout kills the run with everything it started
+    _limit_file_size(file_size_limit)
     out_fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     err_fd = os.open(err, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) if err else out_fd
     os.dup2(out_fd, 1)
@@ -133,6 +142,16 @@ def _child(target: list[str], cwd: str, env: dict[str, str], out: str, err: str 
     for fd in {out_fd, err_fd}:
         os.close(fd)
     _become(target, cwd, env)
+
+
+def _limit_file_size(limit: int | None) -> None:
+    """No file written past `limit` bytes: the write fails with EFBIG (as on a full disk with ENOSPC) instead
+    of SIGXFSZ killing the process."""
+    if limit is not None:
+        import resource
+
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
 
 def _become(target: list[str], cwd: str, env: dict[str, str]) -> None:
@@ -572,6 +591,7 @@ class ScriptRun:
         cwd: Path,
         merge_stderr: bool = False,
         fresh: bool = False,
+        file_size_limit: int | None = None,
     ):
         target = [str(t) for t in target]
         self.args = [sys.executable, *target]
@@ -583,7 +603,8 @@ class ScriptRun:
             ctx = multiprocessing.get_context("forkserver")
             server = (_server_env, _base_path)
             self._process = ctx.Process(
-                target=_child, args=(target, str(cwd), dict(env), self._out, self._err, server)
+                target=_child,
+                args=(target, str(cwd), dict(env), self._out, self._err, server, file_size_limit),
             )
             self._process.start()
             self.pid = self._process.pid
@@ -592,6 +613,7 @@ class ScriptRun:
                 self._popen = subprocess.Popen(
                     self.args, cwd=cwd, env=env, stdout=out, stderr=err if self._err else subprocess.STDOUT,
                     start_new_session=True,
+                    preexec_fn=None if file_size_limit is None else lambda: _limit_file_size(file_size_limit),
                 )  # fmt: skip
             self.pid = self._popen.pid
 
@@ -632,8 +654,13 @@ class ScriptRun:
 
 
 def run_script(
-    target: Sequence[str | Path], env: dict[str, str], cwd: Path, timeout: float, fresh: bool = False
+    target: Sequence[str | Path],
+    env: dict[str, str],
+    cwd: Path,
+    timeout: float,
+    fresh: bool = False,
+    file_size_limit: int | None = None,
 ) -> subprocess.CompletedProcess:
     """`python *target` (a script and its arguments, or "-m", a module and its arguments) with `env` in
     `cwd`, like `subprocess.run(..., capture_output=True, text=True, timeout=timeout)`: see `ScriptRun`."""
-    return ScriptRun(target, env, cwd, fresh=fresh).wait(timeout)
+    return ScriptRun(target, env, cwd, fresh=fresh, file_size_limit=file_size_limit).wait(timeout)
