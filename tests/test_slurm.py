@@ -3,6 +3,7 @@ run, the repository's sbatch script signalled mid-epoch, requeued and resumed to
 2-point submitit sweep, and a task count that disagrees with the trainer."""
 
 import os
+import subprocess
 import time
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import torch
 
 from helpers import PYTHON, ROOT, tiny_overrides
 from slurm_cluster import SlurmCluster, unavailable
-from warm import ExecServer, run_script
+from warm import ExecServer
 
 pytestmark = pytest.mark.slow
 SBATCH_1NODE = ROOT / "scripts" / "slurm" / "train_1node.sbatch"
@@ -19,8 +20,8 @@ SBATCH_1NODE = ROOT / "scripts" / "slurm" / "train_1node.sbatch"
 
 @pytest.fixture(scope="module")
 def job_python():
-    """The folder of the `python` that SLURM's tasks run: warm runs (tests/warm.py, `ExecServer`), where a
-    new interpreter would first spend ~12 CPU-s on imports, nine times a module."""
+    """The folder of the `python` that SLURM's tasks and submitit's jobs run: warm runs (tests/warm.py,
+    `ExecServer`), where each new interpreter would first spend ~12 CPU-s on imports (eleven here)."""
     server = ExecServer()
     yield server.bin
     server.close()
@@ -204,10 +205,11 @@ def test_submitit_sweep_runs_one_slurm_job_per_point(
 ):
     logs = tmp_path / "logs"
     env = _clean({**slurm.env, **_job_env(job_python)})
-    # the launching process warm too (it submits, waits and writes the summary); the jobs run
-    # `<its interpreter> -m submitit.core._submit`, new interpreters: submitit takes sys.executable
-    done = run_script(
+    # the launching process started by the jobs' `python` (warm): submitit's jobs run `<sys.executable> -m
+    # submitit.core._submit`, so they are warm too
+    done = subprocess.run(
         [
+            os.path.join(job_python, "python"),
             "src/train.py",
             "-m",
             "hydra/launcher=submitit_slurm",
@@ -219,8 +221,10 @@ def test_submitit_sweep_runs_one_slurm_job_per_point(
             "trainer.max_epochs=1",
             "seed=1,2",
         ],
-        env,
+        env=env,
         cwd=ROOT,
+        capture_output=True,
+        text=True,
         timeout=600,
     )
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]

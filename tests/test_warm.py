@@ -166,7 +166,7 @@ SIGNALLED = """
 import os, signal, sys, time
 got = []
 signal.signal(signal.SIGUSR1, lambda signum, frame: got.append(signum))
-print(os.getpid(), "torch" in sys.modules, os.environ.get("PROBE"), os.getcwd(), flush=True)
+print(os.getpid(), "torch" in sys.modules, os.environ.get("PROBE"), os.getcwd(), sys.executable, flush=True)
 sys.stdin.readline()  # the shim's own standard input: the test writes this line
 while not got:
     time.sleep(0.05)
@@ -196,8 +196,8 @@ def test_the_exec_servers_python_runs_a_script_warm_and_stands_in_for_it(exec_se
             [python, str(script), how], cwd=tmp_path, env=env, text=True,
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         )  # fmt: skip
-        pid, is_warm, probe, cwd = shim.stdout.readline().split()
-        assert (is_warm, probe, cwd) == ("True", "shim", str(tmp_path))
+        pid, is_warm, probe, cwd, executable = shim.stdout.readline().split()
+        assert (is_warm, probe, cwd, executable) == ("True", "shim", str(tmp_path), python)
         assert int(pid) != shim.pid, "the run is the server's child, not the shim"
         shim.stdin.write("go\n")
         shim.stdin.flush()

@@ -311,7 +311,9 @@ class ExecServer:
     standard streams to this server, a process forked from the warm server, which forks the run from itself
     (in a session of its own). The shim stays in the job step in the run's place: it passes on the signals
     SLURM sends it and exits with the run's status (killed by a signal: by the same signal); when it is
-    killed (SIGKILL), the server kills the run's process group. Anything else (`python -c`, an environment
+    killed (SIGKILL), the server kills the run's process group. The run's sys.executable is the shim, as an
+    interpreter started by that path reports it: what it starts with sys.executable comes here too (submitit's
+    jobs, `<sys.executable> -m submitit.core._submit`). Anything else (`python -c`, an environment
     that reads differently on import) runs in the real interpreter, which the shim then execs."""
 
     def __init__(self) -> None:
@@ -396,6 +398,9 @@ def _exec_serve(listener: socket.socket, server: tuple) -> None:
                     os.close(fd)
                 for other in (listener, *runs):
                     other.close()
+                # what an interpreter started by that path reports (it does not resolve links): the runs it
+                # starts with sys.executable (submitit's jobs, Lightning's other ranks) come here too
+                sys.executable = request["executable"]
                 _warm_child({**request, "target": target, "new_session": True}, fds)
             for fd in fds:
                 os.close(fd)
@@ -429,7 +434,7 @@ def shim(real: str, path: str) -> None:
             stdio.append(os.open(os.devnull, os.O_RDWR))
     try:
         line.connect(path)
-        request = {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd()}
+        request = {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "executable": sys.argv[0]}
         socket.send_fds(line, [json.dumps(request).encode()], stdio)
         reply = json.loads(line.recv(1 << 16) or b'{"exec": true}')
     except OSError:  # no server (any more): the real interpreter
