@@ -206,16 +206,30 @@ def s3_bucket(s3_env: str) -> str:
     return name
 
 
+# --- a `python` whose script and module runs are warm, for processes no warm process starts ----------------
+
+
+@pytest.fixture(scope="session")
+def warm_python():  # -> Iterator[str]
+    """The folder of a `python` that stands in for a warm run (tests/warm.py, `ExecServer`): for SLURM's
+    tasks and submitit's jobs (slurmstepd starts them) and the MLflow server (its command-line process
+    and its uvicorn process): each new interpreter spends ~12 CPU-s importing first."""
+    from warm import ExecServer
+
+    server = ExecServer()
+    yield server.bin
+    server.close()
+
+
 # --- MLflow: a real tracking server (`mlflow server`) on 127.0.0.1, SQLite store, served artifacts -------
 
 
 @pytest.fixture(scope="session")
-def mlflow_server(tmp_path_factory: pytest.TempPathFactory):  # -> Iterator[str]
+def mlflow_server(tmp_path_factory: pytest.TempPathFactory, warm_python: str):  # -> Iterator[str]
     """One `mlflow server` for the session on a free loopback port; yields its URL."""
     import os
     import socket
     import subprocess
-    import sys
     import time
     import urllib.request
 
@@ -225,12 +239,16 @@ def mlflow_server(tmp_path_factory: pytest.TempPathFactory):  # -> Iterator[str]
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
     command = [
-        *(sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port)),
+        *(os.path.join(warm_python, "python"), "-m", "mlflow", "server", "--host", "127.0.0.1"),
+        *("--port", str(port)),
         *("--workers", "1", "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}"),
         *("--artifacts-destination", str(root / "artifacts")),
     ]
     # no background job runner: one process less to start
-    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    from warm import SERVER_ENV
+
+    # the server's environment on import (unbuffered, offline hub): the warm `python` runs it warm then
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", **SERVER_ENV}
     log = (root / "server.log").open("w")
     server = subprocess.Popen(command, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 180  # a loaded 2-core machine needs ~20-60 s

@@ -12,19 +12,9 @@ import torch
 
 from helpers import PYTHON, ROOT, tiny_overrides
 from slurm_cluster import SlurmCluster, unavailable
-from warm import ExecServer
 
 pytestmark = pytest.mark.slow
 SBATCH_1NODE = ROOT / "scripts" / "slurm" / "train_1node.sbatch"
-
-
-@pytest.fixture(scope="module")
-def job_python():
-    """The folder of the `python` that SLURM's tasks and submitit's jobs run: warm runs (tests/warm.py,
-    `ExecServer`), where each new interpreter would first spend ~12 CPU-s on imports (eleven here)."""
-    server = ExecServer()
-    yield server.bin
-    server.close()
 
 
 @pytest.fixture(scope="module")
@@ -40,10 +30,10 @@ def slurm(tmp_path_factory: pytest.TempPathFactory):
     cluster.stop()
 
 
-def _job_env(job_python: str) -> dict[str, str]:
+def _job_env(warm_python: str) -> dict[str, str]:
     env = {
         # `python` in the sbatch script and the srun commands: this venv's, through the warm shim
-        "PATH": f"{job_python}:{Path(PYTHON).parent}:{os.environ['PATH']}",
+        "PATH": f"{warm_python}:{Path(PYTHON).parent}:{os.environ['PATH']}",
         # the submitit job unpickles our task function: vitrain must be importable (or pip install -e .)
         "PYTHONPATH": f"{ROOT / 'src'}:{ROOT / 'tests'}",
         "HF_HUB_OFFLINE": "1",
@@ -95,7 +85,7 @@ def _last(run_dir: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def srun_ddp(
-    slurm: SlurmCluster, job_python: str, tmp_path_factory, tiny_cifar: Path, data_cache: Path
+    slurm: SlurmCluster, warm_python: str, tmp_path_factory, tiny_cifar: Path, data_cache: Path
 ) -> dict:
     """`srun --ntasks=2 python src/train.py ... trainer=ddp trainer.devices=2`, as in an allocation."""
     logs = tmp_path_factory.mktemp("srun-logs")
@@ -111,7 +101,7 @@ def srun_ddp(
         "trainer=ddp",
         "trainer.devices=2",
         "trainer.num_nodes=1",
-        env=_job_env(job_python),
+        env=_job_env(warm_python),
         cwd=ROOT,
         check=False,
     )
@@ -129,7 +119,7 @@ def test_srun_two_task_ddp(srun_ddp: dict):
 
 
 def test_sbatch_signalled_mid_epoch_requeues_and_resumes_to_the_same_weights(
-    slurm: SlurmCluster, job_python: str, srun_ddp: dict, tmp_path: Path, tiny_cifar: Path, data_cache: Path
+    slurm: SlurmCluster, warm_python: str, srun_ddp: dict, tmp_path: Path, tiny_cifar: Path, data_cache: Path
 ):
     """scripts/slurm/train_1node.sbatch with 2 tasks; SIGUSR1 (the time-limit warning) at step 25: the ranks
     agree to stop at step 30, save `last`, rank zero requeues the job, the second attempt resumes mid-epoch in
@@ -148,7 +138,7 @@ def test_sbatch_signalled_mid_epoch_requeues_and_resumes_to_the_same_weights(
         "trainer.plugins.0.background=true",  # the requeue waits for the save's background write
         "+callbacks.fault._target_=fault_injection.SlurmSignalAt",
         "+callbacks.fault.step=25",
-        env=_job_env(job_python),
+        env=_job_env(warm_python),
         cwd=ROOT,
     )
     job = submitted.stdout.strip().split(";")[0]
@@ -176,7 +166,7 @@ def test_sbatch_signalled_mid_epoch_requeues_and_resumes_to_the_same_weights(
 
 
 def test_task_count_that_disagrees_with_the_trainer_stops_in_one_line(
-    slurm: SlurmCluster, job_python: str, tmp_path: Path, tiny_cifar: Path, data_cache: Path
+    slurm: SlurmCluster, warm_python: str, tmp_path: Path, tiny_cifar: Path, data_cache: Path
 ):
     done = slurm.run(
         "srun",
@@ -187,7 +177,7 @@ def test_task_count_that_disagrees_with_the_trainer_stops_in_one_line(
         *_overrides(tiny_cifar, data_cache, tmp_path / "logs"),
         "trainer=ddp",
         "trainer.devices=2",
-        env=_job_env(job_python),
+        env=_job_env(warm_python),
         cwd=ROOT,
         check=False,
     )
@@ -201,15 +191,15 @@ def test_task_count_that_disagrees_with_the_trainer_stops_in_one_line(
 
 
 def test_submitit_sweep_runs_one_slurm_job_per_point(
-    slurm: SlurmCluster, job_python: str, tmp_path: Path, tiny_cifar: Path, data_cache: Path
+    slurm: SlurmCluster, warm_python: str, tmp_path: Path, tiny_cifar: Path, data_cache: Path
 ):
     logs = tmp_path / "logs"
-    env = _clean({**slurm.env, **_job_env(job_python)})
+    env = _clean({**slurm.env, **_job_env(warm_python)})
     # the launching process started by the jobs' `python` (warm): submitit's jobs run `<sys.executable> -m
     # submitit.core._submit`, so they are warm too
     done = subprocess.run(
         [
-            os.path.join(job_python, "python"),
+            os.path.join(warm_python, "python"),
             "src/train.py",
             "-m",
             "hydra/launcher=submitit_slurm",
