@@ -221,23 +221,55 @@ def _start_zygote() -> None:
     _zygote = ours
 
 
+def _server_signals() -> tuple[int, int]:
+    """A forking server's signals: the ones meant for its runs ignored, and a pipe (read end, write end) that
+    wakes its `select` when a child ends."""
+    for sig in _SHIELDED:
+        signal.signal(sig, signal.SIG_IGN)
+    wake = os.pipe()
+    for fd in wake:
+        os.set_blocking(fd, False)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    signal.set_wakeup_fd(wake[1])
+    return wake
+
+
+def _fork_run(wake: tuple[int, int], lines: Sequence[socket.socket]) -> int:
+    """os.fork(); in the child, without the server's wake-up pipe and its `lines`."""
+    pid = os.fork()
+    if pid == 0:
+        signal.set_wakeup_fd(-1)
+        for fd in wake:
+            os.close(fd)
+        for line in lines:
+            line.close()
+    return pid
+
+
+def _ended(wake_r: int) -> list[tuple[int, int]]:
+    """The pid and wait status of every child that has ended (reaped), the wake-up pipe drained."""
+    with contextlib.suppress(BlockingIOError):
+        os.read(wake_r, 4096)
+    ended = []
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            break
+        if pid == 0:
+            break
+        ended.append((pid, status))
+    return ended
+
+
 def _serve(control: socket.socket) -> None:
     """Fork a child per request; send each caller its child's pid, then its wait status. Ends when the
     process it serves is gone (with every copy of its end of `control`) and no child is left."""
-    for sig in _SHIELDED:
-        signal.signal(sig, signal.SIG_IGN)
-    wake_r, wake_w = os.pipe()
-    os.set_blocking(wake_w, False)
-    os.set_blocking(wake_r, False)
-    signal.signal(signal.SIGCHLD, lambda *_: None)
-    signal.set_wakeup_fd(wake_w)
+    wake = _server_signals()
     callers: dict[int, socket.socket] = {}
     serving = True
     while serving or callers:
-        ready, _, _ = select.select([control, wake_r] if serving else [wake_r], [], [], 5.0)
-        if wake_r in ready:
-            with contextlib.suppress(BlockingIOError):
-                os.read(wake_r, 4096)
+        ready, _, _ = select.select([control, wake[0]] if serving else [wake[0]], [], [], 5.0)
         if control in ready:
             try:
                 msg, fds, _, _ = socket.recv_fds(control, 1 << 20, 4)
@@ -248,26 +280,15 @@ def _serve(control: socket.socket) -> None:
                 control.close()
             else:
                 caller = socket.socket(fileno=fds[0])
-                pid = os.fork()
+                pid = _fork_run(wake, [control, caller, *callers.values()])
                 if pid == 0:
-                    signal.set_wakeup_fd(-1)
-                    os.close(wake_r)
-                    os.close(wake_w)
-                    for line in (control, caller, *callers.values()):
-                        line.close()
                     _warm_child(json.loads(msg), fds[1:])
                 for fd in fds[1:]:
                     os.close(fd)
                 with contextlib.suppress(OSError):
                     caller.sendall(struct.pack("q", pid))
                 callers[pid] = caller
-        while True:  # reap every child that ended; its caller gets the status waitpid gave
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                break
-            if pid == 0:
-                break
+        for pid, status in _ended(wake[0]):  # each ended child's caller gets the status waitpid gave
             caller = callers.pop(pid, None)
             if caller is not None:
                 with contextlib.suppress(OSError):
@@ -349,20 +370,11 @@ def _exec_serve(listener: socket.socket, server: tuple) -> None:
     """The exec server's loop: a warm child per shim that asks, signals passed on, each status sent back."""
     global _server_env, _base_path
     _server_env, _base_path = server
-    for sig in _SHIELDED:
-        signal.signal(sig, signal.SIG_IGN)
-    wake_r, wake_w = os.pipe()
-    os.set_blocking(wake_w, False)
-    os.set_blocking(wake_r, False)
-    signal.signal(signal.SIGCHLD, lambda *_: None)
-    signal.set_wakeup_fd(wake_w)
+    wake = _server_signals()
     runs: dict[socket.socket, int | None] = {}  # a shim's line -> its run's pid
     lines: dict[int, socket.socket] = {}  # a run's pid -> its shim's line
     while True:
-        ready, _, _ = select.select([listener, wake_r, *runs], [], [], 5.0)
-        if wake_r in ready:
-            with contextlib.suppress(BlockingIOError):
-                os.read(wake_r, 4096)
+        ready, _, _ = select.select([listener, wake[0], *runs], [], [], 5.0)
         if listener in ready:
             line, _ = listener.accept()
             runs[line] = None
@@ -391,13 +403,8 @@ def _exec_serve(listener: socket.socket, server: tuple) -> None:
                     os.close(fd)
                 line.send(b'{"exec": true}')
                 continue
-            pid = os.fork()
+            pid = _fork_run(wake, [listener, *runs])
             if pid == 0:
-                signal.set_wakeup_fd(-1)
-                for fd in (wake_r, wake_w):
-                    os.close(fd)
-                for other in (listener, *runs):
-                    other.close()
                 # what an interpreter started by that path reports (it does not resolve links): the runs it
                 # starts with sys.executable (submitit's jobs, Lightning's other ranks) come here too
                 sys.executable = request["executable"]
@@ -406,13 +413,7 @@ def _exec_serve(listener: socket.socket, server: tuple) -> None:
                 os.close(fd)
             runs[line], lines[pid] = pid, line
             line.send(json.dumps({"pid": pid}).encode())
-        while True:  # reap every run that ended; its shim gets the status waitpid gave
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                break
-            if pid == 0:
-                break
+        for pid, status in _ended(wake[0]):  # each ended run's shim gets the status waitpid gave
             line = lines.pop(pid, None)
             if line is not None and line in runs:
                 with contextlib.suppress(OSError):
