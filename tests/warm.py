@@ -14,8 +14,9 @@ environment, working directory and standard streams (pipes included), runs in th
 (`poll`, `wait`, `communicate`, `returncode`) through the zygote, which is its parent. Any other command,
 or one with `preexec_fn`, `pass_fds`, a user or group change, goes to the real `Popen`.
 
-Processes that no warm process starts (SLURM's tasks, started by slurmstepd) get a `python` on PATH that
-asks an exec server, forked from the warm server, for the run and stands in for it (`ExecServer`).
+Processes that no warm process starts (SLURM's tasks and submitit's jobs, which slurmstepd starts; the MLflow
+server the tests start) get a `python` that asks an exec server, forked from the warm server, for the run and
+stands in for it (`ExecServer`).
 
 What none of this can show is a fault of the start-up itself (import order, environment read at import
 time), so a run or child whose environment differs from the server's in a variable the libraries read on
@@ -326,7 +327,7 @@ _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, sign
 class ExecServer:
     """A `python` (in the folder `bin`, for the front of PATH) whose `python <script>` and `python -m
     <module>` runs are warm, for the processes that no warm process starts: SLURM's tasks, which slurmstepd
-    starts as `srun python src/train.py ...` (about 12 CPU-s of imports each otherwise, nine per test run).
+    starts as `srun python src/train.py ...` (about 12 CPU-s of imports each otherwise).
 
     That `python` is a shim (`shim`): it sends its command line, environment, working directory and
     standard streams to this server, a process forked from the warm server, which forks the run from itself
@@ -401,7 +402,8 @@ def _exec_serve(listener: socket.socket, server: tuple) -> None:
             if target is None or len(fds) != 3:
                 for fd in fds:
                     os.close(fd)
-                line.send(b'{"exec": true}')
+                with contextlib.suppress(OSError):  # a shim gone meanwhile: the next select sees it
+                    line.send(b'{"exec": true}')
                 continue
             pid = _fork_run(wake, [listener, *runs])
             if pid == 0:
@@ -412,7 +414,8 @@ def _exec_serve(listener: socket.socket, server: tuple) -> None:
             for fd in fds:
                 os.close(fd)
             runs[line], lines[pid] = pid, line
-            line.send(json.dumps({"pid": pid}).encode())
+            with contextlib.suppress(OSError):
+                line.send(json.dumps({"pid": pid}).encode())
         for pid, status in _ended(wake[0]):  # each ended run's shim gets the status waitpid gave
             line = lines.pop(pid, None)
             if line is not None and line in runs:
