@@ -89,10 +89,10 @@ DECISIONS = [RankZeroDecisions.variable(name) for name in (RESUME_FROM, CPU_BF16
 
 @pytest.fixture(autouse=True)
 def environment_stays_in_its_test():  # -> Iterator[None]
-    """What a test leaves in a decision or launch variable, or a process group, goes with it. Else a CPU bf16 speed-up that one test
-    fed (0.5, 2.4) or that this CPU measured would decide `trainer.precision=auto` for every later test in the
-    same xdist process and for every run those start (an outcome of the test order and of the CPU), and an
-    in-process FSDP run's MASTER_PORT would name a later plain run."""
+    """What a test leaves in a decision or launch variable, or a process group, goes with it. Else a CPU bf16
+    speed-up that one test fed (0.5, 2.4) or that this CPU measured would decide `trainer.precision=auto` for
+    every later test in the same xdist process and for every run those start (an outcome of the test order and
+    of the CPU), and an in-process FSDP run's MASTER_PORT would name a later plain run."""
     from helpers import LAUNCH_VARS  # here: the test runner's own process need not import Lightning for it
 
     before = {name: os.environ.get(name) for name in [*DECISIONS, *LAUNCH_VARS]}
@@ -244,10 +244,10 @@ def mlflow_server(tmp_path_factory: pytest.TempPathFactory, warm_python: str):  
         *("--workers", "1", "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}"),
         *("--artifacts-destination", str(root / "artifacts")),
     ]
-    # no background job runner: one process less to start
     from warm import SERVER_ENV
 
-    # the server's environment on import (unbuffered, offline hub): the warm `python` runs it warm then
+    # no background job runner: one process less to start; the warm server's environment on import
+    # (unbuffered, offline hub), so that the warm `python` runs it warm
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", **SERVER_ENV}
     log = (root / "server.log").open("w")
     server = subprocess.Popen(command, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT)

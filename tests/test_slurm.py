@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import PYTHON, ROOT, tiny_overrides
+from helpers import LAUNCH_VARS, PYTHON, ROOT, tiny_overrides
 from slurm_cluster import SlurmCluster, unavailable
 
 pytestmark = pytest.mark.slow
@@ -43,27 +43,16 @@ def _job_env(warm_python: str) -> dict[str, str]:
     return env
 
 
-# what a launcher sets: none may leak from the test runner into a job
-LAUNCHER_VARS = (
-    "LOCAL_RANK",
-    "NODE_RANK",
-    "WORLD_SIZE",
-    "RANK",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "VITRAIN_RUN_ID",
-)
-
-
 def _clean(env: dict[str, str]) -> dict[str, str]:
-    for var in LAUNCHER_VARS:
+    """Without what a launcher sets (helpers.LAUNCH_VARS): none may leak from the test runner into a job."""
+    for var in LAUNCH_VARS:
         env.pop(var, None)
     return env
 
 
 @pytest.fixture(autouse=True)
 def _no_launcher_vars(monkeypatch: pytest.MonkeyPatch) -> None:
-    for var in LAUNCHER_VARS:
+    for var in LAUNCH_VARS:
         monkeypatch.delenv(var, raising=False)
 
 

@@ -37,6 +37,7 @@ import os
 import re
 import runpy
 import select
+import shutil
 import signal
 import socket
 import struct
@@ -362,8 +363,6 @@ class ExecServer:
     def close(self) -> None:
         self._process.kill()
         self._process.join(10)
-        import shutil
-
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
