@@ -12,6 +12,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import json
+import os
 import threading
 import time
 from typing import Any
@@ -33,7 +34,10 @@ class BenchProbe(Callback):
     - `first_step_unix`: wall-clock time (time.time) when the first optimizer step has finished;
     - `step_starts`, `step_ends`: perf_counter at the start and end of every training batch (up to `max_steps`);
     - `step_cpu`: the main thread's CPU time (thread_time) at the same moments: wall time beyond it is time
-      the step waited (for other ranks, communication, the OS);
+      the step waited (for other ranks, communication, the OS) or the backward's own thread worked;
+    - `step_backward_cpu`, `backward_threads`: the same for torch's autograd device threads (`backward_threads`
+      of them, found by the end of the warm-up): on a GPU the backward runs there while the main thread waits
+      for it (`BACKWARD_THREAD_PREFIX`); on a CPU there is none, the backward runs on the main thread;
     - `fit_seconds`, `epochs`, `global_step`, `stopped_early`: how the fit went (max_time, max_epochs);
     - `rss_setup`, `param_bytes`, `peak_rss_train`: this process's memory at setup and its peak during
       training (VmHWM reset at train start); on CUDA `peak_cuda_allocated` instead;
@@ -62,8 +66,15 @@ class BenchProbe(Callback):
         self.sample_gpu = sample_gpu
         self.max_steps = int(max_steps)
         self.warmup = int(warmup)  # on CUDA: synchronise after this batch and after the epoch's last one
-        self.record: dict[str, Any] = {"step_starts": [], "step_ends": [], "step_cpu": [], "metrics": {}}
+        self.record: dict[str, Any] = {
+            "step_starts": [],
+            "step_ends": [],
+            "step_cpu": [],
+            "step_backward_cpu": [],
+            "metrics": {},
+        }
         self._t_train_start: float | None = None
+        self._backward_tids: list[int] = []
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self.record.update(
@@ -123,6 +134,10 @@ class BenchProbe(Callback):
         if len(steps) < self.max_steps:
             steps.append(time.perf_counter())
             self.record["step_cpu"].append(time.thread_time())
+            if len(steps) <= self.warmup + 1:  # the set stays fixed over the timed window
+                self._backward_tids = backward_threads()
+                self.record["backward_threads"] = len(self._backward_tids)
+            self.record["step_backward_cpu"].append(threads_cpu_seconds(self._backward_tids))
             if window_end:
                 self.record["window_end"] = len(steps) - 1  # index in step_ends
         if len(steps) in (1, 2) or len(steps) % 8 == 0:  # peak RSS so far (cheap; on every 8th batch)
@@ -173,6 +188,44 @@ class BenchProbe(Callback):
         if "__RANK__" not in self.out and rank != 0:
             return
         write_atomic(self.out.replace("__RANK__", str(rank)), json.dumps(self.record, indent=1))
+
+
+#: torch's autograd engine runs the backward of GPU tensors on a worker thread of its own per device, named
+#: `pt_autograd_<device>` (torch/csrc/autograd/engine.cpp, `Engine::thread_init`), while the thread that called
+#: `backward()` waits for it: the host's work of a GPU step is that thread's CPU time plus the main thread's.
+#: On a CPU the calling thread runs the backward itself.
+BACKWARD_THREAD_PREFIX = "pt_autograd_"
+
+
+def backward_threads() -> list[int]:
+    """The Linux thread ids of this process's autograd device threads (none on a CPU-only run, or off Linux)."""
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return []
+    found = []
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if f.read().startswith(BACKWARD_THREAD_PREFIX):
+                    found.append(int(tid))
+        except OSError:  # the thread ended meanwhile
+            continue
+    return sorted(found)
+
+
+def threads_cpu_seconds(tids: list[int]) -> float:
+    """The CPU time threads `tids` of this process have used so far: the scheduler's run time of each
+    (`/proc/self/task/<tid>/schedstat`, ns), the clock `time.thread_time` reads for its own thread; a thread
+    whose file cannot be read counts 0."""
+    total = 0
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue
+    return total / 1e9
 
 
 def _lr_ratio(trainer: L.Trainer) -> float | None:

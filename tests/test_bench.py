@@ -65,6 +65,13 @@ def test_benchmark_smoke_writes_json(name: str, tmp_path: Path, tiny_cifar: Path
             result["details"]["compile_cache_at_start"]
             == f"warm: 1 files from {work / 'cache'} (an earlier run)"
         )
+        # on a CPU the backward runs on the training thread: no autograd thread, its CPU in the one figure
+        sections = result["details"]["sections"]
+        assert "figures" in sections["hand"] and "figures" in sections["seed"], sections
+        for row in (sections["hand"]["figures"]["eager"], sections["seed"]["figures"]):
+            assert row["backward_threads"] == 0 and row["backward_thread_ms_per_step"] is None
+            assert row["host_ms_per_step"] > 0
+        assert any("(backward included)" in line for line in result["details"]["table_md"])
     if name == "ddp_scaling":  # the step anatomy of both DDP ranks came from their own probes
         assert len(result["details"]["anatomy"]["two"]) == 2
         for variant in ("one", "two", "independent"):
@@ -225,6 +232,72 @@ def test_gpu_idle_names_the_host_ops_the_gpu_waited_for():
         {"op": "aten::index_select", "ms_per_step": 0.05},
     ]
     assert gpu_idle([event("aten::mm", 0, 90)], steps=1) == {}
+
+
+def test_backward_threads_are_found_by_name_and_their_cpu_time_read():
+    """torch runs a GPU backward on an autograd thread named `pt_autograd_<device>`: the probe finds this
+    process's threads by that name (a thread named so here, not the others) and reads the CPU time each has
+    used, the clock the thread itself reads with `time.thread_time`; a thread that is gone counts 0."""
+    import threading
+    import time
+
+    from probe import backward_threads, threads_cpu_seconds
+
+    named, done, seen = threading.Event(), threading.Event(), {}
+
+    def worker() -> None:
+        tid = threading.get_native_id()
+        Path(f"/proc/self/task/{tid}/comm").write_text("pt_autograd_0")
+        start = time.thread_time()
+        while time.thread_time() - start < 0.05:  # CPU work of its own, however fast the machine
+            pass
+        seen.update(tid=tid, cpu=time.thread_time())
+        named.set()
+        done.wait(60)
+
+    other = threading.Thread(target=done.wait, args=(60,))  # an unnamed thread: not a backward thread
+    thread = threading.Thread(target=worker)
+    other.start(), thread.start()
+    try:
+        assert named.wait(60)
+        assert backward_threads() == [seen["tid"]]
+        assert threads_cpu_seconds([seen["tid"]]) >= seen["cpu"] * 0.999 >= 0.05 * 0.999
+        assert threads_cpu_seconds([seen["tid"], 2**31 - 1]) == threads_cpu_seconds([seen["tid"]])
+    finally:
+        done.set()
+        thread.join(), other.join()
+    # a joined thread's task can linger in /proc a moment (its id is cleared before the kernel reaps it)
+    gone = Path(f"/proc/self/task/{seen['tid']}")
+    for _ in range(1000):
+        if not gone.exists():
+            break
+        time.sleep(0.01)
+    assert backward_threads() == [] and threads_cpu_seconds([]) == 0.0
+
+
+def test_gpu_rows_give_the_host_cpu_of_both_threads():
+    """A template row's host CPU per step: the training thread's and the backward thread's, each the median of
+    the timed steps' differences; on a CPU (no backward thread) one figure, the backward included; a probe
+    from before the backward thread was recorded says it was not measured."""
+    import gpu
+
+    probe = {
+        "step_starts": [0.0, 1.0, 2.0, 3.0], "step_ends": [0.5, 1.5, 2.5, 3.5],
+        "step_cpu": [0.1, 0.2, 0.32, 0.43], "step_backward_cpu": [1.0, 1.05, 1.09, 1.16],
+        "backward_threads": 1,
+    }  # fmt: skip
+    report = {"batch_size": {"per_device_observed": 8}}
+    f = gpu.template_figures(probe, report, warmup=1)
+    assert round(f["host_ms_per_step"], 6) == 115.0 and round(f["backward_thread_ms_per_step"], 6) == 55.0
+    assert f["timed_steps_ms"]["training_thread_cpu"] == [120.0, 110.0]
+    assert f["timed_steps_ms"]["backward_thread_cpu"] == [40.0, 70.0]
+    assert gpu.host_cpu(f) == "115.0 + 55.0"
+    cpu_only = gpu.template_figures({**probe, "backward_threads": 0}, report, warmup=1)
+    assert cpu_only["backward_thread_ms_per_step"] is None
+    assert gpu.host_cpu(cpu_only) == "115.0 (backward included)"
+    old = {k: v for k, v in probe.items() if k not in ("step_backward_cpu", "backward_threads")}
+    assert gpu.host_cpu(gpu.template_figures(old, report, warmup=1)) == "115.0 + not measured"
+    assert gpu.host_cpu({}) == "—"
 
 
 def test_gpu_summary_line_names_what_ran():
