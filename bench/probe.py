@@ -318,12 +318,7 @@ def gpu_idle(events: Any, steps: int, n: int = 15, min_gap_us: float = 5.0) -> d
     )
     if not kernels:
         return {}
-    busy: list[list[float]] = []
-    for start, end in kernels:
-        if busy and start <= busy[-1][1]:
-            busy[-1][1] = max(busy[-1][1], end)
-        else:
-            busy.append([start, end])
+    busy = _merge(kernels)
     gaps = [(a[1], b[0]) for a, b in itertools.pairwise(busy) if b[0] - a[1] >= min_gap_us]
     starts = [g[0] for g in gaps]
     overlap: dict[str, float] = {}
@@ -348,7 +343,64 @@ def gpu_idle(events: Any, steps: int, n: int = 15, min_gap_us: float = 5.0) -> d
             {"op": name[:100], "ms_per_step": round(t / 1e3 / steps, 3)}
             for name, t in sorted(overlap.items(), key=lambda kv: -kv[1])[:n]
         ],
+        "threads_during_idle": _threads_during_idle(events, gaps, steps),
     }
+
+
+def _threads_during_idle(events: Any, gaps: list[tuple[float, float]], steps: int) -> list[dict[str, Any]]:
+    """Per host thread, how much of the GPU's idle time it was inside an op, and the op it spends most time
+    in (its name says which thread it is: Lightning's `Optimizer.step#...` on the training thread, the
+    autograd engine's `autograd::engine::evaluate_function: ...` on the thread that runs a GPU backward).
+    Idle time that no thread's op covers is Python between ops or a wait outside any op."""
+    spans: dict[Any, list[tuple[float, float]]] = {}
+    own: dict[Any, dict[str, float]] = {}
+    for e in events:
+        if e.device_type != torch.autograd.DeviceType.CPU or getattr(e, "cpu_parent", None) is not None:
+            continue  # top-level host ops only: their children lie inside them
+        thread = getattr(e, "thread", None)
+        lo, hi = e.time_range.start, e.time_range.end
+        spans.setdefault(thread, []).append((lo, hi))
+        own.setdefault(thread, {})
+        own[thread][e.name] = own[thread].get(e.name, 0.0) + hi - lo
+    covered_by_any: list[tuple[float, float]] = []
+    rows = []
+    for thread, intervals in spans.items():
+        merged = _merge(intervals)
+        covered_by_any += merged
+        idle = _overlap(merged, gaps)
+        if idle > 0:
+            busiest = max(own[thread].items(), key=lambda kv: kv[1])[0]
+            rows.append(
+                {"busiest_op": busiest[:100], "idle_covered_ms_per_step": round(idle / 1e3 / steps, 3)}
+            )
+    rows.sort(key=lambda r: -r["idle_covered_ms_per_step"])
+    uncovered = sum(end - start for start, end in gaps) - _overlap(_merge(covered_by_any), gaps)
+    rows.append({"busiest_op": "(no host op)", "idle_covered_ms_per_step": round(uncovered / 1e3 / steps, 3)})
+    return rows
+
+
+def _merge(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Sorted, non-overlapping union of `intervals`."""
+    out: list[list[float]] = []
+    for lo, hi in sorted(intervals):
+        if out and lo <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], hi)
+        else:
+            out.append([lo, hi])
+    return [(lo, hi) for lo, hi in out]
+
+
+def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Total length of the intersection of two sorted, non-overlapping interval lists."""
+    i = j = 0
+    total = 0.0
+    while i < len(a) and j < len(b):
+        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
 
 
 def host_top(prof: Any, steps: int, n: int = 12) -> list[dict[str, Any]]:

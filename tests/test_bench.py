@@ -8,6 +8,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -232,6 +233,35 @@ def test_gpu_idle_names_the_host_ops_the_gpu_waited_for():
         {"op": "aten::index_select", "ms_per_step": 0.05},
     ]
     assert gpu_idle([event("aten::mm", 0, 90)], steps=1) == {}
+
+
+def test_gpu_idle_says_which_host_thread_was_working():
+    """Per host thread: the GPU's idle time it spent inside a top-level op (children counted once, with their
+    parent), named by the op it spends most time in; the idle time no thread's op covered comes last."""
+    from types import SimpleNamespace
+
+    import torch
+    from probe import gpu_idle
+
+    def event(name: str, start: float, end: float, thread: int = 0, device: str = "CPU", parent: Any = None):
+        kind = getattr(torch.autograd.DeviceType, device)
+        return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end), device_type=kind,
+                               thread=thread, cpu_parent=parent)  # fmt: skip
+
+    step = event("Optimizer.step#AdamW.step", 0, 300, thread=1)
+    events = [
+        event("gemm", 0, 100, device="CUDA"), event("gemm", 400, 500, device="CUDA"),  # idle 100-400
+        step, event("aten::mm", 10, 90, thread=1, parent=step),  # the training thread: idle 100-300
+        event("autograd::engine::evaluate_function: MmBackward0", 150, 250, thread=2),  # backward: 150-250
+        event("autograd::engine::evaluate_function: MmBackward0", 240, 260, thread=2),  # overlaps the last
+        event("aten::copy_", 200, 220, thread=2),  # a shorter op of the same thread
+    ]  # fmt: skip
+    threads = gpu_idle(events, steps=1)["threads_during_idle"]
+    assert threads == [
+        {"busiest_op": "Optimizer.step#AdamW.step", "idle_covered_ms_per_step": 0.2},
+        {"busiest_op": "autograd::engine::evaluate_function: MmBackward0", "idle_covered_ms_per_step": 0.11},
+        {"busiest_op": "(no host op)", "idle_covered_ms_per_step": 0.1},  # 300-400
+    ]
 
 
 def test_backward_threads_are_found_by_name_and_their_cpu_time_read():
