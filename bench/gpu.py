@@ -14,8 +14,8 @@ steps after the timed window: matmul, attention, communication, copies, fused el
 ms per step), the host's CPU time per step: the training thread's and, on a GPU, the autograd thread's that
 runs the backward while the training thread waits for it (medians over the window; their sum at or above the
 GPU's ms per step: the host is the limit), the first step (compile + warm-up) apart, peak memory. Sections run
-in priority order within `--budget` seconds: what does not fit is listed as skipped, with the reason. Without CUDA it runs the same code with a tiny
-model on the CPU and marks every figure "not measured".
+in priority order within `--budget` seconds: what does not fit is listed as skipped, with the reason. Without
+CUDA it runs the same code with a tiny model on the CPU and marks every figure "not measured".
 """
 
 # python bench/gpu.py                     # every section, ~15 minutes on one H100 (--budget 900)
