@@ -118,8 +118,9 @@ def pipeline_rates(args: Any, workdir: Path, device: torch.device) -> dict[str, 
         theirs = torchvision_loader(train.x, train.y, size, args.batch_size, args.workers)
         count = args.batches if size <= 64 else max(args.batches // 3, 2)
         variants = {
+            # the loader hands on each batch with the seed of its augmentation (vitrain/data/loaders.py)
             "on_device": lambda t=transform, o=ours, c=count: images_per_s(
-                o, 2, c, lambda x: t(x.to(device, non_blocking=True), train=True), device
+                o, 2, c, lambda b: t(b.x.to(device, non_blocking=True), train=True, seed=b.seed), device
             ),
             "dataloader": lambda th=theirs, c=count: images_per_s(th, 2, c, lambda x: x.to(device), device),
         }

@@ -13,7 +13,8 @@ window, GPU utilisation sampled during the window (NVML), where the GPU time goe
 steps after the timed window: matmul, attention, communication, copies, fused elementwise; host ops; the GPU's
 ms per step), the host's CPU time per step: the training thread's and, on a GPU, the autograd thread's that
 runs the backward while the training thread waits for it (medians over the window; their sum at or above the
-GPU's ms per step: the host is the limit), the first step (compile + warm-up) apart, peak memory. Sections run
+GPU's ms per step: the host is the limit), and that of the thread that prepares batches ahead where one runs
+(in-memory augmentation, GPU decode), the first step (compile + warm-up) apart, peak memory. Sections run
 in priority order within `--budget` seconds: what does not fit is listed as skipped, with the reason. Without
 CUDA it runs the same code with a tiny model on the CPU and marks every figure "not measured".
 """
@@ -72,6 +73,7 @@ SECTIONS: dict[str, int] = {
     "fsdp_compiled": 110,
     "fsdp_per_block": 110,
     "recipes": 200,
+    "recipes_inline": 200,
     "folder_gpu_decode": 100,
     "folder": 100,
     "streaming_gpu_decode": 100,
@@ -83,9 +85,11 @@ SECTIONS: dict[str, int] = {
     "seed_before": 100,
     "seed_eager": 60,
     "seed_host_data": 80,
+    "seed_inline": 80,
     "seed_cudagraphs": 110,
     "folder_gpu_decode_inline": 100,
     "recipes_stack": 200,
+    "recipes_fixed_size": 150,
     "seed_levers": 200,
 }
 WHAT = {
@@ -104,6 +108,8 @@ WHAT = {
     "graphs)",
     "seed_host_data": "`experiment=cifar datamodule.data_on_device=false` (batches sliced in host memory, pinned, "
     "copied each step, as before 2026-11-27 15:30 UTC)",
+    "seed_inline": "`experiment=cifar datamodule.augment_ahead=0` (the training thread slices and augments each "
+    "batch, as before 2026-11-30)",
     "folder": "`datamodule=image_folder` from disk, photo-sized JPEGs, timm transforms in workers",
     "folder_gpu_decode": "`datamodule=image_folder` from disk, `decode_device=cuda` (nvJPEG)",
     "folder_gpu_decode_inline": "`datamodule=image_folder` from disk, `decode_device=cuda decode_ahead=0` (the training "
@@ -111,6 +117,10 @@ WHAT = {
     "recipes": "recipes: the photo folder in memory, RandAugment + erasing, EMA, progressive resizing, flip TTA",
     "recipes_stack": "recipes with `model.compile_scope=stack` (the 12 blocks as one graph, resizable, instead of "
     "each block)",
+    "recipes_fixed_size": "recipes without progressive resizing (every step at 224 px: the whole network compiled "
+    "with static shapes, where resizing compiles the blocks with a dynamic token count)",
+    "recipes_inline": "recipes with `datamodule.augment_ahead=0` (the training thread slices and augments each batch, "
+    "as before 2026-11-30)",
     "fsdp": "`trainer=fsdp` on 1 GPU, bf16 FSDP policy",
     "fsdp_compiled": "`trainer=fsdp` on 1 GPU, bf16 FSDP policy, `model.compile=true` (each block)",
     "fsdp_per_block": "fsdp_compiled with `trainer.strategy.unit_params=0` (each block its own FSDP group, the "
@@ -133,7 +143,8 @@ PLANS: dict[str, dict[str, Any]] = {
                "hand_variants": "compiled_patchmm,compiled_patchmm@1024", "steps": 30, "warmup": 6,
                "budget": 480},
     # the alternatives to today's defaults, each beside the default measured in `table`
-    "alternatives": {"only": "hand,seed_host_data,recipes_stack,fsdp_per_block,folder_gpu_decode_inline,"
+    "alternatives": {"only": "hand,recipes_inline,seed_inline,seed_host_data,recipes_stack,fsdp_per_block,"
+                     "folder_gpu_decode_inline,recipes_fixed_size,"
                      "streaming,seed_blocks", "steps": 30, "warmup": 6, "photos": 9600, "budget": 480},
 }  # fmt: skip
 # hand-written variants `compiled...+NAME`: torch.compile modes, levers measured before the template offers
@@ -446,6 +457,10 @@ def template_figures(probe: dict[str, Any], report: dict[str, Any], warmup: int)
     bwd = probe.get("step_backward_cpu") or []
     backward = [bwd[i] - bwd[i - 1] for i in range(warmup + 1, min(len(bwd), len(ends)))]
     threads = probe.get("backward_threads")  # None: a probe from before it was recorded
+    # the threads that prepare batches ahead of the training thread (in-memory augmentation, GPU decode)
+    ahd = probe.get("step_ahead_cpu") or []
+    ahead = [ahd[i] - ahd[i - 1] for i in range(warmup + 1, min(len(ahd), len(ends)))]
+    ahead_threads = probe.get("ahead_threads")
     flops = report.get("flops") or {}
     per_image, peak = flops.get("train_flops_per_image"), flops.get("peak_flops_per_device")
     util = probe.get("gpu_util_samples") or []
@@ -456,11 +471,14 @@ def template_figures(probe: dict[str, Any], report: dict[str, Any], warmup: int)
         "host_ms_per_step": 1000 * statistics.median(host) if host else None,
         "backward_thread_ms_per_step": 1000 * statistics.median(backward) if threads and backward else None,
         "backward_threads": threads,
+        "ahead_thread_ms_per_step": 1000 * statistics.median(ahead) if ahead_threads and ahead else None,
+        "ahead_threads": ahead_threads,
         # each timed step, for patterns a median hides (a cost every other step)
         "timed_steps_ms": {
             "wall": [round(1000 * (ends[i] - ends[i - 1]), 1) for i in range(warmup + 1, len(ends))],
             "training_thread_cpu": [round(1000 * t, 1) for t in host],
             "backward_thread_cpu": [round(1000 * t, 1) for t in backward] if threads else None,
+            "ahead_thread_cpu": [round(1000 * t, 1) for t in ahead] if ahead_threads else None,
             "data_wait": [round(1000 * w, 1) for w in waits],
         },
         "gpu_util_pct": sum(util) / len(util) if util else None,
@@ -521,6 +539,8 @@ def section(ctx: Ctx, name: str, timeout: float) -> dict[str, Any]:
                  "+model.optimizer.fused=false"]  # fmt: skip
     elif name == "seed":
         extra = ctx.cifar_data()
+        if ctx.cpu:  # as `augment_ahead=auto` does with the batches held on a GPU: checks the thread
+            extra.append("datamodule.augment_ahead=2")
     elif name == "seed_1024":
         base = ctx.common(name, batch=1024 if not ctx.cpu else 16)
         extra = ctx.cifar_data()
@@ -545,6 +565,8 @@ def section(ctx: Ctx, name: str, timeout: float) -> dict[str, Any]:
             extra.append("model.compile=true")
     elif name == "seed_host_data":
         extra = [*ctx.cifar_data(), "datamodule.data_on_device=false"]
+    elif name == "seed_inline":
+        extra = [*ctx.cifar_data(), "datamodule.augment_ahead=0"]
     elif name == "seed_eager":
         extra = [*ctx.cifar_data(), "model.compile=false"]
     elif name in ("folder", "folder_gpu_decode", "folder_gpu_decode_inline"):
@@ -552,7 +574,7 @@ def section(ctx: Ctx, name: str, timeout: float) -> dict[str, Any]:
         extra = [*ctx.folder_data(in_memory=False), f"datamodule.decode_device={decode}"]
         if name == "folder_gpu_decode_inline":
             extra.append("datamodule.decode_ahead=0")
-    elif name in ("recipes", "recipes_stack"):
+    elif name in ("recipes", "recipes_stack", "recipes_inline", "recipes_fixed_size"):
         size, patch = (32, 8) if ctx.cpu else (224, 32)
         # the photos held in memory make fewer batches than the other sections' window: the window fits
         base = ctx.common(
@@ -570,6 +592,10 @@ def section(ctx: Ctx, name: str, timeout: float) -> dict[str, Any]:
             "model.progressive_resize.end=0.2",
             "model.tta_flip=true",
         ]
+        if name == "recipes_inline":
+            extra.append("datamodule.augment_ahead=0")
+        if name == "recipes_fixed_size":
+            extra = [o for o in extra if not o.startswith("model.progressive_resize.")]
         if name == "recipes_stack":
             extra.append("model.compile_scope=stack")
             if ctx.cpu:  # the CPU smoke runs eagerly (compile=auto is off there): compile to check the path
@@ -614,7 +640,7 @@ def table(results: dict[str, Any]) -> list[str]:
     peak = next((p for p in peaks if p), None)
     rows = [
         "| path | images/s | MFU | x hand compiled | x seed | data wait | GPU util | GPU ms/step | host CPU ms/step: "
-        "training + backward thread | first step (compile) | peak GB |",
+        "training + backward thread (+ batches ahead) | first step (compile) | peak GB |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name in SECTIONS:
@@ -653,15 +679,17 @@ def table(results: dict[str, Any]) -> list[str]:
 def host_cpu(f: dict[str, Any]) -> str:
     """The host's CPU per step of a row: "training + backward thread" on a GPU; on a CPU the backward runs on
     the training thread (no autograd thread: one figure); a row measured before the backward thread was
-    recorded says so."""
+    recorded says so. A thread that prepared the batches ahead adds its own figure."""
     training, backward = f.get("host_ms_per_step"), f.get("backward_thread_ms_per_step")
+    ahead = f.get("ahead_thread_ms_per_step")
+    more = f" + {ahead:.1f} ahead" if ahead is not None else ""
     if training is None:
         return "—"
     if backward is not None:
-        return f"{training:.1f} + {backward:.1f}"
+        return f"{training:.1f} + {backward:.1f}{more}"
     if f.get("backward_threads") == 0:
-        return f"{training:.1f} (backward included)"
-    return f"{training:.1f} + not measured"
+        return f"{training:.1f} (backward included){more}"
+    return f"{training:.1f} + not measured{more}"
 
 
 def best_compiled(hand: dict[str, Any], batch: int | None) -> dict[str, Any]:

@@ -555,12 +555,13 @@ def check_data_on_device(ctx: Ctx) -> Outcome:
 
     host, held = loader(False), loader(True)
     expect(held.dataset.x.is_cuda and not host.dataset.x.is_cuda, "the data was not held on the GPU")
+    held.ahead = None  # the loader's own batches (Seeded images, labels), not those a thread augments ahead
     torch.cuda.set_sync_debug_mode("error")  # a synchronising call in the loader raises
     try:
-        on_gpu = [(x.clone(), y.clone()) for x, y in held]
+        on_gpu = [(x.x.clone(), y.clone()) for x, y in held]
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    pairs = list(zip([(x.cuda(), y.cuda()) for x, y in host], on_gpu, strict=True))
+    pairs = list(zip([(x.x.cuda(), y.cuda()) for x, y in host], on_gpu, strict=True))
     expect(all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in pairs), "batches differ")
     return Outcome(PASS, f"{len(pairs)} batches of 64 equal to the host loader's, sliced on the GPU, no sync")
 
@@ -594,6 +595,47 @@ def check_decode_ahead(ctx: Ctx) -> Outcome:
     return Outcome(PASS, f"{len(ahead)} batches of 64 decoded ahead on a side stream equal the inline ones")
 
 
+def check_augment_ahead(ctx: Ctx) -> Outcome:
+    """In-memory batches held on the GPU, sliced and augmented (RandAugment, random erasing) by a thread on its
+    own CUDA stream ahead of the training thread (`datamodule.augment_ahead=2`, what `auto` is there): the
+    same model input as the training thread augmenting each batch itself (`augment_ahead=0`), batch by batch,
+    over an epoch, with no synchronising call on the training thread."""
+    if ctx.cpu:
+        return Outcome(
+            SKIP,
+            "CPU dry run (tests/test_data.py runs the thread in a fit on the CPU, against inline and a resume)",
+        )
+    from lightning.pytorch import Trainer
+
+    from vitrain.data.datamodules.cifar import CIFAR10DataModule
+
+    def epoch(ahead: int) -> list[Any]:
+        dm = CIFAR10DataModule(
+            str(ctx.data), str(ctx.cache), batch_size=64, val_size=64, data_on_device=True, augment_ahead=ahead,
+            auto_augment="rand-m9-n2-mstd0.5", re_prob=0.25, img_size=ctx.args.img_size,
+        )  # fmt: skip
+        dm.trainer = Trainer(accelerator="cuda", devices=1, logger=False, enable_progress_bar=False)
+        dm.setup("fit")
+        loader = dm.train_dataloader()
+        expect((loader.ahead is not None) == (ahead > 0), f"augment_ahead={ahead}: wrong loader")
+        out = []
+        torch.cuda.set_sync_debug_mode("error")  # a synchronising call on this thread raises
+        try:
+            for batch in loader:
+                x, y = dm.on_after_batch_transfer(dm.on_before_batch_transfer(batch, 0), 0)
+                out.append((x.clone(), y.clone()))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        return out
+
+    inline, ahead = epoch(0), epoch(2)
+    same = len(inline) == len(ahead) and all(
+        torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(inline, ahead, strict=True)
+    )
+    expect(same, "the batches augmented ahead differ from those the training thread augments")
+    return Outcome(PASS, f"{len(ahead)} batches of 64 augmented ahead on a side stream equal the inline ones")
+
+
 CHECKS: dict[str, Callable[[Ctx], Outcome]] = {
     "environment": check_environment,
     "single_gpu": check_single_gpu,
@@ -606,6 +648,7 @@ CHECKS: dict[str, Callable[[Ctx], Outcome]] = {
     "gpu_decode": check_gpu_decode,
     "data_on_device": check_data_on_device,
     "decode_ahead": check_decode_ahead,
+    "augment_ahead": check_augment_ahead,
 }
 
 

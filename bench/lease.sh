@@ -5,15 +5,14 @@
 # back in at most 8 files under $OUT.
 #
 #   bash bench/lease.sh prepare          # here, once a session: .whl/ and .gpu/ (both git-ignored)
-#   run(command="CHECKS=data_on_device,decode_ahead bash bench/lease.sh table", carry=[".whl", ".gpu"],
-#       timeout_s=590)
+#   run(command="CHECKS=augment_ahead bash bench/lease.sh table", carry=[".whl", ".gpu"], timeout_s=590)
 #   run(command="LIMIT=280 bash bench/lease.sh levers --only hand,seed_levers --hand-variants compiled_patchmm@1024",
 #       carry=[".whl", ".gpu"], timeout_s=290)      # what is left of a 15-minute lease, on the warm machine
 #
 # PLAN: one of bench/gpu.py's PLANS; further arguments go to bench/gpu.py (a flag given wins over the plan's).
 # LIMIT: the seconds this call has (default 590, the timeout_s to give it): the sections end in time to pack.
-# CHECKS: `make gpu-check` checks that run no training (data_on_device, decode_ahead), after the benchmark,
-# with CHECK_SECONDS (90) kept for them. Scratch (photos, shards, compile cache) stays in /tmp/gw while the
+# CHECKS: `make gpu-check` checks that run no training (data_on_device, decode_ahead, augment_ahead), after the
+# benchmark, with CHECK_SECONDS (90) kept for them. Scratch (photos, shards, compile cache) stays in /tmp/gw while the
 # machine is warm, so a second call of the same lease starts warm.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -38,6 +38,8 @@ class BenchProbe(Callback):
     - `step_backward_cpu`, `backward_threads`: the same for torch's autograd device threads (`backward_threads`
       of them, found by the end of the warm-up): on a GPU the backward runs there while the main thread waits
       for it (`BACKWARD_THREAD_PREFIX`); on a CPU there is none, the backward runs on the main thread;
+    - `step_ahead_cpu`, `ahead_threads`: the same for the threads that prepare batches ahead of the main thread
+      (`AHEAD_THREAD_NAMES`: vitrain/data/decode_ahead.py), found by the end of the warm-up;
     - `fit_seconds`, `epochs`, `global_step`, `stopped_early`: how the fit went (max_time, max_epochs);
     - `rss_setup`, `param_bytes`, `peak_rss_train`: this process's memory at setup and its peak during
       training (VmHWM reset at train start); on CUDA `peak_cuda_allocated` instead;
@@ -71,10 +73,12 @@ class BenchProbe(Callback):
             "step_ends": [],
             "step_cpu": [],
             "step_backward_cpu": [],
+            "step_ahead_cpu": [],
             "metrics": {},
         }
         self._t_train_start: float | None = None
         self._backward_tids: list[int] = []
+        self._ahead_tids: list[int] = []
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self.record.update(
@@ -135,9 +139,11 @@ class BenchProbe(Callback):
             steps.append(time.perf_counter())
             self.record["step_cpu"].append(time.thread_time())
             if len(steps) <= self.warmup + 1:  # the set stays fixed over the timed window
-                self._backward_tids = backward_threads()
+                self._backward_tids, self._ahead_tids = backward_threads(), ahead_threads()
                 self.record["backward_threads"] = len(self._backward_tids)
+                self.record["ahead_threads"] = len(self._ahead_tids)
             self.record["step_backward_cpu"].append(threads_cpu_seconds(self._backward_tids))
+            self.record["step_ahead_cpu"].append(threads_cpu_seconds(self._ahead_tids))
             if window_end:
                 self.record["window_end"] = len(steps) - 1  # index in step_ends
         if len(steps) in (1, 2) or len(steps) % 8 == 0:  # peak RSS so far (cheap; on every 8th batch)
@@ -212,6 +218,17 @@ def backward_threads() -> list[int]:
         except OSError:  # the thread ended meanwhile
             continue
     return sorted(found)
+
+
+#: the Python threads that prepare training batches ahead of the training thread (vitrain/data/decode_ahead.py:
+#: GPU decode, in-memory augmentation); their names are Python's, not the OS's, so they are found through
+#: `threading` and read by their native ids
+AHEAD_THREAD_NAMES = ("augment-ahead", "gpu-decode-ahead")
+
+
+def ahead_threads() -> list[int]:
+    """The Linux thread ids of this process's threads that prepare batches ahead (`AHEAD_THREAD_NAMES`)."""
+    return sorted(t.native_id for t in threading.enumerate() if t.name in AHEAD_THREAD_NAMES and t.native_id)
 
 
 def threads_cpu_seconds(tids: list[int]) -> float:

@@ -176,9 +176,9 @@ def test_batch_transform_kernels_do_not_grow_with_the_batch(spec: str, monkeypat
     groups: list[set[int]] = []  # the op groups of each RandomAugment round
     apply = RandomAugment.apply
 
-    def recording_apply(self: RandomAugment, x: torch.Tensor, ops: torch.Tensor, mag: torch.Tensor):
+    def recording_apply(self: RandomAugment, x: torch.Tensor, ops: torch.Tensor, mag: torch.Tensor, *rest):
         groups.append(set(ops.tolist()))
-        return apply(self, x, ops, mag)
+        return apply(self, x, ops, mag, *rest)
 
     monkeypatch.setattr(RandomAugment, "apply", recording_apply)
     transform = BatchTransform(32, (0.5,) * 3, (0.25,) * 3, auto_augment=spec, re_prob=0.25)
@@ -256,7 +256,7 @@ def test_each_op_does_what_its_name_says(sign: float, monkeypatch: pytest.Monkey
     at most one level."""
     from vitrain.data import augment
 
-    monkeypatch.setattr(augment, "_signed", lambda m: m * sign)
+    monkeypatch.setattr(augment, "_signed", lambda m, generator=None: m * sign)
     x = _edge_cases(12, size=32)
     for name, reference in REFERENCES.items():
         for i, m in enumerate((0.3, 0.7, 1.0)):
@@ -285,7 +285,7 @@ def test_a_round_gives_each_image_its_drawn_op(sign: float, monkeypatch: pytest.
     parameters), each given back in its place, bitwise what its op and magnitude give it alone."""
     from vitrain.data import augment
 
-    monkeypatch.setattr(augment, "_signed", lambda m: m * sign)
+    monkeypatch.setattr(augment, "_signed", lambda m, generator=None: m * sign)
     policy = RandomAugment.from_name("trivial")
     x = _edge_cases(40)
     ops = torch.arange(40) % len(policy.ops)
@@ -304,7 +304,8 @@ def test_device_ops_per_batch(spec: str | None, re_prob: float, most: int):
     """Device ops of one training batch of 384 (every op group of RandomAugment present): the seed's crop,
     flip and normalisation 9 (27 when drawn on the device), with erasing 16; RandAugment's two rounds and
     erasing 156, TrivialAugment's round and erasing 86 (345 and 197 when the device worked out the
-    parameters). The bounds leave a few ops of room, and fail on an op per image or per op."""
+    parameters). The bounds leave a few ops of room, and fail on an op per image or per op. The same with
+    the batch's own seed (in-memory training batches): its generators are host objects, no device op."""
     transform = BatchTransform(32, (0.5,) * 3, (0.25,) * 3, auto_augment=spec, re_prob=re_prob)
     x = torch.empty(384, 3, 32, 32, dtype=torch.uint8, device="meta")
     torch.manual_seed(0)
@@ -312,3 +313,6 @@ def test_device_ops_per_batch(spec: str | None, re_prob: float, most: int):
     with DeviceOps() as counted:
         transform(x, train=True)
     assert counted.total <= most, counted.ops
+    with DeviceOps() as seeded:
+        transform(x, train=True, seed=0)
+    assert seeded.total <= most, seeded.ops

@@ -72,7 +72,12 @@ def test_benchmark_smoke_writes_json(name: str, tmp_path: Path, tiny_cifar: Path
         for row in (sections["hand"]["figures"]["eager"], sections["seed"]["figures"]):
             assert row["backward_threads"] == 0 and row["backward_thread_ms_per_step"] is None
             assert row["host_ms_per_step"] > 0
-        assert any("(backward included)" in line for line in result["details"]["table_md"])
+        # the smoke's seed row augments its batches in a thread ahead (what auto does on a GPU): its CPU apart
+        seed = sections["seed"]["figures"]
+        assert seed["ahead_threads"] == 1 and seed["ahead_thread_ms_per_step"] > 0
+        assert any(
+            "(backward included) + " in line and " ahead |" in line for line in result["details"]["table_md"]
+        )
     if name == "ddp_scaling":  # the step anatomy of both DDP ranks came from their own probes
         assert len(result["details"]["anatomy"]["two"]) == 2
         for variant in ("one", "two", "independent"):
@@ -328,6 +333,50 @@ def test_gpu_rows_give_the_host_cpu_of_both_threads():
     old = {k: v for k, v in probe.items() if k not in ("step_backward_cpu", "backward_threads")}
     assert gpu.host_cpu(gpu.template_figures(old, report, warmup=1)) == "115.0 + not measured"
     assert gpu.host_cpu({}) == "—"
+    # a thread that prepared the batches ahead (in-memory augmentation, GPU decode): its CPU besides
+    threaded = {**probe, "step_ahead_cpu": [2.0, 2.01, 2.03, 2.06], "ahead_threads": 1}
+    ahead = gpu.template_figures(threaded, report, warmup=1)
+    assert round(ahead["ahead_thread_ms_per_step"], 6) == 25.0
+    assert ahead["timed_steps_ms"]["ahead_thread_cpu"] == [20.0, 30.0]
+    assert gpu.host_cpu(ahead) == "115.0 + 55.0 + 25.0 ahead"
+    assert f["ahead_thread_ms_per_step"] is None and "ahead" not in gpu.host_cpu(f)
+
+
+def test_threads_preparing_batches_ahead_are_found_by_their_python_names():
+    """The threads of vitrain/data/decode_ahead.py carry Python names only (the OS sees "python"): the probe
+    finds them through `threading` by those names, as Linux thread ids whose CPU time it reads."""
+    import threading
+    import time
+
+    import torch
+    from probe import AHEAD_THREAD_NAMES, ahead_threads, threads_cpu_seconds
+
+    from vitrain.data.decode_ahead import decode_ahead
+
+    assert ahead_threads() == []
+    done, seen = threading.Event(), {}
+
+    def work(item: int) -> torch.Tensor:
+        start = time.thread_time()
+        while time.thread_time() - start < 0.05:  # CPU work of its own, however fast the machine
+            pass
+        seen.update(tid=threading.get_native_id(), cpu=time.thread_time())
+        done.wait(60)
+        return torch.zeros(1)
+
+    batches = decode_ahead(iter([(0, torch.zeros(1))]), work, torch.device("cpu"), 1, name="augment-ahead")
+    waiter = threading.Thread(target=lambda: list(batches))
+    waiter.start()
+    try:
+        for _ in range(6000):
+            if "cpu" in seen:
+                break
+            time.sleep(0.01)
+        assert "augment-ahead" in AHEAD_THREAD_NAMES and ahead_threads() == [seen["tid"]]
+        assert threads_cpu_seconds(ahead_threads()) >= seen["cpu"] * 0.999 >= 0.05 * 0.999
+    finally:
+        done.set()
+        waiter.join(60)
 
 
 def test_gpu_summary_line_names_what_ran():

@@ -4,14 +4,16 @@ generated data."""
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import pickle
 import socket
+import threading
 from pathlib import Path
 
 import pytest
 import torch
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import Callback, LightningModule, Trainer
 
 from data_factory import (
     CIFAR100_NAMES,
@@ -29,7 +31,7 @@ from vitrain.data.datamodules.base import on_device_choice
 from vitrain.data.datamodules.cifar import CIFAR10_MEAN, CIFAR10_STD, CIFAR10DataModule
 from vitrain.data.readers.cifar import DOWNLOAD_TIMEOUT_S, load_cifar, load_cifar10
 from vitrain.data.readers.cifar_spec import CIFAR100
-from vitrain.data.sampling import make_sampler, per_process_batch, split_indices
+from vitrain.data.sampling import batch_seed, make_sampler, per_process_batch, split_indices
 from vitrain.errors import DataError
 
 
@@ -262,7 +264,9 @@ def test_loaders_fetch_whole_batches(folders: Path, tmp_path: Path):
     dm.setup("fit")
     train = list(dm.train_dataloader())
     assert len(train) == 3  # 30 // 8, last incomplete batch dropped
-    x, y = train[0]
+    # each training batch carries the seed of its augmentation: (shuffle seed, epoch, rank, batch index)
+    assert [seeded.seed for seeded, _ in train] == [batch_seed(0, 0, 0, i) for i in range(3)]
+    x, y = train[0][0].x, train[0][1]
     assert x.shape == (8, 3, 32, 32) and x.dtype == torch.uint8 and y.dtype == torch.int64
     assert torch.equal(label_of(x), y)
     val = list(dm.val_dataloader())
@@ -441,6 +445,87 @@ def test_fit_with_trainer(folders: Path, tmp_path: Path):
     assert val == [(8, 3, 32, 32), (2, 3, 32, 32)]
 
 
+def test_a_seeded_batch_transform_is_a_function_of_its_seed_alone():
+    """With the batch's seed, every random op (crop, flip, TrivialAugment, erasing and its noise) draws from
+    generators seeded by it: the same seed, the same batch, whatever torch's global generators hold, which
+    it leaves untouched; another seed, another batch. Evaluation ignores it."""
+    t = BatchTransform(32, CIFAR10_MEAN, CIFAR10_STD, auto_augment="trivial", re_prob=0.5)
+    x = _coordinates(16)
+    torch.manual_seed(1)
+    state = torch.get_rng_state()
+    a = t(x, train=True, seed=7)
+    assert torch.equal(torch.get_rng_state(), state)
+    torch.manual_seed(2)
+    assert torch.equal(t(x, train=True, seed=7), a)
+    assert not torch.equal(t(x, train=True, seed=8), a)
+    assert torch.equal(t(x, train=False, seed=7), to_model_input(x, 32, CIFAR10_MEAN, CIFAR10_STD))
+
+
+class _Digests(LightningModule):
+    """Digests of the model input each training step receives; each step also draws from torch's global
+    generator (as dropout or mixup would), which must not change the batches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(3 * 32 * 32, 10)
+        self.seen: list[str] = []
+        self.threads: set[str] = set()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.seen.append(hashlib.sha1(x.numpy().tobytes() + y.numpy().tobytes()).hexdigest())
+        self.threads |= {t.name for t in threading.enumerate()}
+        noise = torch.rand(1)
+        return torch.nn.functional.cross_entropy(self.net(x.flatten(1)), y) * noise
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class _SaveAt(Callback):
+    def __init__(self, step: int, path: Path) -> None:
+        self.step, self.path = step, path
+
+    def on_train_batch_end(self, trainer: Trainer, *args) -> None:
+        if trainer.global_step == self.step:
+            trainer.save_checkpoint(self.path)
+
+
+def test_in_memory_batches_augmented_ahead_inline_or_resumed_are_the_same(folders: Path, tmp_path: Path):
+    """`augment_ahead=2`: a thread slices and augments the in-memory training batches (crop, flip,
+    TrivialAugment, random erasing) ahead of the training thread, in a real fit; the steps get, bit for bit,
+    the batches the training thread makes itself (`augment_ahead=0`, what `auto` is without a GPU). Stopped
+    mid-epoch and resumed by a plain Trainer, with nothing restoring the global generators, the run gets the
+    rest of those batches: each batch's random ops are seeded by (seed, epoch, rank, batch index)."""
+
+    def fit(ahead: int, callbacks: list[Callback] | None = None, ckpt_path: Path | None = None) -> _Digests:
+        dm = CIFAR10DataModule(
+            str(folders), str(tmp_path / "cache"), batch_size=8, val_size=10, augment_ahead=ahead,
+            auto_augment="trivial", re_prob=0.5, shuffle_seed=3,
+        )  # fmt: skip
+        model = _Digests()
+        trainer = _trainer(
+            devices=1, max_epochs=2, use_distributed_sampler=False, limit_val_batches=0, callbacks=callbacks
+        )
+        trainer.fit(model, dm, ckpt_path=ckpt_path)
+        assert (trainer.train_dataloader.ahead is not None) == (ahead > 0)
+        return model
+
+    torch.manual_seed(0)
+    inline = fit(0)
+    torch.manual_seed(1)  # the global generators do not matter
+    ckpt = tmp_path / "mid.ckpt"
+    whole = fit(2, callbacks=[_SaveAt(4, ckpt)])
+    assert len(inline.seen) == 6 and len(set(inline.seen)) == 6  # 2 epochs of 3 batches, all different
+    assert whole.seen == inline.seen
+    assert "augment-ahead" in whole.threads and "augment-ahead" not in inline.threads
+    torch.manual_seed(2)
+    rest = fit(2, ckpt_path=ckpt)
+    assert rest.seen == whole.seen[4:]
+    with pytest.raises(DataError, match=r"augment_ahead=-1 must be auto or a whole number of batches"):
+        CIFAR10DataModule(str(folders), str(tmp_path / "cache"), augment_ahead=-1)
+
+
 # --- real data -------------------------------------------------------------------------------------
 
 
@@ -455,7 +540,7 @@ def test_real_cifar10(real_cifar10_cache: tuple[Path, Path]):
     labels = torch.cat([dm.train_set.y, dm.val_set.y])
     assert torch.equal(torch.bincount(labels), torch.full((10,), 5000))
     assert torch.equal(torch.bincount(dm.test_set.y), torch.full((10,), 1000))
-    x, _ = next(iter(dm.train_dataloader()))
+    x = next(iter(dm.train_dataloader()))[0].x
     assert x.shape == (128, 3, 32, 32) and x.dtype == torch.uint8
     assert 80 < x.float().mean() < 160  # real photos, not blank decodes
 
@@ -610,8 +695,8 @@ def test_data_held_on_a_device_is_sliced_there(
     assert loader.dataset is dm.train_set.to(meta) and loader.dataset.x.device == meta
     assert dm.train_set.copied_to(meta) and not dm.val_set.copied_to(meta)
     batches = list(loader)
-    assert [x.device for x, _ in batches] == [meta] * len(host)
-    assert [tuple(x.shape) for x, _ in batches] == [(8, 3, 32, 32)] * len(host)
+    assert [x.x.device for x, _ in batches] == [meta] * len(host)
+    assert [tuple(x.x.shape) for x, _ in batches] == [(8, 3, 32, 32)] * len(host)
     clone = pickle.loads(pickle.dumps(dm.train_set))
     assert clone._copies == {} and torch.equal(clone.x, dm.train_set.x)
 

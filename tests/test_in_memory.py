@@ -125,7 +125,7 @@ def test_budget_decides_before_decoding(photos: Path, tmp_path: Path, monkeypatc
     )
     dm.setup()
     assert dm.train_set.x.shape == (N_TRAIN_ALL, 3, 40, 40) and dm.device_transform().crop_padding == 5
-    x, _ = next(iter(dm.train_dataloader()))
+    x = next(iter(dm.train_dataloader()))[0].x
     assert x.dtype == torch.uint8 and dm.device_transform()(x, train=False).shape == (8, 3, 32, 32)
     cached = list((tmp_path / "cache" / "image_folder").glob("decoded-*.pt"))
     assert len(cached) == 1
@@ -163,20 +163,24 @@ class BatchDigests(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.0)
 
 
-def test_mid_epoch_resume_is_bitwise(photos: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    """Checkpoint after 3 of 8 in-memory batches, resume from it: the resumed run's batches are, bit for
-    bit, the rest of the uninterrupted epoch (the base's batch-skipping loader; the on-device random ops are
-    left out here, their RNG restore is tests/test_resume.py's)."""
-    monkeypatch.setattr(ImageFolderDataModule, "device_transform", lambda self: None)
+def test_mid_epoch_resume_is_bitwise(photos: Path, tmp_path: Path):
+    """Checkpoint after 3 of 8 in-memory batches, resume from it with a plain Trainer: the resumed run's
+    batches, augmented on the device (crop, flip, RandAugment, random erasing), are bit for bit the rest of
+    the uninterrupted epoch (the base's batch-skipping loader, and each batch's random ops seeded by its own
+    seed: nothing restores the global generators here)."""
     ckpt = tmp_path / "mid.ckpt"
     whole = BatchDigests()
+    torch.manual_seed(0)
     _trainer(callbacks=[SaveAt(3, ckpt)], default_root_dir=tmp_path).fit(
-        whole, datamodule=_dm(photos, tmp_path)
+        whole, datamodule=_dm(photos, tmp_path, auto_augment="rand-m9-n2-mstd0.5", re_prob=0.5)
     )
     assert len(whole.seen) == N_TRAIN_ALL // 8
     rest = BatchDigests()
-    _trainer(default_root_dir=tmp_path).fit(rest, datamodule=_dm(photos, tmp_path), ckpt_path=ckpt)
-    assert whole.seen[:3] + rest.seen == whole.seen
+    torch.manual_seed(1)
+    _trainer(default_root_dir=tmp_path).fit(
+        rest, datamodule=_dm(photos, tmp_path, auto_augment="rand-m9-n2-mstd0.5", re_prob=0.5), ckpt_path=ckpt
+    )
+    assert whole.seen[:3] + rest.seen == whole.seen and len(set(whole.seen)) == len(whole.seen)
 
 
 @pytest.mark.slow

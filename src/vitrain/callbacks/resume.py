@@ -38,10 +38,11 @@ class ExactResume(Callback):
     each rank its own augmentation stream.
 
     Lightning restores weights, optimizer, schedule and loop counters but not the global RNGs that drive
-    our on-device augmentation and drop-path: without them a resumed run draws other crops than the run it
-    continues. Only training draws from them (our loaders have private generators), so the state after
-    the last completed batch is the one to continue from — also for a SIGTERM save, which happens after
-    the next batch was already fetched and augmented. Restored when training starts (Lightning does not call
+    drop-path, mixup and the on-device augmentation of the loader workers' batches: without them a resumed
+    run draws other masks and crops than the run it continues (in-memory batches seed their own
+    augmentation: data/loaders.py, `Seeded`). Only training draws from them (our loaders have private
+    generators), so the state after the last completed batch is the one to continue from — also for a
+    SIGTERM save, which happens after the next batch was already fetched and augmented. Restored when training starts (Lightning does not call
     `on_train_epoch_start` again for an epoch it resumes in the middle).
 
     Ranks: every rank is seeded alike so that the model starts identical everywhere; when training starts,

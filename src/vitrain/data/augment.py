@@ -3,10 +3,12 @@ batch instead of per-image Python in loader workers.
 
 A batch costs a fixed number of device ops whatever its size (a few per op group of RandomAugment, where ops
 that share a kernel form one group; none per image), and nothing is read back from the device. Every random
-draw but the erasing noise is made on the host from torch's global CPU generator (seeded by the run's seed,
-restored on resume), and what follows from the draws (which images go where, each image's matrix, factor
-or box) is worked out there on vectors of the batch's size, then sent to the device in one copy without
-waiting. On a GPU each device op is a kernel launch by the training thread; the host's small CPU ops cost
+draw but the erasing noise is made on the host, and what follows from the draws (which images go where, each
+image's matrix, factor or box) is worked out there on vectors of the batch's size, then sent to the device in
+one copy without waiting. The draws come from generators seeded by the batch's own seed where it has one (an
+in-memory training batch: `sampling.batch_seed`, so a thread can augment it ahead of the training thread and
+a resumed run gets it again), else from torch's global generators (seeded by the run's seed, restored on
+resume). On a GPU each device op is a kernel launch by the training thread; the host's small CPU ops cost
 less than the launches they replace. Hence our random erasing instead of timm's (a Python loop over the
 images) and our autocontrast instead of torchvision's (a masked assignment)."""
 
@@ -26,22 +28,25 @@ from torch import Tensor
 from vitrain.errors import DataError
 
 
-def random_crop_flip(x: Tensor, padding: int, flip_p: float = 0.5) -> Tensor:
+def random_crop_flip(
+    x: Tensor, padding: int, flip_p: float = 0.5, generator: torch.Generator | None = None
+) -> Tensor:
     """Per sample: a random HxW window of the image zero-padded by `padding`, mirrored left-right with
     probability `flip_p` (torchvision's RandomCrop(padding=p) then RandomHorizontalFlip(p), per image).
 
     One gather for the whole batch, without building the padded batch: the shifts and flips are drawn on the
-    host (torch's global CPU generator, as every draw here), which works out the source row and column of
-    each output row and column and whether it lies in the padding; the device adds them into each output
-    pixel's source, gathers, and zeroes the padding: 6 device ops, whatever the batch. About twice as fast
-    on the CPU as pad + unfold-crop + where-flip (docs/benchmarks.md, data pipeline).
+    host (from `generator`, else torch's global CPU generator, as every draw here), which works out the source
+    row and column of each output row and column and whether it lies in the padding; the device adds them
+    into each output pixel's source, gathers, and zeroes the padding: 6 device ops, whatever the batch. About
+    twice as fast on the CPU as pad + unfold-crop + where-flip (docs/benchmarks.md, data pipeline).
     """
     b, c, h, w = x.shape
     if padding <= 0 and flip_p <= 0:
         return x
-    rows = torch.randint(-padding, padding + 1, (b, 1)) + torch.arange(h)  # [B,H] source row of each row
-    cols = torch.randint(-padding, padding + 1, (b, 1)) + torch.arange(w)  # [B,W] source column
-    cols = torch.where(torch.rand(b, 1) < flip_p, cols.flip(-1), cols)
+    g = generator
+    rows = torch.randint(-padding, padding + 1, (b, 1), generator=g) + torch.arange(h)  # [B,H] source rows
+    cols = torch.randint(-padding, padding + 1, (b, 1), generator=g) + torch.arange(w)  # [B,W] source columns
+    cols = torch.where(torch.rand(b, 1, generator=g) < flip_p, cols.flip(-1), cols)
     if padding <= 0:  # a flip alone: each row gathers its image's columns, reversed or not (2 device ops)
         return x.gather(3, to_device(cols, x.device)[:, None, None, :].expand(b, c, h, w))
     inside = torch.cat([(rows >= 0) & (rows < h), (cols >= 0) & (cols < w)], 1).to(torch.uint8)
@@ -112,16 +117,16 @@ PARAMS = 11
 _KEEP_BITS = torch.tensor([256.0 - 2 ** (8 - bits) for bits in range(9)])  # exact: a table, not a float pow
 
 
-def _signed(m: Tensor) -> Tensor:
+def _signed(m: Tensor, generator: torch.Generator | None = None) -> Tensor:
     """Half of the images take the negative magnitude (rotate left or right, shear either way)."""
-    return torch.where(torch.rand_like(m) < 0.5, -m, m)
+    return torch.where(torch.rand(m.shape, dtype=m.dtype, generator=generator) < 0.5, -m, m)
 
 
-def op_params(coefficients: Tensor, m: Tensor) -> Tensor:
+def op_params(coefficients: Tensor, m: Tensor, generator: torch.Generator | None = None) -> Tensor:
     """[n, PARAMS]: each image's parameters from its op's coefficients ([n, len(COEFFICIENTS)]) and its
     magnitude in [0, 1], on the host. A coefficient an op leaves at 0 keeps its matrix the identity (angle
     0: cos 1, sin 0; no shear, no shift), and these sums exact (x + 0)."""
-    s = _signed(m)
+    s = _signed(m, generator)
     rotate, shear_x, shear_y, shift_x, shift_y, enhance, posterize, gray, mean = coefficients.unbind(1)
     rad = s * rotate * (math.pi / 180)
     cos, sin = rad.cos(), rad.sin()
@@ -308,24 +313,24 @@ class RandomAugment:
             magnitude_std=options["mstd"],
         )
 
-    def sample(self, batch: int) -> tuple[Tensor, Tensor]:
-        """(op index, magnitude in [0, 1]) for each image, drawn on the CPU (torch's global CPU generator):
+    def sample(self, batch: int, generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+        """(op index, magnitude in [0, 1]) for each image, drawn on the CPU (`generator`, else torch's global):
         `apply` counts the images per op on the host, which for ops drawn on a GPU would be a copy back and
         a wait for the GPU at every batch."""
-        ops = torch.randint(len(self.ops), (batch,))
+        ops = torch.randint(len(self.ops), (batch,), generator=generator)
         if self.magnitude is None:
-            mag = torch.rand(batch)
+            mag = torch.rand(batch, generator=generator)
         else:
-            mag = self.magnitude + self.magnitude_std * torch.randn(batch)
+            mag = self.magnitude + self.magnitude_std * torch.randn(batch, generator=generator)
             mag = (mag / 10).clamp_(0, 1)  # timm's magnitude scale: 10 = the full range
         return ops, mag
 
-    def __call__(self, x: Tensor) -> Tensor:
+    def __call__(self, x: Tensor, generator: torch.Generator | None = None) -> Tensor:
         for _ in range(self.num_ops):
-            x = self.apply(x, *self.sample(len(x)))
+            x = self.apply(x, *self.sample(len(x), generator), generator)
         return x
 
-    def apply(self, x: Tensor, ops: Tensor, mag: Tensor) -> Tensor:
+    def apply(self, x: Tensor, ops: Tensor, mag: Tensor, generator: torch.Generator | None = None) -> Tensor:
         """Each image through its own op (`ops`, indices into `self.ops`, and `mag`, on the CPU): sorted by
         kernel on the host, where the parameters are worked out; the parameters and the order in one copy to
         the device; one batched call per kernel; the results put back in the images' places."""
@@ -333,7 +338,7 @@ class RandomAugment:
         group = self._group_of[ops]
         order = group.argsort(stable=True)
         counts = torch.bincount(group, minlength=len(self._kernels)).tolist()
-        params = op_params(self._coefficients[ops[order]], mag[order])
+        params = op_params(self._coefficients[ops[order]], mag[order], generator)
         packed = to_device(torch.cat([params.view(-1), order.to(params.dtype)]), x.device)  # n < 2**24: exact
         params, order = packed[: n * PARAMS].view(n, PARAMS), packed[n * PARAMS :].long()
         images, results, start = x.index_select(0, order), [], 0
@@ -355,6 +360,10 @@ def flip_probability(value: object) -> float:
     raise DataError(
         f"datamodule.hflip={value!r}: use true (half the images), false (none) or a probability between 0 and 1"
     )
+
+
+#: turns a batch's seed into its erasing noise's (a 63-bit seed stays one)
+NOISE_SEED_MASK = 0x2545_F491_4F6C_DD1D
 
 
 @dataclass
@@ -381,14 +390,23 @@ class BatchTransform:
     def flip_p(self) -> float:
         return flip_probability(self.hflip)
 
-    def __call__(self, x: Tensor, train: bool) -> Tensor:
+    def __call__(self, x: Tensor, train: bool, seed: int | None = None) -> Tensor:
+        """`seed`: the batch's own (`sampling.batch_seed`); its random ops then draw from generators seeded
+        by it, not from torch's global ones, which they leave as they were."""
+        host = noise = None
+        if train and seed is not None:
+            host = torch.Generator().manual_seed(seed)
+            # the noise a stream of its own (on a CPU it would otherwise repeat the host's draws); the meta
+            # device (shapes only, no values) has no generator
+            if self.re_prob > 0 and x.device.type != "meta":
+                noise = torch.Generator(device=x.device).manual_seed(seed ^ NOISE_SEED_MASK)
         if train:
-            x = random_crop_flip(x, self.crop_padding, self.flip_p)
+            x = random_crop_flip(x, self.crop_padding, self.flip_p, host)
             if self._augment is not None:
-                x = self._augment(x)
+                x = self._augment(x, host)
         x = to_model_input(x, self.img_size, self.mean, self.std)
         if train and self.re_prob > 0:
-            x = random_erasing(x, self.re_prob)
+            x = random_erasing(x, self.re_prob, host, noise)
         return x
 
 
@@ -403,15 +421,19 @@ ERASE_LOG_ASPECT = (math.log(0.3), -math.log(0.3))
 ERASE_ATTEMPTS = 10
 
 
-def erasing_boxes(batch: int, height: int, width: int, prob: float) -> Tensor:
+def erasing_boxes(
+    batch: int, height: int, width: int, prob: float, generator: torch.Generator | None = None
+) -> Tensor:
     """[k, 5] int64 rows (image, top, left, box height, box width), one per image to erase, drawn on the CPU
-    (torch's global CPU generator, as `RandomAugment.sample`): the host knows k without asking the device.
+    (`generator`, else torch's global CPU generator, as `RandomAugment.sample`): the host knows k without
+    asking the device.
 
     timm's draws, batched: every image makes its 10 tries at once and keeps the first that fits; an image
     whose 10 tries all fail is not erased, as in timm."""
-    erase = torch.rand(batch) < prob
-    area = torch.empty(batch, ERASE_ATTEMPTS).uniform_(*ERASE_AREA).mul_(height * width)
-    aspect = torch.empty(batch, ERASE_ATTEMPTS).uniform_(*ERASE_LOG_ASPECT).exp_()
+    g = generator
+    erase = torch.rand(batch, generator=g) < prob
+    area = torch.empty(batch, ERASE_ATTEMPTS).uniform_(*ERASE_AREA, generator=g).mul_(height * width)
+    aspect = torch.empty(batch, ERASE_ATTEMPTS).uniform_(*ERASE_LOG_ASPECT, generator=g).exp_()
     h = (area * aspect).sqrt_().round_().long()  # round half to even, as Python's round in timm
     w = (area / aspect).sqrt_().round_().long()
     fits = (h < height) & (w < width)
@@ -419,17 +441,25 @@ def erasing_boxes(batch: int, height: int, width: int, prob: float) -> Tensor:
     h, w = h.gather(1, first).squeeze(1), w.gather(1, first).squeeze(1)
     image = (erase & fits.any(dim=1)).nonzero().squeeze(1)
     h, w = h[image], w[image]
-    top = torch.rand(len(image)).mul_(height - h + 1).long()  # uniform in 0..height-h, timm's randint
-    left = torch.rand(len(image)).mul_(width - w + 1).long()
+    top = (
+        torch.rand(len(image), generator=g).mul_(height - h + 1).long()
+    )  # uniform in 0..height-h, timm's randint
+    left = torch.rand(len(image), generator=g).mul_(width - w + 1).long()
     return torch.stack([image, top, left, h, w], dim=1)
 
 
-def random_erasing(x: Tensor, prob: float) -> Tensor:
+def random_erasing(
+    x: Tensor,
+    prob: float,
+    generator: torch.Generator | None = None,
+    noise_generator: torch.Generator | None = None,
+) -> Tensor:
     """Erase a box of each chosen image of the float batch `x` (in place, as timm) with per-pixel normal
-    noise: the boxes' rows and columns are worked out on the host, the device makes each box's mask from
-    them (one broadcast `and`), and only the k erased images draw noise and are rewritten."""
+    noise: the boxes' rows and columns are worked out on the host (`generator`), the device makes each box's
+    mask from them (one broadcast `and`), and only the k erased images draw noise (`noise_generator`, on
+    `x`'s device) and are rewritten."""
     height, width = x.shape[-2:]
-    boxes = erasing_boxes(len(x), height, width, prob)
+    boxes = erasing_boxes(len(x), height, width, prob, generator)
     if not len(boxes):
         return x
     image, top, left, h, w = boxes.unbind(1)
@@ -439,5 +469,5 @@ def random_erasing(x: Tensor, prob: float) -> Tensor:
     in_rows, in_cols = to_device(torch.cat([in_rows, in_cols], 1), x.device).split([height, width], 1)
     inside = in_rows[:, None, :, None] & in_cols[:, None, None, :]  # [k,1,H,W]
     image = to_device(image, x.device)
-    noise = torch.randn((len(boxes), *x.shape[1:]), dtype=x.dtype, device=x.device)
+    noise = torch.randn((len(boxes), *x.shape[1:]), dtype=x.dtype, device=x.device, generator=noise_generator)
     return x.index_copy_(0, image, torch.where(inside, noise, x.index_select(0, image)))

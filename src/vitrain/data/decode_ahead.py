@@ -1,4 +1,5 @@
-"""GPU decode one or more batches ahead, in a thread of its own (`datamodule.decode_ahead`).
+"""Training batches prepared one or more batches ahead, in a thread of its own: GPU decode
+(`datamodule.decode_ahead`), and in-memory batches sliced and augmented (`datamodule.augment_ahead`).
 
 With `decode_device=cuda` the training thread used to decode each batch itself (`on_before_batch_transfer`):
 nvJPEG's host side (its Huffman decoding) and the crop-and-resize launches took 9-11 ms of that thread per
@@ -9,6 +10,12 @@ batches from the loader and decodes, crops, resizes and flips them on a CUDA str
 batches ahead; the training thread only makes its stream wait for the batch's event, then applies the random
 augmentation (auto-augment, random erasing) and the normalisation itself, so the global generators are drawn
 from in the same order as before: the batches, and a resumed run's, are bitwise those of the inline decode.
+
+In-memory batches held on the GPU (`datamodule.augment_ahead`): the recipes' RandAugment and random erasing
+are ~160 small device ops a batch, launched by the training thread between two steps while the GPU waited
+(21.5 % of the recipes path's step on one H200, docs/benchmarks.md section 8). There the thread slices each
+batch and runs the whole augmentation, random ops included: each batch draws from generators seeded by its own
+seed (`loaders.Seeded`), not from the global ones, so the batches are bitwise the inline ones all the same.
 
 The C++ decode and the tensor ops release the GIL while they run. Nothing here is a DataLoader feature:
 torch's workers are processes, which cannot hold CUDA tensors, and Lightning's prefetching runs on the
@@ -48,19 +55,21 @@ def check_depth(value: Any) -> None:
 
 
 class DecodedAhead(NamedTuple):
-    """A training batch the thread has decoded, cropped, resized and flipped (float, 0-255), and the event on
-    its stream that marks it done (None on a CPU)."""
+    """A training batch the thread has prepared (decoded, cropped, resized and flipped: float, 0-255; or
+    augmented model input), and the event on its stream that marks it done (None on a CPU)."""
 
     x: Tensor
     done: torch.cuda.Event | None
 
-    def wait(self) -> Tensor:
-        """`x` for the current stream: it waits for the thread's work on the GPU, and the memory stays the
-        batch's until the current stream is done with it."""
+    def wait(self, *also: Tensor) -> Tensor:
+        """`x` for the current stream: it waits for the thread's work on the GPU, and the memory of `x` and of
+        the GPU tensors in `also` (labels the thread sliced) stays theirs until the current stream is done."""
         if self.done is not None:
             stream = torch.cuda.current_stream(self.x.device)
             stream.wait_event(self.done)
-            self.x.record_stream(stream)
+            for t in (self.x, *also):
+                if t.is_cuda:
+                    t.record_stream(stream)
         return self.x
 
 
@@ -69,6 +78,7 @@ def decode_ahead(
     decode: Callable[[Any], Tensor],
     device: torch.device,
     depth: int,
+    name: str = "gpu-decode-ahead",
 ) -> Iterator[tuple[DecodedAhead, Tensor]]:
     """(encoded, labels) batches -> (DecodedAhead, labels), `decode` run by a thread up to `depth` batches
     ahead. A generator: nothing starts before the first batch is asked for."""
@@ -103,7 +113,7 @@ def decode_ahead(
             return
         put(_END)
 
-    thread = threading.Thread(target=work, name="gpu-decode-ahead", daemon=True)
+    thread = threading.Thread(target=work, name=name, daemon=True)
     thread.start()
     try:
         while True:
@@ -119,4 +129,4 @@ def decode_ahead(
         stop.set()
         thread.join(timeout=JOIN_TIMEOUT_S)
         if thread.is_alive():
-            log.warning("the GPU decode thread did not end within %d s of its pass", JOIN_TIMEOUT_S)
+            log.warning("the %s thread did not end within %d s of its pass", name, JOIN_TIMEOUT_S)

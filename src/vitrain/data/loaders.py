@@ -8,11 +8,23 @@ and the order is a function of (seed, epoch), so a resumed loader need only skip
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
+
+from vitrain.data.sampling import batch_seed
+
+
+class Seeded(NamedTuple):
+    """An in-memory training batch's uint8 images with the seed of their random augmentation
+    (`sampling.batch_seed`): what the training loader hands on in place of the images, so that the batch is
+    augmented alike wherever and whenever that happens (on the training thread, by a thread ahead of it,
+    after a resume). Lightning moves it to the device as it moves a tuple."""
+
+    x: Tensor
+    seed: int
 
 
 class ResumableLoader(DataLoader):
@@ -32,21 +44,38 @@ class ResumableLoader(DataLoader):
         *args: Any,
         batches_done: Callable[[], int],
         ahead: Callable[[Iterator], Iterator] | None = None,
+        seed_batches: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
         self._batches_done = batches_done
-        #: wraps each pass's batches (GPU decode ahead of the training thread, vitrain/data/decode_ahead.py)
+        #: wraps each pass's batches (decoded or augmented ahead of the training thread, data/decode_ahead.py)
         self.ahead = ahead
+        #: hand on (Seeded(images, seed), labels): the seed a function of (seed, epoch, rank, batch index)
+        self.seed_batches = seed_batches
 
     def __iter__(self) -> Iterator:
+        sampler = self.sampler
+        # ours (sampling.TrainSampler) knows (seed, epoch, rank); one Lightning puts in its place does not
+        # (`trainer.overfit_batches`): its batches go on plain, augmented on the training thread from the
+        # global generators, as those of the loader workers are
+        seeded = self.seed_batches and all(hasattr(sampler, a) for a in ("seed", "epoch", "rank"))
+
         def batches() -> Iterator:
             done = self._batches_done()
             if done:
-                self.sampler.start_at(done * self.batch_size)
-            yield from DataLoader.__iter__(self)
+                sampler.start_at(done * self.batch_size)
+            if not seeded:
+                yield from DataLoader.__iter__(self)
+                return
+            # read at the first batch: the restored epoch by now
+            seed, epoch, rank = sampler.seed, sampler.epoch, sampler.rank
+            for index, (x, y) in enumerate(DataLoader.__iter__(self), start=done):
+                yield Seeded(x, batch_seed(seed, epoch, rank, index)), y
 
-        return self.ahead(batches()) if self.ahead else batches()
+        if self.ahead is None or (self.seed_batches and not seeded):
+            return batches()
+        return self.ahead(batches())
 
 
 class TensorImageDataset(Dataset):

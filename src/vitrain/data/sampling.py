@@ -58,6 +58,14 @@ def sample_seed(seed: int, epoch: int, index: int) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
+def batch_seed(seed: int, epoch: int, rank: int, batch: int) -> int:
+    """A 63-bit seed for one process's `batch`-th training batch of an epoch, which seeds that batch's
+    on-device augmentation (`augment.BatchTransform`): the batch is then the same inline, prepared ahead by a
+    thread (`datamodule.augment_ahead`) or after a resume, whatever else draws from the global generators."""
+    digest = hashlib.blake2b(f"{seed}|{epoch}|batch {rank}:{batch}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
 @contextmanager
 def seeded_sample(seed: int) -> Iterator[None]:
     """Seed every RNG a per-sample transform may draw from (timm uses `random`, torchvision uses torch's CPU

@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, Dataset
 from vitrain.data.augment import BatchTransform, flip_probability
 from vitrain.data.decode_ahead import DecodedAhead, decode_ahead
 from vitrain.data.gpu_decode import EncodedBatch, GpuDecoder, crop_batch, decode_batch
-from vitrain.data.loaders import ResumableLoader, TensorImageDataset, passthrough_collate
+from vitrain.data.loaders import ResumableLoader, Seeded, TensorImageDataset, passthrough_collate
 from vitrain.data.sampling import make_sampler, partial_pass_note, per_process_batch
 from vitrain.data.transforms import on_tensors, timm_transform
 from vitrain.errors import DataError
@@ -146,6 +146,7 @@ class ImageDataModule(LightningDataModule):
         num_workers: int | None = 0,
         pin_memory: bool | str = "auto",
         data_on_device: bool | str = "auto",
+        augment_ahead: int | str = "auto",
         drop_last: bool = True,
         img_size: int | None = None,
         mean: list[float] | None = None,
@@ -180,6 +181,13 @@ class ImageDataModule(LightningDataModule):
             )
         check_channels("mean", mean)
         check_channels("std", std, positive=True)
+        if augment_ahead != "auto" and (
+            isinstance(augment_ahead, bool) or not isinstance(augment_ahead, int) or augment_ahead < 0
+        ):
+            raise DataError(
+                f"datamodule.augment_ahead={augment_ahead!r} must be auto or a whole number of batches, at "
+                "least 0 (0: the training thread augments each batch)"
+            )
         # collects the subclass's own arguments too (Lightning walks the __init__ frames)
         self.save_hyperparameters()
         # plain lists, not ListConfigs: checkpoints store these, and torch.load(weights_only=True) reads them
@@ -302,8 +310,9 @@ class ImageDataModule(LightningDataModule):
     def resume_caveat(self) -> str | None:
         """Why a resumed run may not continue bitwise like the uninterrupted one (None: it does); callbacks/
         resume.py logs it when a run resumes. vitrain's own data is exact: the order is a function of (seed,
-        epoch), a per-sample transform's draws of (seed, epoch, index), and on-device augmentation draws from
-        the global generators the checkpoint restores."""
+        epoch), a per-sample transform's draws of (seed, epoch, index), an in-memory batch's on-device
+        augmentation of (seed, epoch, rank, batch), and that of worker batches draws from the global
+        generators the checkpoint restores."""
         own = [name for name in SAMPLE_HOOKS if defined_outside_vitrain(type(self), name)]
         if not own:
             return None
@@ -423,7 +432,8 @@ class ImageDataModule(LightningDataModule):
         loader_cls: type[DataLoader] = DataLoader
         if train:
             loader_cls = ResumableLoader
-            extra = {"batches_done": self._resume_offset, "ahead": self.decoder_ahead()}
+            ahead = self.augmenter_ahead(held_on) if in_memory else self.decoder_ahead()
+            extra = {"batches_done": self._resume_offset, "ahead": ahead, "seed_batches": in_memory}
         return loader_cls(
             dataset,
             batch_size=self._batch if train else self._eval_batch,
@@ -434,7 +444,8 @@ class ImageDataModule(LightningDataModule):
             persistent_workers=workers > 0,
             collate_fn=passthrough_collate if in_memory else getattr(dataset, "collate", None),
             # a private generator: creating the iterator draws a seed, which must not shift the global RNG
-            # that on-device augmentation uses (an exact resume restores that RNG, see callbacks/resume.py)
+            # that drop-path and worker batches' augmentation use (an exact resume restores it, see
+            # callbacks/resume.py)
             generator=torch.Generator().manual_seed(hp.shuffle_seed),
             **extra,
         )
@@ -517,13 +528,40 @@ class ImageDataModule(LightningDataModule):
         crops = partial(crop_batch, decoder, undecodable=self.undecodable)
         return partial(decode_ahead, decode=crops, device=decoder.device, depth=depth)
 
+    def augment_ahead(self, held_on: torch.device | None) -> int:
+        """`augment_ahead` as a number of batches: `auto` is 2 where the in-memory batches are held on a GPU
+        (there the training thread's launches are what the GPU waits for), else 0."""
+        value = self.hparams.get("augment_ahead", "auto")
+        if value == "auto":
+            return 2 if held_on is not None and held_on.type == "cuda" else 0
+        return int(value)
+
+    def augmenter_ahead(self, held_on: torch.device | None) -> Callable[[Iterator], Iterator] | None:
+        """In-memory training: the loader's wrapper that slices and augments `augment_ahead` batches ahead of
+        the training thread, in a thread of its own on a CUDA stream of its own (vitrain/data/decode_ahead.py);
+        None: the training thread augments each batch (`on_after_batch_transfer`)."""
+        depth = self.augment_ahead(held_on)
+        transform = self.device_transform()
+        if self.trainer is None or not depth or transform is None:
+            return None
+        device = self.trainer.strategy.root_device
+
+        def augment(batch: Seeded) -> torch.Tensor:
+            x = batch.x if batch.x.device == device else batch.x.to(device, non_blocking=True)
+            return transform(x, train=True, seed=batch.seed)
+
+        return partial(decode_ahead, decode=augment, device=device, depth=depth, name="augment-ahead")
+
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        """GPU decode: an encoded training batch from the loader workers becomes augmented model input on the
-        GPU, cropped and flipped as the workers drew it (`decode_device=cuda`); decoded ahead by a thread, it
-        only gets its random augmentation and normalisation here, on the training thread, as inline."""
+        """A training batch a thread prepared (`DecodedAhead`): taken on the current stream; in-memory, it is
+        model input already (`augment_ahead`), decoded on the GPU (`decode_device=cuda`) it gets its random
+        augmentation and normalisation here, on the training thread, as inline. An encoded training batch
+        from the loader workers becomes augmented model input on the GPU here, cropped and flipped as the
+        workers drew it."""
         x, y = batch
-        if isinstance(x, DecodedAhead) and self._gpu_decoder is not None:
-            return self._gpu_decoder.finish(x.wait(), train=True), y
+        if isinstance(x, DecodedAhead):
+            x = x.wait(*([y] if isinstance(y, torch.Tensor) else []))
+            return (self._gpu_decoder.finish(x, train=True) if self._gpu_decoder is not None else x), y
         if isinstance(x, EncodedBatch) and self._gpu_decoder is not None:
             return decode_batch(self._gpu_decoder, x, self.undecodable), y
         return batch
@@ -535,12 +573,16 @@ class ImageDataModule(LightningDataModule):
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """uint8 batches (in memory, or from the loader workers): augment (training only), resize and
-        normalise on the device the batch is on. A float batch (decoded on the GPU) is model input already."""
+        normalise on the device the batch is on; an in-memory training batch (`Seeded`) with generators
+        seeded by its own seed. A float batch (decoded on the GPU, or augmented ahead) is model input already."""
         x, y = batch
+        seed = None
+        if isinstance(x, Seeded):
+            x, seed = x
         if not isinstance(x, torch.Tensor) or x.dtype != torch.uint8:
-            return batch
+            return x, y
         transform = self.device_transform()
         if transform is None:
-            return batch
-        train = self.trainer is not None and self.trainer.training
-        return transform(x, train=train), y
+            return x, y
+        train = seed is not None or (self.trainer is not None and self.trainer.training)
+        return transform(x, train=train, seed=seed), y
