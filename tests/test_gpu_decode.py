@@ -220,6 +220,22 @@ def test_ops_per_batch_do_not_grow_with_the_batch():
         assert ops[8].total() < 200, ops[8]
 
 
+@pytest.mark.parametrize("precision", ["bf16-true", "16-true", "64-true"])
+def test_a_batch_prepared_ahead_is_left_to_its_wait_by_the_precision_plugins(precision: str):
+    """Lightning's `*-true` precision plugins cast a batch's floating tensors before
+    `on_before_batch_transfer`; a batch a thread prepared ahead must reach that hook untouched, since a cast
+    would read it on the current stream before the stream waits for the thread's event."""
+    from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision
+
+    from vitrain.data.decode_ahead import DecodedAhead
+
+    plugin = DoublePrecision() if precision == "64-true" else HalfPrecision(precision)
+    ahead = DecodedAhead(torch.rand(2, 3, 4, 4), None)
+    x, y = plugin.convert_input((ahead, torch.arange(2)))
+    assert x is ahead and x.wait().dtype == torch.float32
+    assert plugin.convert_input((torch.rand(2), y))[0].dtype != torch.float32  # what it does to a tensor
+
+
 def test_decode_ahead_runs_at_most_depth_ahead_and_ends_with_its_pass():
     """decode_ahead: batches in order, decoded by one thread that starts at the first batch asked for and
     reads at most `depth` (+ the one it holds) past what was taken; a pass dropped before its end (as

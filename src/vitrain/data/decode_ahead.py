@@ -31,7 +31,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -54,12 +54,18 @@ def check_depth(value: Any) -> None:
         )
 
 
-class DecodedAhead(NamedTuple):
+class DecodedAhead:
     """A training batch the thread has prepared (decoded, cropped, resized and flipped: float, 0-255; or
-    augmented model input), and the event on its stream that marks it done (None on a CPU)."""
+    augmented model input), and the event on its stream that marks it done (None on a CPU).
 
-    x: Tensor
-    done: torch.cuda.Event | None
+    Not a tuple or dataclass: Lightning's precision plugins (`bf16-true`, `16-true`, `64-true`) cast the
+    floating tensors of a batch's collections before `on_before_batch_transfer`, which would read `x` on the
+    current stream before it waits for the thread's event."""
+
+    __slots__ = ("done", "x")
+
+    def __init__(self, x: Tensor, done: torch.cuda.Event | None) -> None:
+        self.x, self.done = x, done
 
     def wait(self, *also: Tensor) -> Tensor:
         """`x` for the current stream: it waits for the thread's work on the GPU, and the memory of `x` and of
