@@ -190,9 +190,12 @@ def test_ddp_two_processes_in_memory_exact_eval(photos: Path, tmp_path: Path):
     """2 DDP processes on the in-memory path: each holds the tensors (the budget counts 2 copies), the 9
     validation images are evaluated 5 + 4, none twice. Global rank zero first runs the batch-size search
     on one process (`+tune=batch_size`): the datamodule it set up there for one process is not the one the
-    ranks then train with (it had skipped the ranks' broadcast and barrier: a collective mismatch)."""
+    ranks then train with (it had skipped the ranks' broadcast and barrier: a collective mismatch). Each
+    rank's batches are augmented by a thread ahead of its training thread (`augment_ahead=2`, what `auto`
+    is on GPUs), whose passes the search's short trials leave early."""
     args = _memory_overrides(
         photos, tmp_path, "trainer=ddp", "trainer.devices=2", "trainer.accelerator=cpu",
+        "datamodule.augment_ahead=2", "datamodule.auto_augment=trivial",
         "+trainer.limit_train_batches=2", f"hydra.run.dir={tmp_path / 'run'}",
         "+callbacks.eval_samples._target_=helpers.EvalSamples", f"+callbacks.eval_samples.out={tmp_path}",
         "+tune=batch_size", "tune.batch_size.max_trials=2", "tune.batch_size.steps_per_trial=1",
