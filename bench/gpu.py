@@ -90,6 +90,7 @@ SECTIONS: dict[str, int] = {
     "folder_gpu_decode_inline": 100,
     "recipes_stack": 200,
     "recipes_fixed_size": 150,
+    "recipes_cudagraphs": 200,
     "seed_levers": 200,
 }
 WHAT = {
@@ -119,6 +120,8 @@ WHAT = {
     "each block)",
     "recipes_fixed_size": "recipes without progressive resizing (every step at 224 px: the whole network compiled "
     "with static shapes, where resizing compiles the blocks with a dynamic token count)",
+    "recipes_cudagraphs": "recipes with `model.compile_mode=reduce-overhead` (each compiled block replayed as CUDA "
+    "graphs: the network's launches off the host)",
     "recipes_inline": "recipes with `datamodule.augment_ahead=0` (the training thread slices and augments each batch, "
     "as before 2026-11-30)",
     "fsdp": "`trainer=fsdp` on 1 GPU, bf16 FSDP policy",
@@ -144,7 +147,7 @@ PLANS: dict[str, dict[str, Any]] = {
                "budget": 480},
     # the alternatives to today's defaults, each beside the default measured in `table`
     "alternatives": {"only": "hand,recipes_inline,seed_inline,seed_host_data,recipes_stack,fsdp_per_block,"
-                     "folder_gpu_decode_inline,recipes_fixed_size,"
+                     "folder_gpu_decode_inline,recipes_fixed_size,recipes_cudagraphs,"
                      "streaming,seed_blocks", "steps": 30, "warmup": 6, "photos": 9600, "budget": 480},
 }  # fmt: skip
 # hand-written variants `compiled...+NAME`: torch.compile modes, levers measured before the template offers
@@ -574,7 +577,7 @@ def section(ctx: Ctx, name: str, timeout: float) -> dict[str, Any]:
         extra = [*ctx.folder_data(in_memory=False), f"datamodule.decode_device={decode}"]
         if name == "folder_gpu_decode_inline":
             extra.append("datamodule.decode_ahead=0")
-    elif name in ("recipes", "recipes_stack", "recipes_inline", "recipes_fixed_size"):
+    elif name in ("recipes", "recipes_stack", "recipes_inline", "recipes_fixed_size", "recipes_cudagraphs"):
         size, patch = (32, 8) if ctx.cpu else (224, 32)
         # the photos held in memory make fewer batches than the other sections' window: the window fits
         base = ctx.common(
@@ -596,6 +599,10 @@ def section(ctx: Ctx, name: str, timeout: float) -> dict[str, Any]:
             extra.append("datamodule.augment_ahead=0")
         if name == "recipes_fixed_size":
             extra = [o for o in extra if not o.startswith("model.progressive_resize.")]
+        if name == "recipes_cudagraphs":
+            extra.append("model.compile_mode=reduce-overhead")
+            if ctx.cpu:  # the CPU smoke runs eagerly (compile=auto is off there): compile to check the path
+                extra.append("model.compile=true")
         if name == "recipes_stack":
             extra.append("model.compile_scope=stack")
             if ctx.cpu:  # the CPU smoke runs eagerly (compile=auto is off there): compile to check the path
