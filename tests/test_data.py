@@ -469,12 +469,12 @@ class _Digests(LightningModule):
         super().__init__()
         self.net = torch.nn.Linear(3 * 32 * 32, 10)
         self.seen: list[str] = []
-        self.threads: set[str] = set()
+        self.ahead: set[threading.Thread] = set()  # the threads that augmented ahead during the steps
 
     def training_step(self, batch, batch_idx):
         x, y = batch
         self.seen.append(hashlib.sha1(x.numpy().tobytes() + y.numpy().tobytes()).hexdigest())
-        self.threads |= {t.name for t in threading.enumerate()}
+        self.ahead |= {t for t in threading.enumerate() if t.name == "augment-ahead"}
         noise = torch.rand(1)
         return torch.nn.functional.cross_entropy(self.net(x.flatten(1)), y) * noise
 
@@ -511,6 +511,7 @@ def test_in_memory_batches_augmented_ahead_inline_or_resumed_are_the_same(folder
         assert (trainer.train_dataloader.ahead is not None) == (ahead > 0)
         return model
 
+    before = {t for t in threading.enumerate() if t.name == "augment-ahead"}  # none, unless another test's
     torch.manual_seed(0)
     inline = fit(0)
     torch.manual_seed(1)  # the global generators do not matter
@@ -518,7 +519,7 @@ def test_in_memory_batches_augmented_ahead_inline_or_resumed_are_the_same(folder
     whole = fit(2, callbacks=[_SaveAt(4, ckpt)])
     assert len(inline.seen) == 6 and len(set(inline.seen)) == 6  # 2 epochs of 3 batches, all different
     assert whole.seen == inline.seen
-    assert "augment-ahead" in whole.threads and "augment-ahead" not in inline.threads
+    assert whole.ahead - before and not inline.ahead - before
     torch.manual_seed(2)
     rest = fit(2, ckpt_path=ckpt)
     assert rest.seen == whole.seen[4:]
