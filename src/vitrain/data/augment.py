@@ -368,7 +368,9 @@ NOISE_SEED_MASK = 0x2545_F491_4F6C_DD1D
 
 @dataclass
 class BatchTransform:
-    """What the datamodule applies after a batch reaches the device; random ops draw from torch's global RNG."""
+    """What the datamodule applies after a batch reaches the device; random ops draw from generators seeded by
+    the batch's seed when it has one, else from torch's global ones. Generators passed down, not the global
+    state swapped: a thread ahead of the training thread augments while that thread draws too."""
 
     img_size: int
     mean: tuple[float, ...]
