@@ -15,6 +15,11 @@ The batch augmentation's cost per batch of 384, what a GPU's training thread pay
 it issues (counted on the "meta" device: each a kernel launch on a GPU) and its host time on this CPU with
 4 px images (where the pixels cost next to nothing, so the time is the ops' dispatch and the host's draws),
 for the seed's crop and flip, random erasing, TrivialAugment and RandAugment.
+And what a thread augmenting the batches ahead of the training thread (`datamodule.augment_ahead`) saves or
+costs a host-bound training step (as a GPU step is for its host: every op a launch): a 12-block tiny ViT's
+step (16 images at 8 px, so the step is dispatch, not arithmetic) with RandAugment + erasing of a 384-image
+batch (4 px) done inline, by a thread two batches ahead, or not at all, interleaved; one intra-op thread, so
+the two threads' ops run on the two cores and share only Python's GIL.
 """
 
 from __future__ import annotations
@@ -187,6 +192,76 @@ def augment_cost(args: Any) -> dict[str, Any]:
     return {"batch_size": batch, "recipes": out}
 
 
+def ahead_cost(args: Any) -> dict[str, Any]:
+    """Milliseconds per host-bound training step: with the batch already augmented (`bare`), augmented on the
+    training thread (`inline`), by a thread ahead of it (`ahead`, vitrain/data/decode_ahead.py as the
+    datamodule runs it); and the augmentation alone on this thread (`augment_alone`)."""
+    import timm
+
+    from vitrain.data.augment import BatchTransform
+    from vitrain.data.decode_ahead import decode_ahead
+    from vitrain.data.loaders import Seeded
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        net = timm.create_model(
+            "vit_tiny_patch16_224", img_size=8, patch_size=4, embed_dim=32, depth=12, num_heads=2,
+            num_classes=10,
+        )  # fmt: skip
+        optimizer = torch.optim.AdamW(net.parameters(), lr=1e-4, fused=True)
+        transform = BatchTransform(
+            8, CIFAR10_MEAN, CIFAR10_STD, crop_padding=1, auto_augment="rand-m9-n2-mstd0.5", re_prob=0.25
+        )
+        batch, steps = (32, 2) if args.smoke else (384, 20)
+        x = torch.randint(0, 256, (batch, 3, 4, 4), dtype=torch.uint8)
+        y = torch.randint(0, 10, (16,))
+        done = transform(x, train=True, seed=0)
+        seeds = itertools.count()
+
+        def step(inputs: torch.Tensor) -> None:
+            F.cross_entropy(net(inputs[:16]), y).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        # one thread for every segment: between its segments it waits with its queue full
+        prepared = decode_ahead(
+            ((Seeded(x, next(seeds)), y) for _ in itertools.count()),
+            lambda b: transform(b.x, train=True, seed=b.seed),
+            torch.device("cpu"),
+            depth=2,
+            name="augment-ahead",
+        )
+
+        def timed(one: Any) -> Any:
+            def segment() -> float:
+                start = time.perf_counter()
+                for _ in range(steps):
+                    one()
+                return 1000 * (time.perf_counter() - start) / steps
+
+            segment()  # warm-up
+            return segment
+
+        variants = {
+            "bare": timed(lambda: step(done)),
+            "inline": timed(lambda: step(transform(x, train=True, seed=next(seeds)))),
+            "ahead": timed(lambda: step(next(prepared)[0].wait())),
+            "augment_alone": timed(lambda: transform(x, train=True, seed=next(seeds))),
+        }
+        runs = interleave(variants, 2 * args.rounds)
+        prepared.close()  # its thread ends
+    finally:
+        torch.set_num_threads(threads)
+    return {
+        "ms": {name: round(median(times), 3) for name, times in runs.items()},
+        "rounds_ms": {name: [round(t, 3) for t in times] for name, times in runs.items()},
+        "augment_batch": batch,
+        "step_images": 16,
+    }
+
+
 def data_wait(args: Any, workdir: Path) -> dict[str, Any]:
     """Share of step time in the loader's next() and in on_after_batch_transfer during a real fit."""
     from omegaconf import open_dict
@@ -260,6 +335,7 @@ def main() -> None:
     rates = pipeline_rates(args, workdir, device)
     wait = data_wait(args, workdir)
     augment = augment_cost(args)
+    ahead = ahead_cost(args)
     small, large = rates[str(args.sizes[0])], rates[str(args.sizes[-1])]
     resize_only = large.get("resize_only_images_per_s")
     # the goal is judged at the input of the model this machine trains (experiment=cifar_cpu, 32 px);
@@ -305,6 +381,18 @@ def main() -> None:
         + ". Every draw and per-image parameter is worked out on the host, so the device only applies them "
         "(vitrain/data/augment.py)."
     )
+    ms = ahead["ms"]
+    notes.append(
+        f"A thread ahead against the training thread itself, on a host-bound step (a 12-block tiny ViT, "
+        f"{ahead['step_images']} images at 8 px, one intra-op thread): {ms['bare']} ms a step with its batch "
+        f"augmented already; RandAugment + erasing of {ahead['augment_batch']} images on the training thread "
+        f"add {ms['inline'] - ms['bare']:.2f} ms (the augmentation alone takes {ms['augment_alone']} ms there); "
+        f"done by a thread two batches ahead (`datamodule.augment_ahead=2`) they add "
+        f"{ms['ahead'] - ms['bare']:.2f} ms, with the second core free for it. What the two threads share is "
+        "Python's GIL, which the training thread lets go around every op and must get back while the other "
+        "runs Python: most likely where the time goes. So `augment_ahead` is off by default; on a GPU, whose host-bound steps are launches alike, "
+        "it is not measured yet (bench/gpu.py's `recipes_ahead`, `seed_ahead`)."
+    )
     result.save(
         line,
         notes=notes,
@@ -317,6 +405,7 @@ def main() -> None:
             "data_wait_percent": round(100 * wait["fraction"], 3),
             "randaugment_erasing_device_ops": augment["recipes"]["randaugment_erasing"]["device_ops"],
             "randaugment_erasing_host_ms": augment["recipes"]["randaugment_erasing"]["host_ms"],
+            **{f"host_bound_step_ms_{name}": value for name, value in ahead["ms"].items()},
             **({f"resize_only_images_per_s_{args.sizes[-1]}px": resize_only} if resize_only else {}),
         },
         goal="on-device >= 10x the 2-worker DataLoader; data wait < 2 % of step time",
@@ -325,6 +414,7 @@ def main() -> None:
         rates=rates,
         data_wait=wait,
         augment=augment,
+        ahead=ahead,
         device=str(device),
         batch_size=args.batch_size,
         workers=args.workers,

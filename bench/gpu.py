@@ -73,7 +73,7 @@ SECTIONS: dict[str, int] = {
     "fsdp_compiled": 110,
     "fsdp_per_block": 110,
     "recipes": 200,
-    "recipes_inline": 200,
+    "recipes_ahead": 200,
     "folder_gpu_decode": 100,
     "folder": 100,
     "streaming_gpu_decode": 100,
@@ -85,7 +85,7 @@ SECTIONS: dict[str, int] = {
     "seed_before": 100,
     "seed_eager": 60,
     "seed_host_data": 80,
-    "seed_inline": 80,
+    "seed_ahead": 80,
     "seed_cudagraphs": 110,
     "folder_gpu_decode_inline": 100,
     "recipes_stack": 200,
@@ -109,8 +109,8 @@ WHAT = {
     "graphs)",
     "seed_host_data": "`experiment=cifar datamodule.data_on_device=false` (batches sliced in host memory, pinned, "
     "copied each step, as before 2026-11-27 15:30 UTC)",
-    "seed_inline": "`experiment=cifar datamodule.augment_ahead=0` (the training thread slices and augments each "
-    "batch, as before 2026-11-30)",
+    "seed_ahead": "`experiment=cifar datamodule.augment_ahead=2` (a thread slices and augments the batches two ahead "
+    "of the training thread)",
     "folder": "`datamodule=image_folder` from disk, photo-sized JPEGs, timm transforms in workers",
     "folder_gpu_decode": "`datamodule=image_folder` from disk, `decode_device=cuda` (nvJPEG)",
     "folder_gpu_decode_inline": "`datamodule=image_folder` from disk, `decode_device=cuda decode_ahead=0` (the training "
@@ -122,8 +122,8 @@ WHAT = {
     "with static shapes, where resizing compiles the blocks with a dynamic token count)",
     "recipes_cudagraphs": "recipes with `model.compile_mode=reduce-overhead` (each compiled block replayed as CUDA "
     "graphs: the network's launches off the host)",
-    "recipes_inline": "recipes with `datamodule.augment_ahead=0` (the training thread slices and augments each batch, "
-    "as before 2026-11-30)",
+    "recipes_ahead": "recipes with `datamodule.augment_ahead=2` (a thread slices and augments the batches two ahead "
+    "of the training thread)",
     "fsdp": "`trainer=fsdp` on 1 GPU, bf16 FSDP policy",
     "fsdp_compiled": "`trainer=fsdp` on 1 GPU, bf16 FSDP policy, `model.compile=true` (each block)",
     "fsdp_per_block": "fsdp_compiled with `trainer.strategy.unit_params=0` (each block its own FSDP group, the "
@@ -146,7 +146,7 @@ PLANS: dict[str, dict[str, Any]] = {
                "hand_variants": "compiled_patchmm,compiled_patchmm@1024", "steps": 30, "warmup": 6,
                "budget": 480},
     # the alternatives to today's defaults, each beside the default measured in `table`
-    "alternatives": {"only": "hand,recipes_inline,seed_inline,seed_host_data,recipes_stack,fsdp_per_block,"
+    "alternatives": {"only": "hand,recipes_ahead,seed_ahead,seed_host_data,recipes_stack,fsdp_per_block,"
                      "folder_gpu_decode_inline,recipes_fixed_size,recipes_cudagraphs,"
                      "streaming,seed_blocks", "steps": 30, "warmup": 6, "photos": 9600, "budget": 480},
 }  # fmt: skip
@@ -542,8 +542,6 @@ def section(ctx: Ctx, name: str, timeout: float) -> dict[str, Any]:
                  "+model.optimizer.fused=false"]  # fmt: skip
     elif name == "seed":
         extra = ctx.cifar_data()
-        if ctx.cpu:  # as `augment_ahead=auto` does with the batches held on a GPU: checks the thread
-            extra.append("datamodule.augment_ahead=2")
     elif name == "seed_1024":
         base = ctx.common(name, batch=1024 if not ctx.cpu else 16)
         extra = ctx.cifar_data()
@@ -568,8 +566,8 @@ def section(ctx: Ctx, name: str, timeout: float) -> dict[str, Any]:
             extra.append("model.compile=true")
     elif name == "seed_host_data":
         extra = [*ctx.cifar_data(), "datamodule.data_on_device=false"]
-    elif name == "seed_inline":
-        extra = [*ctx.cifar_data(), "datamodule.augment_ahead=0"]
+    elif name == "seed_ahead":
+        extra = [*ctx.cifar_data(), "datamodule.augment_ahead=2"]
     elif name == "seed_eager":
         extra = [*ctx.cifar_data(), "model.compile=false"]
     elif name in ("folder", "folder_gpu_decode", "folder_gpu_decode_inline"):
@@ -577,7 +575,7 @@ def section(ctx: Ctx, name: str, timeout: float) -> dict[str, Any]:
         extra = [*ctx.folder_data(in_memory=False), f"datamodule.decode_device={decode}"]
         if name == "folder_gpu_decode_inline":
             extra.append("datamodule.decode_ahead=0")
-    elif name in ("recipes", "recipes_stack", "recipes_inline", "recipes_fixed_size", "recipes_cudagraphs"):
+    elif name in ("recipes", "recipes_stack", "recipes_ahead", "recipes_fixed_size", "recipes_cudagraphs"):
         size, patch = (32, 8) if ctx.cpu else (224, 32)
         # the photos held in memory make fewer batches than the other sections' window: the window fits
         base = ctx.common(
@@ -595,8 +593,8 @@ def section(ctx: Ctx, name: str, timeout: float) -> dict[str, Any]:
             "model.progressive_resize.end=0.2",
             "model.tta_flip=true",
         ]
-        if name == "recipes_inline":
-            extra.append("datamodule.augment_ahead=0")
+        if name == "recipes_ahead":
+            extra.append("datamodule.augment_ahead=2")
         if name == "recipes_fixed_size":
             extra = [o for o in extra if not o.startswith("model.progressive_resize.")]
         if name == "recipes_cudagraphs":
@@ -849,8 +847,11 @@ def main() -> int:
         cache_from = args.compile_cache.name
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache)
     cache_at_start = sum(1 for f in cache.rglob("*") if f.is_file()) if cache.is_dir() else 0
-    # --smoke (the tests' run) exercises the two kinds of section, a hand-written loop and a template run
-    names = [n for n in args.only.split(",") if n] or (["hand", "seed"] if args.smoke else list(SECTIONS))
+    # --smoke (the tests' run) exercises the kinds of section: a hand-written loop, a template run, and one
+    # with a thread that prepares its batches ahead
+    names = [n for n in args.only.split(",") if n] or (
+        ["hand", "seed", "seed_ahead"] if args.smoke else list(SECTIONS)
+    )
     unknown = set(names) - set(SECTIONS)
     if unknown:
         raise SystemExit(f"unknown section(s) {', '.join(sorted(unknown))}; known: {', '.join(SECTIONS)}")

@@ -555,7 +555,6 @@ def check_data_on_device(ctx: Ctx) -> Outcome:
 
     host, held = loader(False), loader(True)
     expect(held.dataset.x.is_cuda and not host.dataset.x.is_cuda, "the data was not held on the GPU")
-    held.ahead = None  # the loader's own batches (Seeded images, labels), not those a thread augments ahead
     torch.cuda.set_sync_debug_mode("error")  # a synchronising call in the loader raises
     try:
         on_gpu = [(x.x.clone(), y.clone()) for x, y in held]
@@ -597,7 +596,7 @@ def check_decode_ahead(ctx: Ctx) -> Outcome:
 
 def check_augment_ahead(ctx: Ctx) -> Outcome:
     """In-memory batches held on the GPU, sliced and augmented (RandAugment, random erasing) by a thread on its
-    own CUDA stream ahead of the training thread (`datamodule.augment_ahead=2`, what `auto` is there): the
+    own CUDA stream ahead of the training thread (`datamodule.augment_ahead=2`): the
     same model input as the training thread augmenting each batch itself (`augment_ahead=0`), batch by batch,
     over an epoch, with no synchronising call on the training thread."""
     if ctx.cpu:

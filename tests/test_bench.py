@@ -72,9 +72,10 @@ def test_benchmark_smoke_writes_json(name: str, tmp_path: Path, tiny_cifar: Path
         for row in (sections["hand"]["figures"]["eager"], sections["seed"]["figures"]):
             assert row["backward_threads"] == 0 and row["backward_thread_ms_per_step"] is None
             assert row["host_ms_per_step"] > 0
-        # the smoke's seed row augments its batches in a thread ahead (what auto does on a GPU): its CPU apart
-        seed = sections["seed"]["figures"]
-        assert seed["ahead_threads"] == 1 and seed["ahead_thread_ms_per_step"] > 0
+        # the seed_ahead row augments its batches in a thread ahead: that thread's CPU apart; the seed's has none
+        ahead = sections["seed_ahead"]["figures"]
+        assert ahead["ahead_threads"] == 1 and ahead["ahead_thread_ms_per_step"] > 0
+        assert sections["seed"]["figures"]["ahead_threads"] == 0
         assert any(
             "(backward included) + " in line and " ahead |" in line for line in result["details"]["table_md"]
         )

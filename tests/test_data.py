@@ -494,7 +494,7 @@ class _SaveAt(Callback):
 def test_in_memory_batches_augmented_ahead_inline_or_resumed_are_the_same(folders: Path, tmp_path: Path):
     """`augment_ahead=2`: a thread slices and augments the in-memory training batches (crop, flip,
     TrivialAugment, random erasing) ahead of the training thread, in a real fit; the steps get, bit for bit,
-    the batches the training thread makes itself (`augment_ahead=0`, what `auto` is without a GPU). Stopped
+    the batches the training thread makes itself (`augment_ahead=0`, the default). Stopped
     mid-epoch and resumed by a plain Trainer, with nothing restoring the global generators, the run gets the
     rest of those batches: each batch's random ops are seeded by (seed, epoch, rank, batch index)."""
 
@@ -523,8 +523,11 @@ def test_in_memory_batches_augmented_ahead_inline_or_resumed_are_the_same(folder
     torch.manual_seed(2)
     rest = fit(2, ckpt_path=ckpt)
     assert rest.seen == whole.seen[4:]
-    with pytest.raises(DataError, match=r"augment_ahead=-1 must be auto or a whole number of batches"):
-        CIFAR10DataModule(str(folders), str(tmp_path / "cache"), augment_ahead=-1)
+    for bad in (-1, "auto", True):
+        with pytest.raises(
+            DataError, match=r"augment_ahead=.* must be a whole number of batches, at least 0"
+        ):
+            CIFAR10DataModule(str(folders), str(tmp_path / "cache"), augment_ahead=bad)
 
 
 # --- real data -------------------------------------------------------------------------------------

@@ -191,8 +191,8 @@ def test_ddp_two_processes_in_memory_exact_eval(photos: Path, tmp_path: Path):
     validation images are evaluated 5 + 4, none twice. Global rank zero first runs the batch-size search
     on one process (`+tune=batch_size`): the datamodule it set up there for one process is not the one the
     ranks then train with (it had skipped the ranks' broadcast and barrier: a collective mismatch). Each
-    rank's batches are augmented by a thread ahead of its training thread (`augment_ahead=2`, what `auto`
-    is on GPUs), whose passes the search's short trials leave early."""
+    rank's batches are augmented by a thread ahead of its training thread (`augment_ahead=2`), whose passes
+    the search's short trials leave early."""
     args = _memory_overrides(
         photos, tmp_path, "trainer=ddp", "trainer.devices=2", "trainer.accelerator=cpu",
         "datamodule.augment_ahead=2", "datamodule.auto_augment=trivial",

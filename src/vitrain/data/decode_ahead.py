@@ -11,13 +11,16 @@ batches ahead; the training thread only makes its stream wait for the batch's ev
 augmentation (auto-augment, random erasing) and the normalisation itself, so the global generators are drawn
 from in the same order as before: the batches, and a resumed run's, are bitwise those of the inline decode.
 
-In-memory batches held on the GPU (`datamodule.augment_ahead`): the recipes' RandAugment and random erasing
+In-memory batches (`datamodule.augment_ahead`, off by default): the recipes' RandAugment and random erasing
 are ~160 small device ops a batch, launched by the training thread between two steps while the GPU waited
 (21.5 % of the recipes path's step on one H200, docs/benchmarks.md section 8). There the thread slices each
 batch and runs the whole augmentation, random ops included: each batch draws from generators seeded by its own
 seed (`loaders.Seeded`), not from the global ones, so the batches are bitwise the inline ones all the same.
 
-The C++ decode and the tensor ops release the GIL while they run. Nothing here is a DataLoader feature:
+The C++ decode and the tensor ops release the GIL while they run, but the thread's Python holds it: on a
+host-bound step the training thread, which lets the GIL go around every op, then waits to get it back. On a
+CPU a thread augmenting ahead lengthened such a step by more than the same work inline
+(docs/benchmarks.md section 2); whether a GPU step gains is for bench/gpu.py's `recipes_ahead` to say. Nothing here is a DataLoader feature:
 torch's workers are processes, which cannot hold CUDA tensors, and Lightning's prefetching runs on the
 training thread. The thread starts at the first batch asked for (the resumable loaders read the trainer's
 restored counters then), and stops when the pass ends or its consumer goes away; an error in it (a file that

@@ -146,7 +146,7 @@ class ImageDataModule(LightningDataModule):
         num_workers: int | None = 0,
         pin_memory: bool | str = "auto",
         data_on_device: bool | str = "auto",
-        augment_ahead: int | str = "auto",
+        augment_ahead: int = 0,
         drop_last: bool = True,
         img_size: int | None = None,
         mean: list[float] | None = None,
@@ -181,12 +181,10 @@ class ImageDataModule(LightningDataModule):
             )
         check_channels("mean", mean)
         check_channels("std", std, positive=True)
-        if augment_ahead != "auto" and (
-            isinstance(augment_ahead, bool) or not isinstance(augment_ahead, int) or augment_ahead < 0
-        ):
+        if isinstance(augment_ahead, bool) or not isinstance(augment_ahead, int) or augment_ahead < 0:
             raise DataError(
-                f"datamodule.augment_ahead={augment_ahead!r} must be auto or a whole number of batches, at "
-                "least 0 (0: the training thread augments each batch)"
+                f"datamodule.augment_ahead={augment_ahead!r} must be a whole number of batches, at least 0 "
+                "(0: the training thread augments each batch)"
             )
         # collects the subclass's own arguments too (Lightning walks the __init__ frames)
         self.save_hyperparameters()
@@ -432,7 +430,7 @@ class ImageDataModule(LightningDataModule):
         loader_cls: type[DataLoader] = DataLoader
         if train:
             loader_cls = ResumableLoader
-            ahead = self.augmenter_ahead(held_on) if in_memory else self.decoder_ahead()
+            ahead = self.augmenter_ahead() if in_memory else self.decoder_ahead()
             extra = {"batches_done": self._resume_offset, "ahead": ahead, "seed_batches": in_memory}
         return loader_cls(
             dataset,
@@ -528,19 +526,13 @@ class ImageDataModule(LightningDataModule):
         crops = partial(crop_batch, decoder, undecodable=self.undecodable)
         return partial(decode_ahead, decode=crops, device=decoder.device, depth=depth)
 
-    def augment_ahead(self, held_on: torch.device | None) -> int:
-        """`augment_ahead` as a number of batches: `auto` is 2 where the in-memory batches are held on a GPU
-        (there the training thread's launches are what the GPU waits for), else 0."""
-        value = self.hparams.get("augment_ahead", "auto")
-        if value == "auto":
-            return 2 if held_on is not None and held_on.type == "cuda" else 0
-        return int(value)
-
-    def augmenter_ahead(self, held_on: torch.device | None) -> Callable[[Iterator], Iterator] | None:
+    def augmenter_ahead(self) -> Callable[[Iterator], Iterator] | None:
         """In-memory training: the loader's wrapper that slices and augments `augment_ahead` batches ahead of
         the training thread, in a thread of its own on a CUDA stream of its own (vitrain/data/decode_ahead.py);
-        None: the training thread augments each batch (`on_after_batch_transfer`)."""
-        depth = self.augment_ahead(held_on)
+        None (the default, 0): the training thread augments each batch (`on_after_batch_transfer`). Off by
+        default: on a CPU a thread doing that work lengthened a host-bound training step more than doing it
+        inline did (docs/benchmarks.md section 2: the GIL); on a GPU, not measured yet."""
+        depth = self.hparams.get("augment_ahead", 0)
         transform = self.device_transform()
         if self.trainer is None or not depth or transform is None:
             return None
