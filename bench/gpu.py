@@ -452,18 +452,18 @@ def template_figures(probe: dict[str, Any], report: dict[str, Any], warmup: int)
     seconds = ends[-1] - ends[warmup]
     ips = batch * timed / seconds if batch and timed > 0 and seconds > 0 else None
     waits = [starts[i] - ends[i - 1] for i in range(warmup + 1, min(len(starts), len(ends)))]
+
     # the host's CPU time per timed step: the training thread's, and the autograd thread's that runs the
     # backward on a GPU while the training thread waits (bench/probe.py); their sum at or above the GPU's time
     # per step, the host is the limit
-    cpu = probe.get("step_cpu") or []
-    host = [cpu[i] - cpu[i - 1] for i in range(warmup + 1, min(len(cpu), len(ends)))]
-    bwd = probe.get("step_backward_cpu") or []
-    backward = [bwd[i] - bwd[i - 1] for i in range(warmup + 1, min(len(bwd), len(ends)))]
+    def per_step(key: str) -> list[float]:  # a clock read at each batch's end -> each timed step's share
+        clock = probe.get(key) or []
+        return [clock[i] - clock[i - 1] for i in range(warmup + 1, min(len(clock), len(ends)))]
+
+    host, backward = per_step("step_cpu"), per_step("step_backward_cpu")
     threads = probe.get("backward_threads")  # None: a probe from before it was recorded
     # the threads that prepare batches ahead of the training thread (in-memory augmentation, GPU decode)
-    ahd = probe.get("step_ahead_cpu") or []
-    ahead = [ahd[i] - ahd[i - 1] for i in range(warmup + 1, min(len(ahd), len(ends)))]
-    ahead_threads = probe.get("ahead_threads")
+    ahead, ahead_threads = per_step("step_ahead_cpu"), probe.get("ahead_threads")
     flops = report.get("flops") or {}
     per_image, peak = flops.get("train_flops_per_image"), flops.get("peak_flops_per_device")
     util = probe.get("gpu_util_samples") or []

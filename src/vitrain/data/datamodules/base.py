@@ -538,9 +538,8 @@ class ImageDataModule(LightningDataModule):
             return None
         device = self.trainer.strategy.root_device
 
-        def augment(batch: Seeded) -> torch.Tensor:
-            x = batch.x if batch.x.device == device else batch.x.to(device, non_blocking=True)
-            return transform(x, train=True, seed=batch.seed)
+        def augment(batch: Seeded) -> torch.Tensor:  # host-held images go to the device first (`to`: no-op)
+            return transform(batch.x.to(device, non_blocking=True), train=True, seed=batch.seed)
 
         return partial(decode_ahead, decode=augment, device=device, depth=depth, name="augment-ahead")
 
