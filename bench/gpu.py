@@ -14,7 +14,9 @@ steps after the timed window: matmul, attention, communication, copies, fused el
 ms per step), the host's CPU time per step: the training thread's and, on a GPU, the autograd thread's that
 runs the backward while the training thread waits for it (medians over the window; their sum at or above the
 GPU's ms per step: the host is the limit), and that of the thread that prepares batches ahead where one runs
-(in-memory augmentation, GPU decode), the first step (compile + warm-up) apart, peak memory. Sections run
+(in-memory augmentation, GPU decode), where the training thread's wall time goes (its Python stack sampled
+at 200 Hz over the window: by part of the step, line and function; the other threads' Python and CPU time),
+the first step (compile + warm-up) apart, peak memory. Sections run
 in priority order within `--budget` seconds: what does not fit is listed as skipped, with the reason. Without
 CUDA it runs the same code with a tiny model on the CPU and marks every figure "not measured".
 """
@@ -57,7 +59,7 @@ from common import (  # noqa: E402
     train_command,
     train_env,
 )
-from probe import backward_threads, gpu_time_shares, threads_cpu_seconds  # noqa: E402
+from probe import REST, STAGES, backward_threads, gpu_time_shares, threads_cpu_seconds  # noqa: E402
 
 from vitrain.callbacks.throughput import peak_flops  # noqa: E402
 
@@ -156,6 +158,9 @@ PLANS: dict[str, dict[str, Any]] = {
 COMPILE_MODES = {"autotune": "max-autotune-no-cudagraphs", "cudagraphs": "reduce-overhead"}
 # template runs: kernels and host ops of this many steps after the timed window (bench/probe.py)
 PROFILE_STEPS = 3
+# template runs: the training thread's Python stack sampled this often over the timed window (probe.StackSampler):
+# where its wall time goes, by line and by function
+STACK_HZ = 200
 
 
 # ------------------------------------------------------------------------------------------ hand-written
@@ -408,6 +413,7 @@ class Ctx:
                 warmup=a.warmup,
                 sample_gpu=True,
                 profile_steps=profile,
+                stack_hz=STACK_HZ,
             ),
         ]
 
@@ -493,6 +499,7 @@ def template_figures(probe: dict[str, Any], report: dict[str, Any], warmup: int)
         "flops_per_image": per_image,
         "peak_flops": peak,
         "kernels": probe.get("kernels"),
+        "stacks": probe.get("stacks"),
     }
 
 
@@ -679,6 +686,37 @@ def table(results: dict[str, Any]) -> list[str]:
                 f"| {fmt(f.get('first_step_s'), '.1f')} s | {fmt(f.get('peak_memory_gb'), '.1f')} |"
             )
     return rows
+
+
+def stages_table(results: dict[str, Any]) -> list[str]:
+    """Where each template row's training thread spent its timed window, by part of the step: the shares of
+    its sampled Python stacks (`probe.StackSampler`, `probe.STAGES`); nothing when no row has them."""
+    rows = {
+        name: ((results[name].get("figures") or {}).get("stacks") or {})
+        for name in SECTIONS
+        if not name.startswith("hand") and isinstance(results.get(name), dict)
+    }
+    rows = {name: stacks for name, stacks in rows.items() if stacks.get("samples")}
+    if not rows:
+        return []
+    stages = list(dict.fromkeys([*(stage for stage, _, _ in STAGES), REST]))
+    used = [s for s in stages if any(stacks["stages"].get(s) for stacks in rows.values())]
+    hz = next(iter(rows.values()))["hz"]
+    return [
+        "",
+        f"Where the training thread's wall time goes: its Python stack sampled at {hz:.0f} Hz over the timed "
+        "window, the share of samples in each part of the step (the innermost frame that names one; "
+        "`stacks` in the details has the lines and functions).",
+        "",
+        f"| path | samples | {' | '.join(used)} |",
+        f"| --- | --- |{' --- |' * len(used)}",
+        *(
+            f"| {WHAT[name]} | {stacks['samples']} | "
+            + " | ".join(fmt(stacks["stages"].get(s, 0.0), ".0%") for s in used)
+            + " |"
+            for name, stacks in rows.items()
+        ),
+    ]
 
 
 def host_cpu(f: dict[str, Any]) -> str:
@@ -877,7 +915,7 @@ def main() -> int:
         results[name]["seconds"] = round(time.perf_counter() - t0, 1)
         print(f"{name} ({results[name]['seconds']:.0f} s):", json.dumps(results[name])[:600], flush=True)
         (args.out / "gpu_sections.json").write_text(json.dumps(results, indent=1, default=str))
-    rows = table(results)
+    rows = table(results) + stages_table(results)
     if cache_at_start:
         rows += [
             "",

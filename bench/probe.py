@@ -13,8 +13,10 @@ import bisect
 import itertools
 import json
 import os
+import sys
 import threading
 import time
+from collections import Counter
 from typing import Any
 
 import lightning as L
@@ -45,7 +47,9 @@ class BenchProbe(Callback):
       training (VmHWM reset at train start); on CUDA `peak_cuda_allocated` instead;
     - `metrics`: the logged metrics after fit and after test (test/acc1 ...);
     - `window_end`: the index in `step_ends` of the last timed batch (the epoch's last, or the last before
-      the profiled ones), and with `profile_steps` `kernels` (gpu_time_shares of the profiled batches).
+      the profiled ones), and with `profile_steps` `kernels` (gpu_time_shares of the profiled batches);
+    - with `stack_hz`, `stacks`: where the training thread's wall time goes over the timed window, and what
+      Python other threads run meanwhile (`StackSampler.summary`).
     """
 
     def __init__(
@@ -55,8 +59,14 @@ class BenchProbe(Callback):
         warmup: int = 0,
         sample_gpu: bool = False,
         profile_steps: int = 0,
+        stack_hz: float = 0.0,
     ) -> None:
         self.out = out
+        # Python stacks of the training thread sampled this often over the timed window (0: off). A sample
+        # took ~80 us of the sampler's CPU in a CPU run of the recipes path (4 % of a core at 500 Hz, on a
+        # 2-core Xeon), part of it holding the GIL the training thread needs: at most 1.6 % at 200 Hz
+        self.stack_hz = float(stack_hz)
+        self.stacks: StackSampler | None = None
         # the epoch's last `profile_steps` batches run under torch.profiler (host and GPU), after the timed
         # window has ended (a profiler slows the launches that follow it, so it never runs before the window),
         # recorded as `kernels` (gpu_time_shares; on a CPU only the host side)
@@ -131,6 +141,11 @@ class BenchProbe(Callback):
                 self.sampler.start()
             elif self.sampler is not None and window_end:
                 self.sampler.stop.set()  # the timed window ends here: no validation or saving in it
+        if self.stack_hz > 0 and self.stacks is None and len(steps) == self.warmup and not window_end:
+            self.stacks = StackSampler(threading.get_ident(), self.stack_hz)
+            self.stacks.start()
+        elif self.stacks is not None and window_end and "stacks" not in self.record:
+            self.record["stacks"] = self.stacks.finish()
         if self._profiler is not None and batch_idx == trainer.num_training_batches - 1:
             self._stop_profile(device)
         if not steps:
@@ -179,6 +194,8 @@ class BenchProbe(Callback):
         if self.sampler is not None:
             self.sampler.stop.set()
             self.record["gpu_util_samples"] = self.sampler.samples
+        if self.stacks is not None and "stacks" not in self.record:
+            self.record["stacks"] = self.stacks.finish()
         if device.type == "cuda":
             self.record["peak_cuda_allocated"] = torch.cuda.max_memory_allocated(device)
             self.record["peak_cuda_reserved"] = torch.cuda.max_memory_reserved(device)
@@ -243,6 +260,21 @@ def threads_cpu_seconds(tids: list[int]) -> float:
         except (OSError, ValueError, IndexError):
             continue
     return total / 1e9
+
+
+def threads_cpu_by_name() -> dict[str, float]:
+    """CPU seconds used so far by this process's threads, by Python thread name; the threads Python did not
+    start (torch's autograd and intra-op threads, NCCL's) summed under one name."""
+    named = {t.native_id: t.name for t in threading.enumerate() if t.native_id}
+    try:
+        tids = [int(tid) for tid in os.listdir("/proc/self/task")]
+    except OSError:
+        return {}
+    out: dict[str, float] = {}
+    for tid in tids:
+        name = named.get(tid, "threads torch started (autograd, intra-op)")
+        out[name] = out.get(name, 0.0) + threads_cpu_seconds([tid])
+    return out
 
 
 def _lr_ratio(trainer: L.Trainer) -> float | None:
@@ -454,3 +486,155 @@ class GpuUtilSampler(threading.Thread):
                 self.samples.append(float(torch.cuda.utilization(self.device)))
             except Exception:  # NVML missing: no samples, the figure reads "—"
                 return
+
+
+#: where a Python thread waits for work or for its next tick (`Event.wait`, `Queue.get`, `select`)
+IDLE_FILES = ("threading.py", "queue.py", "selectors.py")
+
+
+class StackSampler(threading.Thread):
+    """A sampling profiler of one thread's Python stack, in process: `hz` times a second it reads the stack
+    the target thread is in (`sys._current_frames`) and counts it. A thread inside a torch op counts at the
+    Python line that called the op (ops let the GIL go, so the sampler gets it meanwhile); one waiting (for
+    the backward's thread, a lock, a synchronising call) counts where it waits: the samples spread as the
+    thread's wall time does. Threads other than the target are counted too whenever they run Python then
+    (hooks on torch's autograd thread, the threads that prepare batches ahead). py-spy would do this from
+    outside, but needs ptrace, which a lent machine's container may not allow."""
+
+    def __init__(self, target: int, hz: float, depth: int = 80) -> None:
+        super().__init__(daemon=True, name="bench-stack-sampler")
+        self.target, self.interval, self.depth = target, 1.0 / hz, depth
+        # a sample's key: its innermost line and the ids of its frames' code objects (a code object's own hash
+        # reads its contents: hashing 80 of them made a sample ~5x dearer); the objects kept by id
+        self.stacks: Counter[tuple[int, tuple[int, ...]]] = Counter()
+        self.codes: dict[int, Any] = {}
+        self.others: Counter[tuple[str, int, int]] = Counter()
+        self.samples = 0
+        self.stop = threading.Event()
+        self._cpu_start = threads_cpu_by_name()
+        self._t0 = time.perf_counter()
+        self.threads_cpu: dict[str, float] = {}
+
+    def run(self) -> None:
+        # the other threads, whenever they are not waiting in threading or queue (for work, for their next
+        # tick): a thread running Python holds the GIL the training thread needs between its ops
+        names = {t.ident: t.name for t in threading.enumerate()}
+        own = threading.get_ident()
+        while not self.stop.wait(self.interval):
+            frames = sys._current_frames()
+            self.samples += 1
+            for ident, frame in frames.items():
+                if ident == self.target:
+                    self.stacks[self._stack(frame)] += 1
+                elif ident != own and not frame.f_code.co_filename.endswith(IDLE_FILES):
+                    name = names.get(ident) or "a thread torch started (autograd)"
+                    self.codes.setdefault(id(frame.f_code), frame.f_code)
+                    self.others[(name, id(frame.f_code), frame.f_lineno)] += 1
+            del frames
+
+    def _stack(self, frame: Any) -> tuple[int, tuple[int, ...]]:
+        line, ids, codes = frame.f_lineno, [], self.codes
+        while frame is not None and len(ids) < self.depth:
+            code = frame.f_code
+            key = id(code)
+            if key not in codes:
+                codes[key] = code
+            ids.append(key)
+            frame = frame.f_back
+        return line, tuple(ids)  # innermost first
+
+    def finish(self, n: int = 25) -> dict[str, Any]:
+        wall = time.perf_counter() - self._t0
+        end = threads_cpu_by_name()  # while the sampler still runs: its own CPU counted
+        self.stop.set()
+        self.threads_cpu = {
+            name: round((cpu - self._cpu_start.get(name, 0.0)) / wall, 3)
+            for name, cpu in sorted(end.items(), key=lambda kv: -(kv[1] - self._cpu_start.get(kv[0], 0.0)))
+            if wall > 0
+        }
+        self.join(timeout=5)
+        return self.summary(n)
+
+    def summary(self, n: int = 25) -> dict[str, Any]:
+        """Shares of the samples: `self`, the line each sample of the training thread was at (the Python
+        line that called into torch, or waits); `inclusive`, the functions on its stack, those on (nearly)
+        every sample left out (the loop that runs the step); `template`, those of them in vitrain's code;
+        `other_threads`, the lines other threads were at when not waiting in threading or queue (a thread
+        in `time.sleep` counts too: `threads_cpu_share` tells whether it ran)."""
+        samples = self.samples or 1
+        leaf: Counter[str] = Counter()
+        inclusive: Counter[str] = Counter()
+        stages: Counter[str] = Counter()
+        for (line, ids), count in self.stacks.items():
+            stack = tuple((self.codes[i], line if n == 0 else 0) for n, i in enumerate(ids))
+            stages[stage_of(stack)] += count
+            if stack:
+                leaf[_where(*stack[0])] += count
+            for key in {_where(code, None) for code, _ in stack}:
+                inclusive[key] += count
+        on_stack = sum(self.stacks.values())
+        inclusive = Counter({k: c for k, c in inclusive.items() if c < 0.98 * on_stack})
+        others: Counter[str] = Counter()
+        for (name, code, line), count in self.others.items():
+            others[f"{name}: {_where(self.codes[code], line)}"] += count
+
+        def top(counter: Counter[str]) -> list[dict[str, Any]]:
+            return [{"where": k, "share": round(c / samples, 3)} for k, c in counter.most_common(n)]
+
+        ours = Counter({k: c for k, c in inclusive.items() if k.startswith("vitrain/")})
+        return {
+            "hz": round(1.0 / self.interval, 1),
+            "samples": self.samples,
+            # samples where the training thread had no Python frame (never, while it runs the step)
+            "training_thread_share": round(on_stack / samples, 3),
+            "stages": {k: round(c / samples, 3) for k, c in stages.most_common()},
+            "self": top(leaf),
+            "inclusive": top(inclusive),
+            "template": top(ours),
+            "other_threads": top(others),
+            # each thread's CPU time over the window as a share of its wall time, by name (the sampler's own
+            # included; those torch started have no Python name and are summed)
+            "threads_cpu_share": self.threads_cpu,
+        }
+
+
+#: a sampled stack in none of `STAGES`: the loop between them (hooks' dispatch, progress, the batch's end)
+REST = "the rest of Lightning's loop"
+#: the parts of a Lightning training step, matched on a sampled stack from its innermost frame out, the first
+#: match naming the part: (part, path fragment, function names or None for any)
+STAGES: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
+    ("FSDP2 hooks", "torch/distributed/fsdp/", None),
+    ("compiled code (guards, wrappers, launches)", "torch/_dynamo/", None),
+    ("compiled code (guards, wrappers, launches)", "torch/_inductor/", None),
+    ("compiled code (guards, wrappers, launches)", "torch/_functorch/", None),
+    ("compiled code (guards, wrappers, launches)", "torchinductor", None),
+    ("backward (on a GPU: waiting for its thread)", "torch/autograd/", ("backward", "_engine_run_backward")),
+    ("optimizer step", "torch/optim/", None),
+    ("optimizer step", "vitrain/distributed/local_step.py", None),
+    ("forward and loss (eager)", "", ("training_step",)),
+    ("callbacks", "lightning/pytorch/trainer/call.py", ("_call_callback_hooks",)),
+    ("batch to device (on-device augmentation)", "lightning/pytorch/core/module.py",
+     ("_apply_batch_transfer_handler",)),
+    ("next batch (data loader)", "lightning/pytorch/loops/fetchers.py", None),
+    ("logging", "lightning/pytorch/core/module.py", ("log", "log_dict")),
+)  # fmt: skip
+
+
+def stage_of(stack: tuple[tuple[Any, int], ...]) -> str:
+    """Which part of the training step a sampled stack (innermost frame first) is in (`STAGES`)."""
+    for code, _ in stack:
+        path = code.co_filename
+        for stage, fragment, functions in STAGES:
+            if fragment in path and (functions is None or code.co_name in functions):
+                return stage
+    return REST
+
+
+def _where(code: Any, line: int | None) -> str:
+    """`package/module.py:line function`, the path from the package root (site-packages or src/)."""
+    path = code.co_filename
+    for marker in ("site-packages/", "dist-packages/", "/src/", "/bench/"):
+        if marker in path:
+            path = path.rsplit(marker, 1)[1]
+            break
+    return f"{path}{'' if line is None else f':{line}'} {code.co_name}"

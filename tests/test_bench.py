@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +77,11 @@ def test_benchmark_smoke_writes_json(name: str, tmp_path: Path, tiny_cifar: Path
         ahead = sections["seed_ahead"]["figures"]
         assert ahead["ahead_threads"] == 1 and ahead["ahead_thread_ms_per_step"] > 0
         assert sections["seed"]["figures"]["ahead_threads"] == 0
+        # the training thread's stack sampled over the timed window (a few samples in a smoke's short one)
+        stacks = sections["seed"]["figures"]["stacks"]
+        assert stacks["hz"] == 200 and {"samples", "stages", "self", "inclusive", "other_threads"} <= set(
+            stacks
+        )
         assert any(
             "(backward included) + " in line and " ahead |" in line for line in result["details"]["table_md"]
         )
@@ -311,6 +317,87 @@ def test_backward_threads_are_found_by_name_and_their_cpu_time_read():
     assert backward_threads() == [] and threads_cpu_seconds([]) == 0.0
 
 
+def _wait_in_known_place(stop) -> None:  # the sampled thread's own frame, named by the test below
+    while not stop.is_set():
+        time.sleep(0.001)
+
+
+def test_stack_sampler_counts_where_the_training_thread_is():
+    """The probe's stack sampler counts the Python line the target thread is at (here a sleep in a known
+    function), by line, by function and by part of a training step; of the other threads it counts those
+    that run Python, not one that waits for an event, and reads each one's CPU time over the window."""
+    import threading
+
+    from probe import StackSampler
+
+    stop = threading.Event()
+
+    def busy() -> None:  # Python work of its own, however fast the machine
+        while not stop.is_set():
+            sum(range(200))
+
+    target = threading.Thread(target=_wait_in_known_place, args=(stop,))
+    ahead = threading.Thread(target=busy, name="augment-ahead")
+    idle = threading.Thread(target=stop.wait, name="idle")
+    for t in (target, ahead, idle):
+        t.start()
+    sampler = StackSampler(target.ident, hz=500)
+    try:
+        sampler.start()
+        for _ in range(6000):  # however slowly the machine samples: until 20 samples are in
+            if sampler.samples >= 20:
+                break
+            time.sleep(0.01)
+        summary = sampler.finish()
+    finally:
+        stop.set()
+        for t in (target, ahead, idle):
+            t.join()
+    assert summary["samples"] >= 20 and summary["hz"] == 500
+    assert summary["training_thread_share"] == 1.0
+    assert "tests/test_bench.py:" in summary["self"][0]["where"]
+    assert summary["self"][0]["where"].endswith(" _wait_in_known_place")
+    assert summary["self"][0]["share"] == 1.0
+    # the thread's outermost frames (threading's run) are on every sample: left out of `inclusive`
+    assert summary["inclusive"] == []
+    assert summary["stages"] == {"the rest of Lightning's loop": 1.0}
+    threads = {row["where"].split(":")[0] for row in summary["other_threads"]}
+    assert "augment-ahead" in threads and "idle" not in threads, summary["other_threads"]
+    assert summary["threads_cpu_share"]["augment-ahead"] > 0
+
+
+def test_sampled_stacks_are_told_apart_by_part_of_the_step():
+    """A sampled stack's part of the step is its innermost frame that names one: an FSDP2 hook inside the
+    forward is FSDP's, the forward inside Lightning's optimizer closure is the forward's, the backward's wait
+    and the optimizer's own kernels are theirs."""
+    from probe import stage_of
+
+    def code(path: str, name: str):
+        return compile(f"def {name}(): pass", path, "exec").co_consts[0]
+
+    site = "/usr/lib/python3/site-packages/"
+    step = code(site + "lightning/pytorch/core/module.py", "training_step")
+    classifier = code("/repo/src/vitrain/models/classifier.py", "training_step")
+    adam = code(site + "torch/optim/adam.py", "step")
+    closure = code(site + "lightning/pytorch/loops/optimization/automatic.py", "closure")
+    fsdp = code(site + "torch/distributed/fsdp/_fully_shard/_fsdp_state.py", "_pre_forward")
+    timm = code(site + "timm/models/vision_transformer.py", "forward")
+    backward = code(site + "torch/autograd/graph.py", "_engine_run_backward")
+    fused = code(site + "torch/optim/adam.py", "_fused_adam")
+    graph = code("/tmp/torchinductor_root/ab/cabcdef.py", "call")
+    loop = code(site + "lightning/pytorch/loops/training_epoch_loop.py", "advance")
+
+    def stack(*codes):  # innermost first, as sampled
+        return tuple((c, 1) for c in codes)
+
+    assert stage_of(stack(fsdp, timm, classifier, step, closure, adam, loop)) == "FSDP2 hooks"
+    assert stage_of(stack(timm, classifier, closure, adam, loop)) == "forward and loss (eager)"
+    assert stage_of(stack(graph, timm, classifier, closure, adam, loop)).startswith("compiled code")
+    assert stage_of(stack(backward, closure, adam, loop)).startswith("backward")
+    assert stage_of(stack(fused, adam, loop)) == "optimizer step"
+    assert stage_of(stack(loop)) == "the rest of Lightning's loop"
+
+
 def test_gpu_rows_give_the_host_cpu_of_both_threads():
     """A template row's host CPU per step: the training thread's and the backward thread's, each the median of
     the timed steps' differences; on a CPU (no backward thread) one figure, the backward included; a probe
@@ -341,6 +428,34 @@ def test_gpu_rows_give_the_host_cpu_of_both_threads():
     assert ahead["timed_steps_ms"]["ahead_thread_cpu"] == [20.0, 30.0]
     assert gpu.host_cpu(ahead) == "115.0 + 55.0 + 25.0 ahead"
     assert f["ahead_thread_ms_per_step"] is None and "ahead" not in gpu.host_cpu(f)
+
+
+def test_gpu_table_says_where_each_rows_training_thread_was():
+    """Below the GPU table, one row per template path that has sampled stacks: the share of its samples in
+    each part of the step, the parts no row was in left out; no such table when no row has samples."""
+    import gpu
+
+    def row(samples: int, stages: dict[str, float]) -> dict[str, Any]:
+        return {"figures": {"stacks": {"samples": samples, "hz": 200.0, "stages": stages}}}
+
+    results = {
+        "hand": {"figures": {"compiled": {"images_per_s": 10.0}}},
+        "seed": row(120, {"backward (on a GPU: waiting for its thread)": 0.6, gpu.REST: 0.4}),
+        "fsdp": row(80, {"FSDP2 hooks": 0.25, "backward (on a GPU: waiting for its thread)": 0.75}),
+        "recipes": row(0, {}),
+        "folder": {"error": "RuntimeError: no photos"},
+    }
+    lines = gpu.stages_table(results)
+    header = next(line for line in lines if line.startswith("| path | samples |"))
+    assert header == (
+        "| path | samples | FSDP2 hooks | backward (on a GPU: waiting for its thread) | "
+        "the rest of Lightning's loop |"
+    )
+    assert f"| {gpu.WHAT['seed']} | 120 | 0% | 60% | 40% |" in lines
+    assert f"| {gpu.WHAT['fsdp']} | 80 | 25% | 75% | 0% |" in lines
+    assert not any(gpu.WHAT["recipes"] in line for line in lines)
+    assert "200 Hz" in "".join(lines)
+    assert gpu.stages_table({"seed": row(0, {})}) == []
 
 
 def test_threads_preparing_batches_ahead_are_found_by_their_python_names():

@@ -247,14 +247,18 @@ def test_ema_update_is_averaged_models_without_reading_its_count(use_buffers: bo
     module = _ConvBN()
     reference = AveragedModel(module, multi_avg_fn=get_ema_multi_avg_fn(0.9), use_buffers=use_buffers)
     callback = _ema_callback(module, use_buffers)
-    for _ in range(3):
+    for step in range(4):
         with torch.no_grad():
             for t in [*module.parameters(), module.net[1].running_mean]:
                 t.add_(torch.randn_like(t))
+        if step == 2:  # new values loaded in place, and validation's swaps: the update follows them
+            module.load_state_dict({k: v + 1 for k, v in module.state_dict().items()})
+            callback._swap_models(module)
+            callback._swap_models(module)
         reference.update_parameters(module)
         callback._update(module)
     ours = averaged_model(callback).state_dict()
-    assert ours["n_averaged"].item() == reference.n_averaged.item() == 3
+    assert ours["n_averaged"].item() == reference.n_averaged.item() == 4
     for name, value in reference.state_dict().items():
         if value.is_floating_point():
             assert torch.equal(ours[name], value), name
