@@ -74,6 +74,7 @@ SECTIONS: dict[str, int] = {
     "fsdp": 110,
     "fsdp_compiled": 110,
     "fsdp_per_block": 110,
+    "fsdp_autocast": 110,
     "recipes": 200,
     "recipes_ahead": 200,
     "folder_gpu_decode": 100,
@@ -128,6 +129,8 @@ WHAT = {
     "of the training thread)",
     "fsdp": "`trainer=fsdp` on 1 GPU, bf16 FSDP policy",
     "fsdp_compiled": "`trainer=fsdp` on 1 GPU, bf16 FSDP policy, `model.compile=true` (each block)",
+    "fsdp_autocast": "`trainer=fsdp` on 1 GPU as configured (fp32 weights gathered, bf16 autocast: "
+    "`trainer.precision=auto`, no FSDP policy), `model.compile=true` (each block)",
     "fsdp_per_block": "fsdp_compiled with `trainer.strategy.unit_params=0` (each block its own FSDP group, the "
     "default before 2026-11-27's tenth session; the default groups ViT-B's 12 blocks as one)",
     "streaming": "`datamodule=streaming` (litdata shards of the photos), CPU decode in workers",
@@ -141,7 +144,7 @@ PLANS: dict[str, dict[str, Any]] = {
     "quick": {"only": "hand,seed,fsdp,fsdp_compiled,folder_gpu_decode,recipes", "steps": 20, "warmup": 6,
               "photos": 9600, "budget": 480},
     # the issue's table: every path once, each next to the compiled hand-written loop and the seed
-    "table": {"only": "hand,seed,recipes,fsdp_compiled,folder,folder_gpu_decode,streaming_gpu_decode",
+    "table": {"only": "hand,seed,recipes,fsdp_compiled,fsdp_autocast,folder,folder_gpu_decode,streaming_gpu_decode",
               "steps": 30, "warmup": 6, "photos": 9600, "budget": 480},
     # towards 40 % MFU: all levers at once, then each alone, each next to the hand-written loop at its batch
     "levers": {"only": "hand,seed_levers,seed_1024,seed_cudagraphs,seed_fp8,hand_fp8",
@@ -612,15 +615,17 @@ def section(ctx: Ctx, name: str, timeout: float) -> dict[str, Any]:
             extra.append("model.compile_scope=stack")
             if ctx.cpu:  # the CPU smoke runs eagerly (compile=auto is off there): compile to check the path
                 extra.append("model.compile=true")
-    elif name in ("fsdp", "fsdp_compiled", "fsdp_per_block"):
+    elif name in ("fsdp", "fsdp_compiled", "fsdp_per_block", "fsdp_autocast"):
+        # the issue's FSDP row: the bf16 FSDP policy (bf16 weights gathered) in 32-true; `fsdp_autocast` is
+        # trainer=fsdp as configured (fp32 weights gathered, the blocks' matmuls in bf16 under autocast)
+        policy = ["trainer.strategy.mixed_precision=bf16", "trainer.precision=32-true"]
         extra = [
             *(["model.compile=true"] if name != "fsdp" else []),
             *(["trainer.strategy.unit_params=0"] if name == "fsdp_per_block" else []),
             *ctx.cifar_data(),
             "trainer=fsdp",
             "trainer.devices=1",
-            "trainer.strategy.mixed_precision=bf16",
-            "trainer.precision=32-true",
+            *(policy if name != "fsdp_autocast" else []),
             *(["trainer.accelerator=cpu"] if ctx.cpu else []),
         ]
         base = [o for o in base if o != "trainer=cpu"]
