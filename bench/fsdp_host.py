@@ -9,7 +9,8 @@ unit backward starts with keeps its gathered weights; one gloo rank, one thread)
 bf16 plain loop, since bf16 kernels on a CPU have costs of their own), with `reshard_after_forward=false`,
 with all twelve blocks in one unit (what `trainer.strategy.unit_params`, default 1e8, makes of ViT-B's blocks,
 85 M parameters), with that and AdamW stepping on the local shards (`steps_on_local_shards`: the template's
-FSDP defaults), and with each block compiled (`model.compile=true` under FSDP compiles
+FSDP defaults); those defaults without the bf16 policy, fp32 weights gathered and the step under bf16
+autocast (`trainer=fsdp` as configured; compared with the bf16 plain loop), and with each block compiled (`model.compile=true` under FSDP compiles
 block by block; compared with the plain loop's blocks compiled alike). Variants are interleaved (A, B, B, A, ...), each segment timing a few
 steps; the figure is each variant's median ms per step, and the top-level aten ops per step (torch.profiler:
 on a GPU each is at least one kernel launch).
@@ -30,7 +31,7 @@ from vitrain.distributed.fsdp import UNIT_PARAMS, apply_fsdp
 
 VARIANTS = {
     # name: (shard, bf16: FSDP's policy when sharded, else autocast; reshard_after_forward, unit_params,
-    # each block compiled, the optimizer stepping on the local shards)
+    # each block compiled, the optimizer stepping on the local shards[, sharded fp32 under bf16 autocast])
     "plain": (False, False, True, 0, False, False),
     "plain_bf16": (False, True, True, 0, False, False),
     "fsdp": (True, False, True, 0, False, False),
@@ -38,6 +39,8 @@ VARIANTS = {
     "fsdp_bf16_keep_gathered": (True, True, False, 0, False, False),
     "fsdp_bf16_one_unit": (True, True, True, UNIT_PARAMS, False, False),
     "fsdp_bf16_defaults": (True, True, True, UNIT_PARAMS, False, True),
+    # `trainer=fsdp` as configured: fp32 weights gathered, bf16 autocast (no FSDP policy), the defaults
+    "fsdp_autocast_defaults": (True, False, True, UNIT_PARAMS, False, True, True),
     "plain_compiled": (False, False, True, 0, True, False),
     "fsdp_compiled": (True, False, True, 0, True, False),
     "fsdp_compiled_defaults": (True, False, True, UNIT_PARAMS, True, True),
@@ -51,6 +54,8 @@ def build(
     unit_params: int,
     compiled: bool,
     local: bool,
+    sharded_autocast: bool = False,
+    *,
     depth: int,
     backend: str = "inductor",
 ) -> tuple[Callable[[], None], int]:
@@ -78,7 +83,7 @@ def build(
     x, y = torch.randn(8, 3, 32, 32), torch.randint(0, 10, (8,))
     # the unsharded bf16 reference computes in bf16 as the bf16 policy does: on this CPU bf16 kernels take
     # their own time (attention's backward most), which the comparison must not count as FSDP's
-    autocast = not shard and bf16
+    autocast = (not shard and bf16) or sharded_autocast
 
     def step() -> None:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
@@ -142,7 +147,9 @@ def main() -> None:
         f"{ms['fsdp_bf16_keep_gathered']:.1f} ms, with one unit for all blocks (the default `unit_params`) "
         f"{ms['fsdp_bf16_one_unit']:.1f} ms, and with AdamW stepping on the local shards too (the template's "
         f"FSDP defaults) {ms['fsdp_bf16_defaults']:.1f} ms, adding {ms['fsdp_bf16_defaults'] - ms['plain_bf16']:.1f} "
-        f"ms; "
+        f"ms; fp32 weights under bf16 autocast with the defaults (trainer=fsdp as configured) "
+        f"{ms['fsdp_autocast_defaults']:.1f} ms, adding {ms['fsdp_autocast_defaults'] - ms['plain_bf16']:.1f} "
+        f"ms ({ops['fsdp_autocast_defaults'] - ops['plain_bf16']:.0f} ops); "
         f"blocks compiled: fp32 FSDP {ms['fsdp_compiled']:.1f} ms, adding "
         f"{ms['fsdp_compiled'] - ms['plain_compiled']:.1f} ms to the same loop compiled alike, "
         f"{ms['fsdp_compiled_defaults'] - ms['plain_compiled']:.1f} ms with the FSDP defaults"
