@@ -19,7 +19,8 @@ And what a thread augmenting the batches ahead of the training thread (`datamodu
 costs a host-bound training step (as a GPU step is for its host: every op a launch): a 12-block tiny ViT's
 step (16 images at 8 px, so the step is dispatch, not arithmetic) with RandAugment + erasing of a 384-image
 batch (4 px) done inline, by a thread two batches ahead, or not at all, interleaved; one intra-op thread, so
-the two threads' ops run on the two cores and share only Python's GIL.
+the two threads' ops run on the two cores and share only Python's GIL. The same step once more while the GPU
+benchmark's stack sampler (bench/probe.py) reads the training thread's stack: what its GIL takes.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from common import (
     time_next_calls,
 )
 from PIL import Image
+from probe import STACK_HZ
 from torch.utils.data import DataLoader, Dataset
 
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
@@ -195,8 +197,13 @@ def augment_cost(args: Any) -> dict[str, Any]:
 def ahead_cost(args: Any) -> dict[str, Any]:
     """Milliseconds per host-bound training step: with the batch already augmented (`bare`), augmented on the
     training thread (`inline`), by a thread ahead of it (`ahead`, vitrain/data/decode_ahead.py as the
-    datamodule runs it); and the augmentation alone on this thread (`augment_alone`)."""
+    datamodule runs it); and the augmentation alone on this thread (`augment_alone`). Then the bare step
+    called from as deep a stack as a Lightning step's while bench/gpu.py's stack sampler reads it (`sampled`,
+    probe.StackSampler at its default rate): what the sampler costs a host-bound step."""
+    import threading
+
     import timm
+    from probe import StackSampler
 
     from vitrain.data.augment import BatchTransform
     from vitrain.data.decode_ahead import decode_ahead
@@ -234,21 +241,32 @@ def ahead_cost(args: Any) -> dict[str, Any]:
             name="augment-ahead",
         )
 
-        def timed(one: Any) -> Any:
+        def timed(one: Any, sampled: bool = False) -> Any:
             def segment() -> float:
+                # `sampled`: the GPU benchmark's stack sampler reading this thread's stack meanwhile
+                sampler = StackSampler(threading.get_ident(), STACK_HZ) if sampled else None
+                if sampler is not None:
+                    sampler.start()
                 start = time.perf_counter()
                 for _ in range(steps):
                     one()
-                return 1000 * (time.perf_counter() - start) / steps
+                ms = 1000 * (time.perf_counter() - start) / steps
+                if sampler is not None:
+                    sampler.finish()
+                return ms
 
             segment()  # warm-up
             return segment
+
+        def deep(n: int, one: Any) -> Any:  # a stack as deep as a Lightning step's (~60 frames)
+            return one() if n == 0 else deep(n - 1, one)
 
         variants = {
             "bare": timed(lambda: step(done)),
             "inline": timed(lambda: step(transform(x, train=True, seed=next(seeds)))),
             "ahead": timed(lambda: step(next(prepared)[0].wait())),
             "augment_alone": timed(lambda: transform(x, train=True, seed=next(seeds))),
+            "sampled": timed(lambda: deep(55, lambda: step(done)), sampled=True),
         }
         runs = interleave(variants, 2 * args.rounds)
         prepared.close()  # its thread ends
@@ -392,6 +410,12 @@ def main() -> None:
         "Python's GIL, which the training thread lets go around every op and must get back while the other "
         "runs Python: most likely where the time goes. So `augment_ahead` is off by default; on a GPU, whose host-bound steps are launches alike, "
         "it is not measured yet (bench/gpu.py's `recipes_ahead`, `seed_ahead`)."
+    )
+    notes.append(
+        f"The GPU benchmark's stack sampler (bench/probe.py, {STACK_HZ} Hz) reading the same bare step's "
+        f"stack from its own thread, the step called 55 frames deep as in Lightning: {ms['sampled']} ms a step "
+        f"against {ms['bare']} ({ms['sampled'] / ms['bare']:.2f}x). Its thread takes the GIL between the "
+        "step's ops, so bench/gpu.py samples the steps after its timed window, not those in it."
     )
     result.save(
         line,

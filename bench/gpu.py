@@ -15,7 +15,8 @@ ms per step), the host's CPU time per step: the training thread's and, on a GPU,
 runs the backward while the training thread waits for it (medians over the window; their sum at or above the
 GPU's ms per step: the host is the limit), and that of the thread that prepares batches ahead where one runs
 (in-memory augmentation, GPU decode), where the training thread's wall time goes (its Python stack sampled
-at 200 Hz over the window: by part of the step, line and function; the other threads' Python and CPU time),
+at 300 Hz over 10 steps after the window: by part of the step, line and function; the other threads' Python
+and CPU time),
 the first step (compile + warm-up) apart, peak memory. Sections run
 in priority order within `--budget` seconds: what does not fit is listed as skipped, with the reason. Without
 CUDA it runs the same code with a tiny model on the CPU and marks every figure "not measured".
@@ -59,7 +60,7 @@ from common import (  # noqa: E402
     train_command,
     train_env,
 )
-from probe import REST, STAGES, backward_threads, gpu_time_shares, threads_cpu_seconds  # noqa: E402
+from probe import REST, STACK_HZ, STAGES, backward_threads, gpu_time_shares, threads_cpu_seconds  # noqa: E402
 
 from vitrain.callbacks.throughput import peak_flops  # noqa: E402
 
@@ -145,7 +146,7 @@ PLANS: dict[str, dict[str, Any]] = {
               "photos": 9600, "budget": 480},
     # the issue's table: every path once, each next to the compiled hand-written loop and the seed
     "table": {"only": "hand,seed,recipes,fsdp_compiled,fsdp_autocast,folder,folder_gpu_decode,streaming_gpu_decode",
-              "steps": 30, "warmup": 6, "photos": 9600, "budget": 480},
+              "steps": 30, "warmup": 6, "photos": 19_200, "budget": 480},
     # towards 40 % MFU: all levers at once, then each alone, each next to the hand-written loop at its batch
     "levers": {"only": "hand,seed_levers,seed_1024,seed_cudagraphs,seed_fp8,hand_fp8",
                "hand_variants": "compiled_patchmm,compiled_patchmm@1024", "steps": 30, "warmup": 6,
@@ -153,7 +154,7 @@ PLANS: dict[str, dict[str, Any]] = {
     # the alternatives to today's defaults, each beside the default measured in `table`
     "alternatives": {"only": "hand,recipes_ahead,seed_ahead,seed_host_data,recipes_stack,fsdp_per_block,"
                      "folder_gpu_decode_inline,recipes_fixed_size,recipes_cudagraphs,"
-                     "streaming,seed_blocks", "steps": 30, "warmup": 6, "photos": 9600, "budget": 480},
+                     "streaming,seed_blocks", "steps": 30, "warmup": 6, "photos": 19_200, "budget": 480},
 }  # fmt: skip
 # hand-written variants `compiled...+NAME`: torch.compile modes, levers measured before the template offers
 # them (autotune: Inductor benchmarks Triton/cuBLAS choices per matmul; cudagraphs: each graph replayed as one
@@ -161,9 +162,11 @@ PLANS: dict[str, dict[str, Any]] = {
 COMPILE_MODES = {"autotune": "max-autotune-no-cudagraphs", "cudagraphs": "reduce-overhead"}
 # template runs: kernels and host ops of this many steps after the timed window (bench/probe.py)
 PROFILE_STEPS = 3
-# template runs: the training thread's Python stack sampled this often over the timed window (probe.StackSampler):
-# where its wall time goes, by line and by function
-STACK_HZ = 200
+# the share of the photos the shards keep for validation
+SHARDS_VAL = 0.03
+# template runs: the training thread's Python stack sampled this often over this many steps after the timed window
+# (probe.StackSampler): where its wall time goes, by line and by function
+STACK_STEPS = 10
 
 
 # ------------------------------------------------------------------------------------------ hand-written
@@ -320,9 +323,12 @@ def _photo(job: tuple[str, str]) -> None:
 
 
 def make_photos(cifar: Path, dst: Path, train: int, val: int, workers: int) -> Path:
-    """train/<class>/ and val/<class>/ of photo-sized JPEGs made from CIFAR-10's training images."""
-    if (dst / "done").is_file():
+    """train/<class>/ and val/<class>/ of photo-sized JPEGs made from CIFAR-10's training images; those of an
+    earlier call on the same machine reused when they were as many."""
+    done = dst / "done"
+    if done.is_file() and done.read_text() == f"{train} {val}":
         return dst
+    shutil.rmtree(dst, ignore_errors=True)
     classes = sorted(p.name for p in (cifar / "train").iterdir() if p.is_dir())
     jobs = []
     for split, count in (("train", train), ("val", val)):
@@ -334,7 +340,7 @@ def make_photos(cifar: Path, dst: Path, train: int, val: int, workers: int) -> P
             jobs += [(str(f), str(dst / split / c / f.name)) for f in files[offset : offset + per_class]]
     with ProcessPoolExecutor(workers) as pool:
         list(pool.map(_photo, jobs, chunksize=64))
-    (dst / "done").write_text("ok")
+    done.write_text(f"{train} {val}")
     return dst
 
 
@@ -377,22 +383,34 @@ class Ctx:
         if self._shards is None:
             from vitrain.data.shards import write_shards
 
-            out = self.work / "shards"
+            out = self.work / f"shards-{self.photo_count()}"  # made anew when the photos are
             if not out.is_dir():
                 write_shards(
-                    self.photos, str(out), val_size=0.03, workers=os.cpu_count(), cache_dir=self.work
+                    self.photos, str(out), val_size=SHARDS_VAL, workers=os.cpu_count(), cache_dir=self.work
                 )
             self._shards = out
         return self._shards
 
+    def photo_batches(self, val_share: float = 0.0) -> int:
+        """Training batches in one epoch of the photos (of the shards made from them, which keep `val_share`
+        of the photos for validation)."""
+        return int(self.photo_count() * (1 - val_share)) // self.args.batch
+
+    def photo_count(self) -> int:
+        return len(list((self.photos / "train").rglob("*.jpg")))
+
     def common(self, name: str, batch: int | None = None, epoch_batches: int | None = None) -> list[str]:
         """The overrides every template section shares; `epoch_batches`: the data's batches per epoch, when
-        fewer than warm-up + timed + profiled steps (the timed window then shrinks to fit one epoch)."""
+        fewer than warm-up + timed + sampled + profiled steps (the timed and sampled windows then shrink to
+        fit one epoch, the sampled one to at most a third of what is left)."""
         a = self.args
         profile = PROFILE_STEPS if not self.cpu else 1
-        steps = a.warmup + a.steps + 1 + profile
+        stack = STACK_STEPS if not self.cpu else 2
+        steps = a.warmup + a.steps + 1 + stack + profile
         if epoch_batches is not None and epoch_batches < steps:
-            if epoch_batches - a.warmup - 1 - profile < 2:
+            left = epoch_batches - a.warmup - 1 - profile
+            stack = min(stack, left // 3)
+            if left - stack < 2:
                 raise RuntimeError(f"{epoch_batches} batches per epoch: too few for the warm-up and a window")
             steps = epoch_batches
         return [
@@ -416,6 +434,7 @@ class Ctx:
                 warmup=a.warmup,
                 sample_gpu=True,
                 profile_steps=profile,
+                stack_steps=stack,
                 stack_hz=STACK_HZ,
             ),
         ]
@@ -581,6 +600,7 @@ def section(ctx: Ctx, name: str, timeout: float) -> dict[str, Any]:
     elif name == "seed_eager":
         extra = [*ctx.cifar_data(), "model.compile=false"]
     elif name in ("folder", "folder_gpu_decode", "folder_gpu_decode_inline"):
+        base = ctx.common(name, epoch_batches=ctx.photo_batches())
         decode = "cuda" if name.startswith("folder_gpu_decode") and not ctx.cpu else "cpu"
         extra = [*ctx.folder_data(in_memory=False), f"datamodule.decode_device={decode}"]
         if name == "folder_gpu_decode_inline":
@@ -588,9 +608,7 @@ def section(ctx: Ctx, name: str, timeout: float) -> dict[str, Any]:
     elif name in ("recipes", "recipes_stack", "recipes_ahead", "recipes_fixed_size", "recipes_cudagraphs"):
         size, patch = (32, 8) if ctx.cpu else (224, 32)
         # the photos held in memory make fewer batches than the other sections' window: the window fits
-        base = ctx.common(
-            name, epoch_batches=len(list((ctx.photos / "train").rglob("*.jpg"))) // ctx.args.batch
-        )
+        base = ctx.common(name, epoch_batches=ctx.photo_batches())
         extra = [
             *ctx.folder_data(in_memory=True),
             "datamodule.auto_augment=rand-m9-n2-mstd0.5",
@@ -630,6 +648,7 @@ def section(ctx: Ctx, name: str, timeout: float) -> dict[str, Any]:
         ]
         base = [o for o in base if o != "trainer=cpu"]
     elif name in ("streaming", "streaming_gpu_decode"):
+        base = ctx.common(name, epoch_batches=ctx.photo_batches(SHARDS_VAL))
         decode = "cuda" if name == "streaming_gpu_decode" and not ctx.cpu else "cpu"
         extra = [
             "datamodule=streaming",
@@ -706,12 +725,13 @@ def stages_table(results: dict[str, Any]) -> list[str]:
         return []
     stages = list(dict.fromkeys([*(stage for stage, _, _ in STAGES), REST]))
     used = [s for s in stages if any(stacks["stages"].get(s) for stacks in rows.values())]
-    hz = next(iter(rows.values()))["hz"]
+    first = next(iter(rows.values()))
     return [
         "",
-        f"Where the training thread's wall time goes: its Python stack sampled at {hz:.0f} Hz over the timed "
-        "window, the share of samples in each part of the step (the innermost frame that names one; "
-        "`stacks` in the details has the lines and functions).",
+        f"Where the training thread's wall time goes: its Python stack sampled at {first['hz']:.0f} Hz over "
+        f"{first.get('steps', 'a few')} steps after the timed window (the sampler slows a host-bound step by "
+        "~10 %, so not in that window), the share of samples in each part of the step (the innermost frame "
+        "that names one; `stacks` in the details has the lines and functions).",
         "",
         f"| path | samples | {' | '.join(used)} |",
         f"| --- | --- |{' --- |' * len(used)}",

@@ -48,8 +48,9 @@ class BenchProbe(Callback):
     - `metrics`: the logged metrics after fit and after test (test/acc1 ...);
     - `window_end`: the index in `step_ends` of the last timed batch (the epoch's last, or the last before
       the profiled ones), and with `profile_steps` `kernels` (gpu_time_shares of the profiled batches);
-    - with `stack_hz`, `stacks`: where the training thread's wall time goes over the timed window, and what
-      Python other threads run meanwhile (`StackSampler.summary`).
+    - with `stack_steps` and `stack_hz`, `stacks`: where the training thread's wall time goes over the
+      `stack_steps` batches after the timed window, and what Python other threads run meanwhile
+      (`StackSampler.summary`).
     """
 
     def __init__(
@@ -59,13 +60,16 @@ class BenchProbe(Callback):
         warmup: int = 0,
         sample_gpu: bool = False,
         profile_steps: int = 0,
-        stack_hz: float = 0.0,
+        stack_steps: int = 0,
+        stack_hz: float | None = None,
     ) -> None:
         self.out = out
-        # Python stacks of the training thread sampled this often over the timed window (0: off). A sample
-        # took ~80 us of the sampler's CPU in a CPU run of the recipes path (4 % of a core at 500 Hz, on a
-        # 2-core Xeon), part of it holding the GIL the training thread needs: at most 1.6 % at 200 Hz
-        self.stack_hz = float(stack_hz)
+        # the `stack_steps` batches after the timed window (before the profiled ones) with the training
+        # thread's Python stack sampled `stack_hz` times a second. Not in the timed window: the sampler
+        # thread takes the GIL the training thread needs between its ops, and on a host-bound step (a 12-block
+        # tiny ViT, on a 2-core Xeon) it made each step ~10 % longer (docs/benchmarks.md section 2,
+        # `host_bound_step_ms_sampled`)
+        self.stack_steps, self.stack_hz = int(stack_steps), float(stack_hz or STACK_HZ)
         self.stacks: StackSampler | None = None
         # the epoch's last `profile_steps` batches run under torch.profiler (host and GPU), after the timed
         # window has ended (a profiler slows the launches that follow it, so it never runs before the window),
@@ -109,13 +113,14 @@ class BenchProbe(Callback):
         self.record["train_start_unix"] = time.time()
 
     def _window_end(self, trainer: L.Trainer) -> int:
-        """Index of the batch that ends the timed window: the epoch's last, or the last before the profile."""
-        return trainer.num_training_batches - 1 - self.profile_steps
+        """Index of the batch that ends the timed window: the epoch's last, or the last before the sampled
+        and profiled ones."""
+        return trainer.num_training_batches - 1 - self.profile_steps - self.stack_steps
 
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if self.profile_steps > 0 and batch_idx == self._window_end(trainer) + 1:
+        if self.profile_steps > 0 and batch_idx == self._window_end(trainer) + self.stack_steps + 1:
             from torch.profiler import ProfilerActivity, profile
 
             activities = [ProfilerActivity.CPU]
@@ -141,11 +146,11 @@ class BenchProbe(Callback):
                 self.sampler.start()
             elif self.sampler is not None and window_end:
                 self.sampler.stop.set()  # the timed window ends here: no validation or saving in it
-        if self.stack_hz > 0 and self.stacks is None and len(steps) == self.warmup and not window_end:
+        if self.stack_steps > 0 and self.stack_hz > 0 and window_end and self.stacks is None:
             self.stacks = StackSampler(threading.get_ident(), self.stack_hz)
             self.stacks.start()
-        elif self.stacks is not None and window_end and "stacks" not in self.record:
-            self.record["stacks"] = self.stacks.finish()
+        elif self.stacks is not None and batch_idx == self._window_end(trainer) + self.stack_steps:
+            self.record["stacks"] = {"steps": self.stack_steps, **self.stacks.finish()}
         if self._profiler is not None and batch_idx == trainer.num_training_batches - 1:
             self._stop_profile(device)
         if not steps:
@@ -194,8 +199,8 @@ class BenchProbe(Callback):
         if self.sampler is not None:
             self.sampler.stop.set()
             self.record["gpu_util_samples"] = self.sampler.samples
-        if self.stacks is not None and "stacks" not in self.record:
-            self.record["stacks"] = self.stacks.finish()
+        if self.stacks is not None and "stacks" not in self.record:  # the epoch ended early
+            self.record["stacks"] = {"steps": self.stack_steps, **self.stacks.finish()}
         if device.type == "cuda":
             self.record["peak_cuda_allocated"] = torch.cuda.max_memory_allocated(device)
             self.record["peak_cuda_reserved"] = torch.cuda.max_memory_reserved(device)
@@ -488,6 +493,8 @@ class GpuUtilSampler(threading.Thread):
                 return
 
 
+#: how often `StackSampler` reads the training thread's stack by default
+STACK_HZ = 300
 #: where a Python thread waits for work or for its next tick (`Event.wait`, `Queue.get`, `select`)
 IDLE_FILES = ("threading.py", "queue.py", "selectors.py")
 

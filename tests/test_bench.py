@@ -77,11 +77,14 @@ def test_benchmark_smoke_writes_json(name: str, tmp_path: Path, tiny_cifar: Path
         ahead = sections["seed_ahead"]["figures"]
         assert ahead["ahead_threads"] == 1 and ahead["ahead_thread_ms_per_step"] > 0
         assert sections["seed"]["figures"]["ahead_threads"] == 0
-        # the training thread's stack sampled over the timed window (a few samples in a smoke's short one)
-        stacks = sections["seed"]["figures"]["stacks"]
-        assert stacks["hz"] == 200 and {"samples", "stages", "self", "inclusive", "other_threads"} <= set(
-            stacks
-        )
+        # the training thread's stack sampled over the steps after the timed window (2 in a smoke), which
+        # kept its 3 timed steps
+        import gpu
+
+        seed = sections["seed"]["figures"]
+        stacks = seed["stacks"]
+        assert stacks["hz"] == gpu.STACK_HZ and stacks["steps"] == 2 and seed["steps_timed"] == 3
+        assert {"samples", "stages", "self", "inclusive", "template", "other_threads"} <= set(stacks)
         assert any(
             "(backward included) + " in line and " ahead |" in line for line in result["details"]["table_md"]
         )
@@ -436,7 +439,7 @@ def test_gpu_table_says_where_each_rows_training_thread_was():
     import gpu
 
     def row(samples: int, stages: dict[str, float]) -> dict[str, Any]:
-        return {"figures": {"stacks": {"samples": samples, "hz": 200.0, "stages": stages}}}
+        return {"figures": {"stacks": {"samples": samples, "hz": 200.0, "steps": 10, "stages": stages}}}
 
     results = {
         "hand": {"figures": {"compiled": {"images_per_s": 10.0}}},
@@ -454,7 +457,7 @@ def test_gpu_table_says_where_each_rows_training_thread_was():
     assert f"| {gpu.WHAT['seed']} | 120 | 0% | 60% | 40% |" in lines
     assert f"| {gpu.WHAT['fsdp']} | 80 | 25% | 75% | 0% |" in lines
     assert not any(gpu.WHAT["recipes"] in line for line in lines)
-    assert "200 Hz" in "".join(lines)
+    assert "200 Hz over 10 steps after the timed window" in "".join(lines)
     assert gpu.stages_table({"seed": row(0, {})}) == []
 
 

@@ -19,8 +19,9 @@ seed (`loaders.Seeded`), not from the global ones, so the batches are bitwise th
 
 The C++ decode and the tensor ops release the GIL while they run, but the thread's Python holds it: on a
 host-bound step the training thread, which lets the GIL go around every op, then waits to get it back. On a
-CPU a thread augmenting ahead lengthened such a step by more than the same work inline
-(docs/benchmarks.md section 2); whether a GPU step gains is for bench/gpu.py's `recipes_ahead` to say.
+CPU a thread augmenting ahead saved at most a seventh of what the same work costs such a step inline, and
+in one run of three cost more (docs/benchmarks.md section 2); whether a GPU step gains is for
+bench/gpu.py's `recipes_ahead` to say.
 
 Nothing here is a DataLoader feature: torch's workers are processes, which cannot hold CUDA tensors, and
 Lightning's prefetching runs on the training thread. The thread starts at the first batch asked for (the

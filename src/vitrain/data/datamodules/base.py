@@ -530,8 +530,9 @@ class ImageDataModule(LightningDataModule):
         """In-memory training: the loader's wrapper that slices and augments `augment_ahead` batches ahead of
         the training thread, in a thread of its own on a CUDA stream of its own (vitrain/data/decode_ahead.py);
         None (the default, 0): the training thread augments each batch (`on_after_batch_transfer`). Off by
-        default: on a CPU a thread doing that work lengthened a host-bound training step more than doing it
-        inline did (docs/benchmarks.md section 2: the GIL); on a GPU, not measured yet."""
+        default: on a CPU a thread doing that work saved a host-bound training step at most a seventh of what
+        it costs inline, and in one run of three cost more (docs/benchmarks.md section 2: the GIL); on a GPU,
+        not measured yet."""
         depth = self.hparams.get("augment_ahead", 0)
         transform = self.device_transform()
         if self.trainer is None or not depth or transform is None:
