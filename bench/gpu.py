@@ -16,10 +16,9 @@ runs the backward while the training thread waits for it (medians over the windo
 GPU's ms per step: the host is the limit), and that of the thread that prepares batches ahead where one runs
 (in-memory augmentation, GPU decode), where the training thread's wall time goes (its Python stack sampled
 at 300 Hz over 10 steps after the window: by part of the step, line and function; the other threads' Python
-and CPU time),
-the first step (compile + warm-up) apart, peak memory. Sections run
-in priority order within `--budget` seconds: what does not fit is listed as skipped, with the reason. Without
-CUDA it runs the same code with a tiny model on the CPU and marks every figure "not measured".
+and CPU time), the first step (compile + warm-up) apart, peak memory. Sections run in priority order within
+`--budget` seconds: what does not fit is listed as skipped, with the reason. Without CUDA it runs the same
+code with a tiny model on the CPU and marks every figure "not measured".
 """
 
 # python bench/gpu.py                     # every section, ~15 minutes on one H100 (--budget 900)

@@ -573,7 +573,7 @@ class StackSampler(threading.Thread):
         inclusive: Counter[str] = Counter()
         stages: Counter[str] = Counter()
         for (line, ids), count in self.stacks.items():
-            stack = tuple((self.codes[i], line if n == 0 else 0) for n, i in enumerate(ids))
+            stack = tuple((self.codes[key], line if depth == 0 else 0) for depth, key in enumerate(ids))
             stages[stage_of(stack)] += count
             if stack:
                 leaf[_where(*stack[0])] += count
@@ -592,7 +592,7 @@ class StackSampler(threading.Thread):
         return {
             "hz": round(1.0 / self.interval, 1),
             "samples": self.samples,
-            # samples where the training thread had no Python frame (never, while it runs the step)
+            # the share of samples that found the training thread (all, while it runs the step)
             "training_thread_share": round(on_stack / samples, 3),
             "stages": {k: round(c / samples, 3) for k, c in stages.most_common()},
             "self": top(leaf),

@@ -369,6 +369,24 @@ def test_stack_sampler_counts_where_the_training_thread_is():
     assert summary["threads_cpu_share"]["augment-ahead"] > 0
 
 
+def test_stack_summary_lists_the_top_n_lines_however_deep_the_stacks():
+    """The summary's lists hold the `n` most frequent entries, each a share of all samples, whatever the
+    depth of the stacks counted (30 lines in one function, 2 frames deep, 3 samples at the first)."""
+    from probe import StackSampler
+
+    sampler = StackSampler(0, hz=100)
+    inner = compile("def inner(): pass", "/x/site-packages/timm/layers/mlp.py", "exec").co_consts[0]
+    outer = compile("def run(): pass", "/x/site-packages/lightning/loop.py", "exec").co_consts[0]
+    sampler.codes = {id(inner): inner, id(outer): outer}
+    for line in range(30):
+        sampler.stacks[(line, (id(inner), id(outer)))] = 3 if line == 0 else 1
+    sampler.samples = 32
+    summary = sampler.summary(n=25)
+    assert len(summary["self"]) == 25
+    assert summary["self"][0] == {"where": "timm/layers/mlp.py:0 inner", "share": round(3 / 32, 3)}
+    assert summary["inclusive"] == []  # both functions on every sample
+
+
 def test_sampled_stacks_are_told_apart_by_part_of_the_step():
     """A sampled stack's part of the step is its innermost frame that names one: an FSDP2 hook inside the
     forward is FSDP's, the forward inside Lightning's optimizer closure is the forward's, the backward's wait

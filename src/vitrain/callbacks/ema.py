@@ -106,8 +106,9 @@ class ShardedEMA:
 
 class AveragePairs:
     """An `AveragedModel`'s tensors and the model's they follow, listed once for all its updates: listing,
-    detaching and sorting ViT-B's 152 of them at every step was ~1 ms of the training thread's time a step
-    (a 2-core Xeon; docs/benchmarks.md section 1), host time a GPU step waits for where the host is the limit.
+    detaching and sorting ViT-B's 152 of them at every step was 1.5 ms of the training thread's time a step
+    on a 2-core Xeon, 0.13 ms now (docs/benchmarks.md section 1): host time a GPU step waits for where the
+    host is the limit.
     The lists stay right through a fit: Lightning swaps and loads the values of both models in place, and
     updates run under no_grad, where parameters take in-place ops without being detached."""
 
