@@ -11,23 +11,28 @@ with all twelve blocks in one unit (what `trainer.strategy.unit_params`, default
 85 M parameters), with that and AdamW stepping on the local shards (`steps_on_local_shards`: the template's
 FSDP defaults); those defaults without the bf16 policy, fp32 weights gathered and the step under bf16
 autocast (`trainer=fsdp` as configured; compared with the bf16 plain loop), and with each block compiled (`model.compile=true` under FSDP compiles
-block by block; compared with the plain loop's blocks compiled alike). Variants are interleaved (A, B, B, A, ...), each segment timing a few
+block by block; compared with the plain loop's blocks compiled alike). The `_list` variants hand the group of
+all blocks to FSDP2 as the list of its blocks, each then hooked by FSDP2 (the template until 2026-11-30),
+where the template now hands it their container (`fsdp.group_module`). Variants are interleaved (A, B, B, A, ...), each segment timing a few
 steps; the figure is each variant's median ms per step, and the top-level aten ops per step (torch.profiler:
 on a GPU each is at least one kernel launch).
 """
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
 from collections.abc import Callable
+from unittest import mock
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from common import Result, interleave, median, parse_args, top_level_ops
 
-from vitrain.distributed.fsdp import UNIT_PARAMS, apply_fsdp
+from vitrain.distributed import fsdp
+from vitrain.distributed.fsdp import UNIT_PARAMS
 
 VARIANTS = {
     # name: (shard, bf16: FSDP's policy when sharded, else autocast; reshard_after_forward, unit_params,
@@ -41,9 +46,13 @@ VARIANTS = {
     "fsdp_bf16_defaults": (True, True, True, UNIT_PARAMS, False, True),
     # `trainer=fsdp` as configured: fp32 weights gathered, bf16 autocast (no FSDP policy), the defaults
     "fsdp_autocast_defaults": (True, False, True, UNIT_PARAMS, False, True, True),
+    # the same with the group of all blocks handed to FSDP2 as a list of blocks, hooked one by one (the
+    # template until 2026-11-30), not as their container
+    "fsdp_autocast_defaults_list": (True, False, True, UNIT_PARAMS, False, True, True, True),
     "plain_compiled": (False, False, True, 0, True, False),
     "fsdp_compiled": (True, False, True, 0, True, False),
     "fsdp_compiled_defaults": (True, False, True, UNIT_PARAMS, True, True),
+    "fsdp_compiled_defaults_list": (True, False, True, UNIT_PARAMS, True, True, False, True),
 }
 
 
@@ -55,6 +64,7 @@ def build(
     compiled: bool,
     local: bool,
     sharded_autocast: bool = False,
+    as_list: bool = False,
     *,
     depth: int,
     backend: str = "inductor",
@@ -72,9 +82,13 @@ def build(
         for block in net.blocks:
             block.compile(backend=backend)
     if shard:  # the template's own sharding (which unit keeps its weights gathered included)
-        apply_fsdp(net, init_device_mesh("cpu", (1,)), units=list(net.blocks),
-                   mixed_precision="bf16" if bf16 else None, reshard_after_forward=reshard,
-                   unit_params=unit_params)  # fmt: skip
+        # as_list: no container found for a group, so FSDP2 gets the list of its blocks
+        with (
+            mock.patch.object(fsdp, "sequential_of", lambda *_: None) if as_list else contextlib.nullcontext()
+        ):
+            fsdp.apply_fsdp(net, init_device_mesh("cpu", (1,)), units=list(net.blocks),
+                            mixed_precision="bf16" if bf16 else None, reshard_after_forward=reshard,
+                            unit_params=unit_params)  # fmt: skip
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-4, fused=True)
     if local:
         from vitrain.distributed.local_step import steps_on_local_shards
@@ -137,6 +151,14 @@ def main() -> None:
     ms = {name: median(values) for name, values in times.items()}
     ops = {name: ops_per_step(step) for name, step in variants.items()}
     dist.destroy_process_group()
+    # the container against the list, round by round (each pair ran back to back): robust to a busy machine
+    saved = {
+        kind: [
+            a - b
+            for a, b in zip(times[f"fsdp_{kind}_defaults_list"], times[f"fsdp_{kind}_defaults"], strict=True)
+        ]
+        for kind in ("compiled", "autocast")
+    }
     added = ms["fsdp_bf16"] - ms["plain_bf16"]
     added_fp32 = ms["fsdp"] - ms["plain"]
     line = (
@@ -152,7 +174,14 @@ def main() -> None:
         f"ms ({ops['fsdp_autocast_defaults'] - ops['plain_bf16']:.0f} ops); "
         f"blocks compiled: fp32 FSDP {ms['fsdp_compiled']:.1f} ms, adding "
         f"{ms['fsdp_compiled'] - ms['plain_compiled']:.1f} ms to the same loop compiled alike, "
-        f"{ms['fsdp_compiled_defaults'] - ms['plain_compiled']:.1f} ms with the FSDP defaults"
+        f"{ms['fsdp_compiled_defaults'] - ms['plain_compiled']:.1f} ms with the FSDP defaults; the defaults' "
+        f"group of all blocks sharded as their container, not as a list of blocks: "
+        f"{median(saved['compiled']):.1f} ms a step less with the blocks compiled ({ms['fsdp_compiled_defaults']:.1f} "
+        f"vs {ms['fsdp_compiled_defaults_list']:.1f}; less in {sum(d > 0 for d in saved['compiled'])} of "
+        f"{rounds} rounds), {median(saved['autocast']):.1f} ms less eager under autocast "
+        f"({ms['fsdp_autocast_defaults']:.1f} vs {ms['fsdp_autocast_defaults_list']:.1f}; less in "
+        f"{sum(d > 0 for d in saved['autocast'])} of {rounds}), the same ops per step "
+        f"({ops['fsdp_compiled_defaults']:.0f} vs {ops['fsdp_compiled_defaults_list']:.0f})"
     )
     result.save(
         line,
@@ -160,6 +189,8 @@ def main() -> None:
             **{f"{name}_ms_per_step": round(v, 2) for name, v in ms.items()},
             **{f"{name}_ops_per_step": round(v) for name, v in ops.items()},
             "parameter_tensors": params,
+            # median of the rounds' paired differences, list minus container
+            **{f"container_saves_{kind}_ms_per_step": round(median(d), 2) for kind, d in saved.items()},
         },
         notes=[
             "Host time on this CPU, one thread: a GPU's host adds a kernel launch per op and runs FSDP's "
@@ -167,6 +198,9 @@ def main() -> None:
             "grows (per parameter tensor, per all-gather) and what each option removes.",
             "Compiling each block shrinks the network's own host work (fewer eager ops) but not FSDP2's: its "
             "hooks, all-gathers and gradient reduction run between the compiled blocks, eagerly, either way.",
+            "The group of all blocks as their container or as a list: the same all-gather, reduce-scatter and "
+            "ops; what the list adds is FSDP2's Python hooks on every block (pre- and post-forward, and the "
+            "backward hooks registered on each block's output every step), which the container runs once.",
         ],
         segments_ms=times,
         depth=depth,

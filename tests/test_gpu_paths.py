@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import traceback
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ from vitrain.distributed.fsdp import FSDP2Strategy, gather_for_eval, hybrid_mesh
 from vitrain.distributed.local_step import steps_on_local_shards
 from vitrain.distributed.parallelize import parallelize
 from vitrain.models.timm_net import create_net
-from warm import warm_forkserver
+from warm import run_script, warm_forkserver
 
 WORLD = 2
 NET = {
@@ -56,6 +57,7 @@ PREFETCH_RUNS = {
     "2+ac": {"prefetch": 2, "activation_checkpointing": True},
     # the blocks sharded in groups (`unit_params`): all four as one, and two groups of two with prefetching
     "one_group": {"unit_params": 10**9},
+    "one_group+ac": {"unit_params": 10**9, "activation_checkpointing": True},
     "groups_of_2+1": {"unit_params": "2 blocks", "prefetch": 1},
 }
 
@@ -79,6 +81,57 @@ class MeshOnly:
 def seeded_net(depth: int = NET["depth"]) -> torch.nn.Module:
     torch.manual_seed(42)  # what L.seed_everything(cfg.seed) does on every rank before the model is built
     return create_net({**NET, "depth": depth}, None)
+
+
+def group_state(net: torch.nn.Module, block: torch.nn.Module) -> Any:
+    """The FSDP state that gathers `block`'s weights: its own, or that of the container sharded as its group."""
+    owner = (
+        block
+        if fsdp.is_sharded(block)
+        else next(
+            m
+            for m in net.modules()
+            if fsdp.is_sharded(m) and m is not net and any(c is block for c in m.children())
+        )
+    )
+    return owner._get_fsdp_state()
+
+
+def hooked(net: torch.nn.Module) -> list[str]:
+    """The modules FSDP2 hooks (its sharded modules), by name."""
+    return [name for name, m in net.named_modules() if fsdp.is_sharded(m)]
+
+
+class Looping(torch.nn.Module):
+    """Blocks in an `nn.Sequential` that the forward calls (`loop=False`) or iterates over itself, as timm's
+    ViT does when given an attention mask (`loop=True`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = torch.nn.Linear(4, 8)
+        self.blocks = torch.nn.Sequential(
+            *(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU()) for _ in range(3))
+        )
+        self.head = torch.nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor, loop: bool = False) -> torch.Tensor:
+        x = self.stem(x)
+        if loop:
+            for block in self.blocks:
+                x = block(x)
+        else:
+            x = self.blocks(x)
+        return self.head(x)
+
+
+class Iterating(Looping):
+    """Blocks in an `nn.Sequential` its forward only iterates over (timm's NaFlexViT)."""
+
+    def forward(self, x: torch.Tensor, loop: bool = True) -> torch.Tensor:
+        x = self.stem(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
 
 
 def _check(results: dict[str, Any], name: str, fn: Any) -> None:
@@ -167,8 +220,8 @@ def _worker(rank: int, store: str, out: str) -> None:
                         setattr(dist, GATHER, original)
                     reshard_after_eval(net, True)
             state = {k: v.full_tensor() for k, v in net.state_dict().items()}
-            groups = len({id(block._get_fsdp_state()) for block in net.blocks})
-            runs[name] = {"losses": losses, "state": state, "block_groups": groups}
+            groups = len({id(group_state(net, block)) for block in net.blocks})
+            runs[name] = {"losses": losses, "state": state, "block_groups": groups, "hooked": hooked(net)}
         reference = runs["0"]["state"]
         for run in runs.values():
             state = run.pop("state")
@@ -307,6 +360,35 @@ def _worker(rank: int, store: str, out: str) -> None:
             }
         return out
 
+    def container_or_list() -> dict[str, Any]:
+        """One group of all blocks: the container the model calls is what FSDP hooks, a container the model only
+        iterates leaves its blocks hooked one by one; both train to the same numbers. A model whose code calls
+        the container but that iterates it at run time gets the one-line error."""
+        out: dict[str, Any] = {}
+        for cls in (Looping, Iterating):
+            torch.manual_seed(0)
+            net = cls()
+            fsdp.apply_fsdp(net, mesh, units=list(net.blocks), unit_params=10**9)
+            optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+            torch.manual_seed(100 + rank)
+            losses = []
+            for _ in range(2):
+                loss = net(torch.randn(4, 4)).square().mean()
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                losses.append(loss.item())
+            out[cls.__name__] = {"hooked": hooked(net), "losses": losses}
+        try:
+            net = Looping()
+            fsdp.apply_fsdp(net, mesh, units=list(net.blocks), unit_params=10**9)
+            net(torch.randn(4, 4), loop=True)
+        except RuntimeError as err:
+            problem = fsdp.bypassed_group(net, err)
+            out["bypassed"] = str(problem)
+        return out
+
+    _check(results, "container_or_list", container_or_list)
     _check(results, "local_steps", local_optimizer_steps)
     _check(results, "prefetch_math", prefetch_changes_no_number)
     for prefetch in (0, 1, 2):
@@ -369,8 +451,92 @@ def test_fsdp_prefetch_changes_no_number_and_evaluation_gathers_nothing(two_rank
             assert run["losses"] == runs["0"]["losses"], name
             assert run["equal"], f"prefetch {name}: the weights differ"
         groups = {name: run["block_groups"] for name, run in runs.items()}
-        assert groups == {"0": 4, "1": 4, "2": 4, "2+ac": 4, "one_group": 1, "groups_of_2+1": 2}
+        assert groups == {
+            "0": 4, "1": 4, "2": 4, "2+ac": 4, "one_group": 1, "one_group+ac": 1, "groups_of_2+1": 2
+        }  # fmt: skip
+        # one group of all blocks is their container, the one module FSDP2 hooks for them; with activation
+        # checkpointing too (the container's children are then the checkpoint wrappers)
+        assert runs["one_group"]["hooked"] == runs["one_group+ac"]["hooked"] == ["", "blocks"]
+        assert runs["groups_of_2+1"]["hooked"] == ["", "blocks.0", "blocks.1", "blocks.2", "blocks.3"]
     assert two_ranks[0]["prefetch_math"]["0"]["losses"] != two_ranks[1]["prefetch_math"]["0"]["losses"]
+
+
+def test_fsdp_one_group_is_the_container_the_model_calls(two_ranks: list[dict[str, Any]]):
+    """All blocks in one group (the default `unit_params` for ViT-B): FSDP2 hooks the `nn.Sequential` the model
+    calls, not each block (fewer hooks a step: docs/benchmarks.md 4b); a model that iterates its container
+    keeps the blocks hooked as a list, with the same losses; one that iterates a container its code also
+    calls gets a one-line error saying what to set."""
+    for rank in two_ranks:
+        result = _ok(rank["container_or_list"])
+        assert result["Looping"]["hooked"] == ["", "blocks"]
+        assert result["Iterating"]["hooked"] == ["", "blocks.0", "blocks.1", "blocks.2"]
+        assert result["Looping"]["losses"] == result["Iterating"]["losses"]
+        assert result["bypassed"] == (
+            "trainer=fsdp: the model runs the blocks in `blocks` without calling `blocks`, which FSDP shards as "
+            "one group (trainer.strategy.unit_params): set trainer.strategy.unit_params=0 (each block its own "
+            "group)"
+        )
+
+
+BYPASSING_FIT = """
+import lightning as L, torch
+from torch import nn
+from vitrain.distributed.fsdp import FSDP2Strategy
+from vitrain.distributed.parallelize import parallelize
+from vitrain.errors import ModelError
+
+
+class Looping(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.Sequential(*(nn.Sequential(nn.Linear(4, 4), nn.GELU()) for _ in range(3)))
+
+    def forward(self, x, loop=False):
+        if not loop:
+            return self.blocks(x)
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+class Task(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = Looping()
+
+    def configure_model(self):
+        parallelize(self.net, self.trainer.strategy)
+
+    def training_step(self, batch, batch_idx):
+        return self.net(batch, loop=True).square().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+trainer = L.Trainer(strategy=FSDP2Strategy(), accelerator="cpu", devices=1, max_steps=1, logger=False,
+                    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+try:
+    trainer.fit(Task(), torch.utils.data.DataLoader(torch.randn(8, 4), batch_size=4))
+except ModelError as err:
+    print(err)
+"""
+
+
+def test_fsdp_strategy_names_a_bypassed_group(tmp_path: Path):
+    """Through Lightning: the strategy's training step turns DTensor's complaint into the one-line error (the
+    template's entry points print a ModelError as one line and exit 2)."""
+    script = tmp_path / "bypassing_fit.py"
+    script.write_text(BYPASSING_FIT)
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    done = run_script([script], env, cwd=tmp_path, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == (
+        "trainer=fsdp: the model runs the blocks in `net.blocks` without calling `net.blocks`, which FSDP "
+        "shards as one group (trainer.strategy.unit_params): set trainer.strategy.unit_params=0 (each block "
+        "its own group)"
+    ), done.stdout[-2000:]
 
 
 def test_fsdp_prefetch_lists_and_early_all_gathers(two_ranks: list[dict[str, Any]]):
@@ -402,7 +568,7 @@ def test_backward_starts_with_the_root_and_last_block_gathered(two_ranks: list[d
         assert rank["kept_gathered"] == {
             "resnet_bf16": ["", "layer4"],
             # one group of all blocks: it is the last, kept whatever reshard_after_forward says
-            "vit_one_group": ["", "blocks.0", "blocks.1", "blocks.2", "blocks.3"],
+            "vit_one_group": ["", "blocks"],
             "vit_groups_of_2": ["", "blocks.2", "blocks.3"],
         }, rank["kept_gathered"]
 

@@ -157,7 +157,8 @@ def test_vit_resnet_convnext_train_on_two_processes(
         for r in ranks:
             assert r["world_size"] == 2 and r["global_step"] == 1 and r["finite"], (family, r)
             if strategy == "fsdp":
-                assert r["sharded_units"] > 2 and r["dtensor_params"] > 0 and r["local_step"], (family, r)
+                # ViT's blocks one group, sharded as their container: root + blocks at least
+                assert r["sharded_units"] >= 2 and r["dtensor_params"] > 0 and r["local_step"], (family, r)
             else:
                 assert r["sharded_units"] == 0 and not r["local_step"]
 

@@ -8,7 +8,9 @@ built afterwards from the sharded (DTensor) parameters: each rank keeps only its
 gradients and AdamW moments. GPU specifics (what a CPU test cannot show): docs/gpu.md.
 """
 
+import inspect
 import logging
+import re
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -23,8 +25,10 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 from vitrain.compat import META_FILENAME, set_data_parallel_size
+from vitrain.errors import ModelError
 
 # checkpoint entries other than `state_dict` that hold sharded weights: EMA's raw weights (callbacks/ema.py)
 SHARDED_ENTRIES = ("current_model_state",)
@@ -149,9 +153,9 @@ def apply_fsdp(
         shard_batch_norms_fp32(model, mesh)
     units = shard_units(model) if units is None else units
     groups = group_units(units, unit_params)
-    for group in groups:
-        # a list: one group for FSDP2, gathered before the first of them runs, resharded after the last
-        fully_shard(group if len(group) > 1 else group[0], mesh=mesh, mp_policy=block_policy)
+    sharded_as = [group_module(model, group) for group in groups]
+    for target in sharded_as:
+        fully_shard(target, mesh=mesh, mp_policy=block_policy)
     fully_shard(model, mesh=mesh, mp_policy=root_policy)
     if len(groups) < len(units):
         log.info(
@@ -163,8 +167,80 @@ def apply_fsdp(
         )
     set_training_resharding(model, reshard_after_forward)
     # a group's modules share one FSDP state: its first stands for it
-    set_prefetching(model, [group[0] for group in groups], prefetch)
+    set_prefetching(model, [t if isinstance(t, nn.Module) else t[0] for t in sharded_as], prefetch)
     return model
+
+
+def group_module(model: nn.Module, group: list[nn.Module]) -> nn.Module | list[nn.Module]:
+    """What `fully_shard` takes for one group: its unit; the `nn.Sequential` whose children the group is
+    (a ViT's `blocks` under the default `unit_params`); else the list of its units.
+
+    Why the container: FSDP2 hooks every module it is handed. A list of 12 blocks runs 12 pre-forward and
+    post-forward hooks and registers 12 pre- and post-backward hooks a step, where the container that calls
+    them runs one of each, for the same all-gather, reduce-scatter and ops. On a CPU (ViT-B's 152 tensors,
+    the blocks compiled) FSDP then adds 7.9 ms a step instead of 10.5 (docs/benchmarks.md 4b, the `_list`
+    variants). A model that iterates over the container instead of calling it (timm's NaFlexViT) would
+    bypass its hooks: `sequential_of` reads the model's code for a call, and `bypassed_group` names the
+    case it misses in one line."""
+    if len(group) == 1:
+        return group[0]
+    container = sequential_of(model, group)
+    if container is None:
+        return group  # one FSDP group all the same: gathered before its first unit, resharded after its last
+    container._vitrain_fsdp_group = True
+    return container
+
+
+def sequential_of(root: nn.Module, modules: list[nn.Module]) -> nn.Module | None:
+    """The `nn.Sequential` in `root` whose children are exactly `modules`, in order, and whose own call runs
+    them; None for fewer than two modules, under timm's grad checkpointing (`checkpoint_seq` calls each
+    child, never the container), or where the module holding the container does not call it in its code
+    (`calls`): timm's NaFlexViT and SwinV2-CR stages loop over their `nn.Sequential` of blocks."""
+    if len(modules) < 2 or getattr(root, "grad_checkpointing", False):
+        return None
+    for parent in root.modules():
+        for name, container in parent.named_children():
+            children = list(container.children())
+            if (
+                isinstance(container, nn.Sequential)
+                and len(children) == len(modules)
+                and all(a is b for a, b in zip(children, modules, strict=True))
+            ):
+                return container if calls(parent, name) else None
+    return None
+
+
+def calls(parent: nn.Module, name: str) -> bool:
+    """Whether a method of `parent` (as its class resolves them, torch's own left out) calls its child `name`
+    as `self.<name>(`. Read from the source because nothing else tells before the first forward whether a
+    model calls its container or iterates over it; source that cannot be read counts as no call."""
+    pattern = re.compile(rf"\bself\.{re.escape(name)}\(")
+    for _, method in inspect.getmembers(type(parent), inspect.isfunction):
+        if method.__module__.startswith("torch."):
+            continue
+        try:
+            if pattern.search(inspect.getsource(method)):
+                return True
+        except (OSError, TypeError):
+            continue
+    return False
+
+
+def bypassed_group(model: nn.Module, err: BaseException) -> ModelError | None:
+    """The error to raise instead of `err` (DTensor's complaint about a plain tensor met by a sharded
+    weight) when a container sharded as a group (`group_module`) still holds its shards: the model ran its
+    blocks without calling it. None otherwise."""
+    if not isinstance(err, RuntimeError) or "DTensor" not in str(err):
+        return None
+    for name, module in model.named_modules():
+        weight = next(module.parameters(), None)
+        if getattr(module, "_vitrain_fsdp_group", False) and isinstance(weight, DTensor):
+            return ModelError(
+                f"trainer=fsdp: the model runs the blocks in `{name}` without calling `{name}`, which FSDP "
+                "shards as one group (trainer.strategy.unit_params): set trainer.strategy.unit_params=0 (each "
+                "block its own group)"
+            )
+    return None
 
 
 def valid_prefetch(prefetch: Any) -> bool:
@@ -379,6 +455,17 @@ class FSDP2Strategy(ModelParallelStrategy):
         if self.global_rank == 0:
             torch.save(checkpoint, path / META_FILENAME)
         return None
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().training_step(*args, **kwargs)
+        except RuntimeError as err:
+            problem = (
+                bypassed_group(self.lightning_module, err) if self.lightning_module is not None else None
+            )
+            if problem is None:
+                raise
+            raise problem from err
 
     # evaluation gathers the weights once: ranks with different numbers of batches never wait on each other
     def on_validation_start(self) -> None:

@@ -31,7 +31,7 @@ from torch import nn
 
 from vitrain.compat import checkpoint_wrapper
 from vitrain.distributed.drop_path import uniform_drop_paths
-from vitrain.distributed.fsdp import apply_fsdp, is_sharded, transformer_blocks
+from vitrain.distributed.fsdp import apply_fsdp, is_sharded, sequential_of, transformer_blocks
 
 log = logging.getLogger(__name__)
 
@@ -135,13 +135,7 @@ def unit_stack(root: nn.Module, units: list[nn.Module]) -> nn.Module | None:
     (units spread over stages, a `ModuleList` looped over in the model's own forward, other children beside
     them, or timm's grad checkpointing on, whose `checkpoint_seq` calls each child, never the container):
     what `compile_scope=stack` compiles as one graph."""
-    twins = twin_units(units)
-    if len(twins) < 2 or getattr(root, "grad_checkpointing", False):
-        return None
-    for container in root.modules():
-        if isinstance(container, nn.Sequential) and list(container.children()) == twins:
-            return container
-    return None
+    return sequential_of(root, twin_units(units))
 
 
 def twin_units(units: list[nn.Module]) -> list[nn.Module]:
