@@ -11,7 +11,9 @@ with all twelve blocks in one unit (what `trainer.strategy.unit_params`, default
 85 M parameters), with that and AdamW stepping on the local shards (`steps_on_local_shards`: the template's
 FSDP defaults); those defaults without the bf16 policy, fp32 weights gathered and the step under bf16
 autocast (`trainer=fsdp` as configured; compared with the bf16 plain loop), and with each block compiled (`model.compile=true` under FSDP compiles
-block by block; compared with the plain loop's blocks compiled alike). The `_list` variants hand the group of
+block by block; compared with the plain loop's blocks compiled alike), and with the blocks' container compiled
+as one graph instead (`_stack`: what `compile_scope=auto` takes under FSDP where all blocks are one group
+sharded as their container). The `_list` variants hand the group of
 all blocks to FSDP2 as the list of its blocks, each then hooked by FSDP2 (the template until 2026-11-30),
 where the template now hands it their container (`fsdp.group_module`). Variants are interleaved (A, B, B, A, ...), each segment timing a few
 steps; the figure is each variant's median ms per step, and the top-level aten ops per step (torch.profiler:
@@ -33,10 +35,12 @@ from common import Result, interleave, median, parse_args, top_level_ops
 
 from vitrain.distributed import fsdp
 from vitrain.distributed.fsdp import UNIT_PARAMS
+from vitrain.distributed.parallelize import BlockStack
 
 VARIANTS = {
     # name: (shard, bf16: FSDP's policy when sharded, else autocast; reshard_after_forward, unit_params,
-    # each block compiled, the optimizer stepping on the local shards[, sharded fp32 under bf16 autocast])
+    # compiled (True: each block; "stack": their container), the optimizer stepping on the local shards[,
+    # sharded fp32 under bf16 autocast[, the group of all blocks as a list]])
     "plain": (False, False, True, 0, False, False),
     "plain_bf16": (False, True, True, 0, False, False),
     "fsdp": (True, False, True, 0, False, False),
@@ -53,6 +57,10 @@ VARIANTS = {
     "fsdp_compiled": (True, False, True, 0, True, False),
     "fsdp_compiled_defaults": (True, False, True, UNIT_PARAMS, True, True),
     "fsdp_compiled_defaults_list": (True, False, True, UNIT_PARAMS, True, True, False, True),
+    # the blocks' container compiled as one graph (`compile_scope=stack`, what `auto` now takes under FSDP where
+    # all blocks are one group sharded as it), on the plain loop and under the FSDP defaults
+    "plain_compiled_stack": (False, False, True, 0, "stack", False),
+    "fsdp_compiled_stack_defaults": (True, False, True, UNIT_PARAMS, "stack", True),
 }
 
 
@@ -61,7 +69,7 @@ def build(
     bf16: bool,
     reshard: bool,
     unit_params: int,
-    compiled: bool,
+    compiled: bool | str,
     local: bool,
     sharded_autocast: bool = False,
     as_list: bool = False,
@@ -78,7 +86,10 @@ def build(
         "vit_tiny_patch16_224", img_size=32, patch_size=8, embed_dim=32, depth=depth, num_heads=2,
         num_classes=10,
     )  # fmt: skip
-    if compiled:  # before sharding, as vitrain/distributed/parallelize.py orders it (no drop path here)
+    if compiled == "stack":  # the container as one graph, as `compile_scope=stack` compiles it
+        net.blocks.__class__ = BlockStack
+        net.blocks.compile(backend=backend)
+    elif compiled:  # before sharding, as vitrain/distributed/parallelize.py orders it (no drop path here)
         for block in net.blocks:
             block.compile(backend=backend)
     if shard:  # the template's own sharding (which unit keeps its weights gathered included)
@@ -159,6 +170,16 @@ def main() -> None:
         ]
         for kind in ("compiled", "autocast")
     }
+    # one graph for the blocks against one per block, round by round
+    stack_saves = {
+        "plain": [a - b for a, b in zip(times["plain_compiled"], times["plain_compiled_stack"], strict=True)],
+        "fsdp": [
+            a - b
+            for a, b in zip(
+                times["fsdp_compiled_defaults"], times["fsdp_compiled_stack_defaults"], strict=True
+            )
+        ],
+    }
     added = ms["fsdp_bf16"] - ms["plain_bf16"]
     added_fp32 = ms["fsdp"] - ms["plain"]
     line = (
@@ -181,7 +202,12 @@ def main() -> None:
         f"{rounds} rounds), {median(saved['autocast']):.1f} ms less eager under autocast "
         f"({ms['fsdp_autocast_defaults']:.1f} vs {ms['fsdp_autocast_defaults_list']:.1f}; less in "
         f"{sum(d > 0 for d in saved['autocast'])} of {rounds}), the same ops per step "
-        f"({ops['fsdp_compiled_defaults']:.0f} vs {ops['fsdp_compiled_defaults_list']:.0f})"
+        f"({ops['fsdp_compiled_defaults']:.0f} vs {ops['fsdp_compiled_defaults_list']:.0f}); the blocks' "
+        f"container compiled as one graph instead of each block: {median(stack_saves['fsdp']):.1f} ms a step less "
+        f"under the FSDP defaults ({ms['fsdp_compiled_stack_defaults']:.1f} vs {ms['fsdp_compiled_defaults']:.1f}; "
+        f"less in {sum(d > 0 for d in stack_saves['fsdp'])} of {rounds}), {median(stack_saves['plain']):.1f} ms "
+        f"on the plain loop ({ms['plain_compiled_stack']:.1f} vs {ms['plain_compiled']:.1f}; less in "
+        f"{sum(d > 0 for d in stack_saves['plain'])} of {rounds})"
     )
     result.save(
         line,
@@ -191,6 +217,7 @@ def main() -> None:
             "parameter_tensors": params,
             # median of the rounds' paired differences, list minus container
             **{f"container_saves_{kind}_ms_per_step": round(median(d), 2) for kind, d in saved.items()},
+            **{f"stack_saves_{kind}_ms_per_step": round(median(d), 2) for kind, d in stack_saves.items()},
         },
         notes=[
             "Host time on this CPU, one thread: a GPU's host adds a kernel launch per op and runs FSDP's "

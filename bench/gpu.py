@@ -74,6 +74,7 @@ SECTIONS: dict[str, int] = {
     "fsdp": 110,
     "fsdp_compiled": 110,
     "fsdp_per_block": 110,
+    "fsdp_blocks": 110,
     "fsdp_autocast": 110,
     "recipes": 200,
     "recipes_ahead": 200,
@@ -128,11 +129,14 @@ WHAT = {
     "recipes_ahead": "recipes with `datamodule.augment_ahead=2` (a thread slices and augments the batches two ahead "
     "of the training thread)",
     "fsdp": "`trainer=fsdp` on 1 GPU, bf16 FSDP policy",
-    "fsdp_compiled": "`trainer=fsdp` on 1 GPU, bf16 FSDP policy, `model.compile=true` (each block)",
+    "fsdp_compiled": "`trainer=fsdp` on 1 GPU, bf16 FSDP policy, `model.compile=true` (the blocks' container, "
+    "FSDP's one group, as one graph)",
     "fsdp_autocast": "`trainer=fsdp` on 1 GPU as configured (fp32 weights gathered, bf16 autocast: "
-    "`trainer.precision=auto`, no FSDP policy), `model.compile=true` (each block)",
-    "fsdp_per_block": "fsdp_compiled with `trainer.strategy.unit_params=0` (each block its own FSDP group, the "
-    "default before 2026-11-27's tenth session; the default groups ViT-B's 12 blocks as one)",
+    "`trainer.precision=auto`, no FSDP policy), `model.compile=true` (the blocks' container as one graph)",
+    "fsdp_blocks": "fsdp_compiled with `model.compile_scope=blocks` (the one group's blocks compiled one by "
+    "one, as before 2026-11-30's twenty-eighth session)",
+    "fsdp_per_block": "fsdp_compiled with `trainer.strategy.unit_params=0` (each block its own FSDP group and "
+    "graph, the default before 2026-11-27's tenth session; the default groups ViT-B's 12 blocks as one)",
     "streaming": "`datamodule=streaming` (litdata shards of the photos), CPU decode in workers",
     "streaming_gpu_decode": "`datamodule=streaming`, `decode_device=cuda` (nvJPEG)",
 }
@@ -151,8 +155,8 @@ PLANS: dict[str, dict[str, Any]] = {
                "hand_variants": "compiled_patchmm,compiled_patchmm@1024", "steps": 30, "warmup": 6,
                "budget": 480},
     # the alternatives to today's defaults, each beside the default measured in `table`
-    "alternatives": {"only": "hand,recipes_ahead,seed_ahead,seed_host_data,recipes_stack,fsdp_per_block,"
-                     "folder_gpu_decode_inline,recipes_fixed_size,recipes_cudagraphs,"
+    "alternatives": {"only": "hand,recipes_ahead,seed_ahead,seed_host_data,recipes_stack,fsdp_blocks,"
+                     "fsdp_per_block,folder_gpu_decode_inline,recipes_fixed_size,recipes_cudagraphs,"
                      "streaming,seed_blocks", "steps": 30, "warmup": 6, "photos": 19_200, "budget": 480},
 }  # fmt: skip
 # hand-written variants `compiled...+NAME`: torch.compile modes, levers measured before the template offers
@@ -632,13 +636,14 @@ def section(ctx: Ctx, name: str, timeout: float) -> dict[str, Any]:
             extra.append("model.compile_scope=stack")
             if ctx.cpu:  # the CPU smoke runs eagerly (compile=auto is off there): compile to check the path
                 extra.append("model.compile=true")
-    elif name in ("fsdp", "fsdp_compiled", "fsdp_per_block", "fsdp_autocast"):
+    elif name in ("fsdp", "fsdp_compiled", "fsdp_per_block", "fsdp_autocast", "fsdp_blocks"):
         # the issue's FSDP row: the bf16 FSDP policy (bf16 weights gathered) in 32-true; `fsdp_autocast` is
         # trainer=fsdp as configured (fp32 weights gathered, the blocks' matmuls in bf16 under autocast)
         policy = ["trainer.strategy.mixed_precision=bf16", "trainer.precision=32-true"]
         extra = [
             *(["model.compile=true"] if name != "fsdp" else []),
             *(["trainer.strategy.unit_params=0"] if name == "fsdp_per_block" else []),
+            *(["model.compile_scope=blocks"] if name == "fsdp_blocks" else []),
             *ctx.cifar_data(),
             "trainer=fsdp",
             "trainer.devices=1",

@@ -9,10 +9,12 @@ augmentation stream per rank with per-rank RNG restore.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +60,9 @@ PREFETCH_RUNS = {
     # the blocks sharded in groups (`unit_params`): all four as one, and two groups of two with prefetching
     "one_group": {"unit_params": 10**9},
     "one_group+ac": {"unit_params": 10**9, "activation_checkpointing": True},
+    # compiled with `compile_scope=auto`: the blocks' container as one graph (Dynamo's eager backend: the
+    # traced graph runs the same ops, so the numbers stay bit for bit)
+    "one_group+compiled": {"unit_params": 10**9, "compile": True},
     "groups_of_2+1": {"unit_params": "2 blocks", "prefetch": 1},
 }
 
@@ -95,6 +100,17 @@ def group_state(net: torch.nn.Module, block: torch.nn.Module) -> Any:
         )
     )
     return owner._get_fsdp_state()
+
+
+@contextlib.contextmanager
+def eager_backend() -> Iterator[None]:
+    """`nn.Module.compile` with Dynamo's eager backend: the graphs are traced, then run as captured."""
+    compile_ = torch.nn.Module.compile
+    torch.nn.Module.compile = lambda self, **kw: compile_(self, backend="eager")
+    try:
+        yield
+    finally:
+        torch.nn.Module.compile = compile_
 
 
 def hooked(net: torch.nn.Module) -> list[str]:
@@ -197,7 +213,10 @@ def _worker(rank: int, store: str, out: str) -> None:
             net = seeded_net(depth=PREFETCH_DEPTH)
             if options.get("unit_params") == "2 blocks":
                 options = {**options, "unit_params": 2 * sum(p.numel() for p in net.blocks[0].parameters())}
-            parallelize(net, MeshOnly(mesh, **options))
+            compiled = options.get("compile", False)
+            options = {k: v for k, v in options.items() if k != "compile"}
+            with eager_backend():
+                parallelize(net, MeshOnly(mesh, **options), compile=compiled)
             optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)
             torch.manual_seed(100 + rank)  # each rank its own data
             losses = []
@@ -221,7 +240,11 @@ def _worker(rank: int, store: str, out: str) -> None:
                     reshard_after_eval(net, True)
             state = {k: v.full_tensor() for k, v in net.state_dict().items()}
             groups = len({id(group_state(net, block)) for block in net.blocks})
-            runs[name] = {"losses": losses, "state": state, "block_groups": groups, "hooked": hooked(net)}
+            compiled_modules = [n for n, m in net.named_modules() if getattr(m, "_compiled_call_impl", None)]
+            runs[name] = {
+                "losses": losses, "state": state, "block_groups": groups, "hooked": hooked(net),
+                "compiled": compiled_modules,
+            }  # fmt: skip
         reference = runs["0"]["state"]
         for run in runs.values():
             state = run.pop("state")
@@ -452,8 +475,12 @@ def test_fsdp_prefetch_changes_no_number_and_evaluation_gathers_nothing(two_rank
             assert run["equal"], f"prefetch {name}: the weights differ"
         groups = {name: run["block_groups"] for name, run in runs.items()}
         assert groups == {
-            "0": 4, "1": 4, "2": 4, "2+ac": 4, "one_group": 1, "one_group+ac": 1, "groups_of_2+1": 2
+            "0": 4, "1": 4, "2": 4, "2+ac": 4, "one_group": 1, "one_group+ac": 1, "one_group+compiled": 1,
+            "groups_of_2+1": 2,
         }  # fmt: skip
+        # compiled as what FSDP hooks as one group: the container, one graph with FSDP's hooks around it
+        assert runs["one_group+compiled"]["compiled"] == ["blocks"]
+        assert runs["one_group+compiled"]["hooked"] == ["", "blocks"]
         # one group of all blocks is their container, the one module FSDP2 hooks for them; with activation
         # checkpointing too (the container's children are then the checkpoint wrappers)
         assert runs["one_group"]["hooked"] == runs["one_group+ac"]["hooked"] == ["", "blocks"]

@@ -236,11 +236,47 @@ def test_compile_scope_is_checked_in_one_line():
         ModelError, match=r"model\.compile_scope='all' must be one of auto, network, blocks, stack"
     ):
         ImageClassifier(net=net, optimizer=opt, compile_scope="all")
-    for scope in ("network", "stack"):
-        model = ImageClassifier(net=net, optimizer=opt, compile=True, compile_scope=scope)
-        with pytest.raises(ModelError, match=rf"model\.compile_scope={scope} with trainer=fsdp"):
-            model.check_strategy(_strategy("cuda", sharded=True))
-        model.check_strategy(_strategy("cuda"))  # one GPU: as asked
+    model = ImageClassifier(net=net, optimizer=opt, compile=True, compile_scope="network")
+    with pytest.raises(ModelError, match=r"model\.compile_scope=network with trainer=fsdp"):
+        model.check_strategy(_strategy("cuda", sharded=True))
+    model.check_strategy(_strategy("cuda"))  # one GPU: as asked
+    # the stack, under FSDP where the blocks are one group sharded as their container (`auto_scope`)
+    ImageClassifier(net=net, optimizer=opt, compile=True, compile_scope="stack").check_strategy(
+        _strategy("cuda", sharded=True)
+    )
+
+
+def test_auto_scope_under_fsdp_compiles_what_fsdp_hooks_as_one_group():
+    """`compile_scope=auto`: on one device the network (blocks with progressive resizing); under FSDP the blocks'
+    container where all blocks are one group sharded as it (one graph with FSDP's hooks around it), else each
+    block: groups of several, activation checkpointing, or a model that loops over its container itself."""
+    from vitrain.distributed.parallelize import auto_scope
+
+    net = timm.create_model(
+        "vit_tiny_patch16_224", img_size=32, patch_size=8, embed_dim=32, depth=4, num_heads=2, num_classes=4
+    )
+    units = transformer_blocks(net)
+    block = sum(p.numel() for p in net.blocks[0].parameters())
+    assert auto_scope(net, units, False, False, 0, False) == "network"
+    assert auto_scope(net, units, False, True, 0, False) == "blocks"
+    assert auto_scope(net, units, True, False, 10**9, False) == "stack"
+    assert auto_scope(net, units, True, True, 10**9, False) == "stack"  # resizable as blocks are
+    assert auto_scope(net, units, True, False, 0, False) == "blocks"  # a group per block
+    assert auto_scope(net, units, True, False, 2 * block, False) == "blocks"  # two groups of two
+    assert auto_scope(net, units, True, False, 10**9, True) == "blocks"  # activation checkpointing
+
+    class Looping(nn.Module):  # timm's NaFlexViT's way: the container iterated, never called
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.Sequential(*(nn.Sequential(nn.Linear(4, 4), nn.GELU()) for _ in range(3)))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for block in self.blocks:
+                x = block(x)
+            return x
+
+    looping = Looping()
+    assert auto_scope(looping, transformer_blocks(looping), True, False, 10**9, False) == "blocks"
 
 
 def test_compile_mode_reaches_torch_compile_and_is_checked(monkeypatch: pytest.MonkeyPatch):

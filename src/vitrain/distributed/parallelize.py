@@ -1,10 +1,10 @@
 """The ordered step that turns a plain network into the one a strategy trains (torchtitan's parallelize_*).
 
 Order matters and lives here only: (1) activation checkpointing wraps each unit, (2) `torch.compile`
-compiles each unit (FSDP2's hooks sit between units, so a whole-model compile would break its graph at
-every block; each unit compiled before `fully_shard` is what torchtitan does; the units are alike, so one
-graph serves them all), (3) `fully_shard` shards each
-unit, then the root. Without a sharding strategy (one device, DDP) only (1) and (2) apply, and compile
+compiles what FSDP will hook as a unit (FSDP2's hooks sit between its units, so a whole-model compile would
+break its graph at every one; each unit compiled before `fully_shard` is what torchtitan does): each block
+(alike, so one graph serves them all), or their container where all blocks are one FSDP group sharded as
+it (`auto_scope`), (3) `fully_shard` shards each unit or group, then the root. Without a sharding strategy (one device, DDP) only (1) and (2) apply, and compile
 takes the whole network, unless progressive resizing changes the input size: a ViT's patch and position
 embeddings specialise the whole-network graph to each size (one compile per size), while a block sees only
 the token count, which the second size makes dynamic (two compiles in all).
@@ -31,7 +31,7 @@ from torch import nn
 
 from vitrain.compat import checkpoint_wrapper
 from vitrain.distributed.drop_path import uniform_drop_paths
-from vitrain.distributed.fsdp import apply_fsdp, is_sharded, sequential_of, transformer_blocks
+from vitrain.distributed.fsdp import apply_fsdp, group_units, is_sharded, sequential_of, transformer_blocks
 
 log = logging.getLogger(__name__)
 
@@ -61,13 +61,45 @@ def parallelize(
     if activation_checkpointing:
         units = apply_activation_checkpointing(net, units)
     if compile:
-        if compile_scope == "auto":
-            compile_scope = "blocks" if mesh is not None or resizes else "network"
+        if compile_scope == "auto" or (compile_scope == "stack" and mesh is not None):
+            chosen = auto_scope(
+                net, units, mesh is not None, resizes, options.get("unit_params", 0), activation_checkpointing
+            )
+            if compile_scope == "stack" and chosen != "stack":
+                log.warning(
+                    "compile_scope=stack with trainer=fsdp: the blocks are not one FSDP group sharded as their "
+                    "container (trainer.strategy.unit_params, activation checkpointing), so FSDP's hooks would "
+                    "sit inside the graph: compiled one by one"
+                )
+            compile_scope = chosen
         units = apply_compile(net, units, scope=compile_scope, mode=compile_mode)
     if mesh is not None:
         apply_fsdp(net, mesh, units, **options)
     net._vitrain_parallelized = True
     return net
+
+
+def auto_scope(
+    net: nn.Module,
+    units: list[nn.Module],
+    sharded: bool,
+    resizes: bool,
+    unit_params: int,
+    activation_checkpointing: bool,
+) -> str:
+    """`compile_scope=auto`. One device or DDP: the whole network, or the blocks where progressive resizing
+    changes the input size. Under FSDP: what FSDP hooks as one unit, so that its hooks stay outside every
+    graph: the blocks' container where all blocks are one group sharded as it (`group_module`: a ViT's
+    `blocks` under the default `unit_params`), else each block. One graph instead of twelve saves the
+    compiled calls' host work (guards, wrappers, launches: with FSDP, 5.7 ms of a 27.7 ms step of a host-bound
+    12-block ViT on a CPU, docs/benchmarks.md 4b) at about the whole network's compile time. Activation
+    checkpointing keeps the blocks one by one: each checkpointed block is its own compiled call."""
+    if not sharded:
+        return "blocks" if resizes else "network"
+    groups = group_units(units, unit_params)
+    if len(groups) == 1 and not activation_checkpointing and sequential_of(net, groups[0]) is not None:
+        return "stack"
+    return "blocks"
 
 
 def apply_activation_checkpointing(root: nn.Module, units: list[nn.Module]) -> list[nn.Module]:

@@ -175,10 +175,10 @@ class ImageClassifier(L.LightningModule):
             )
         compiled_under_fsdp = getattr(strategy, "fsdp_options", None) is not None and self.compiles(strategy)
         scope = self.hparams.get("compile_scope")
-        if compiled_under_fsdp and scope in ("network", "stack"):
+        if compiled_under_fsdp and scope == "network":
             raise ModelError(
-                f"model.compile_scope={scope} with trainer=fsdp: FSDP2's hooks sit between the blocks, so the "
-                "network is compiled block by block there: set model.compile_scope=blocks or auto"
+                "model.compile_scope=network with trainer=fsdp: FSDP2's hooks sit between its groups of blocks, "
+                "so the network is compiled by group there: set model.compile_scope=auto, stack or blocks"
             )
         if compiled_under_fsdp and self._cuda_graphs:
             raise ModelError(
