@@ -92,7 +92,7 @@ SECTIONS: dict[str, int] = {
     "seed_ahead": 80,
     "seed_cudagraphs": 110,
     "folder_gpu_decode_inline": 100,
-    "recipes_stack": 200,
+    "recipes_blocks": 200,
     "recipes_fixed_size": 150,
     "recipes_cudagraphs": 200,
     "seed_levers": 200,
@@ -120,8 +120,8 @@ WHAT = {
     "folder_gpu_decode_inline": "`datamodule=image_folder` from disk, `decode_device=cuda decode_ahead=0` (the training "
     "thread decodes, as before 2026-11-27 16:00 UTC)",
     "recipes": "recipes: the photo folder in memory, RandAugment + erasing, EMA, progressive resizing, flip TTA",
-    "recipes_stack": "recipes with `model.compile_scope=stack` (the 12 blocks as one graph, resizable, instead of "
-    "each block)",
+    "recipes_blocks": "recipes with `model.compile_scope=blocks` (each block compiled, as before 2026-11-30's "
+    "twenty-eighth session, instead of the 12 blocks' container as one graph)",
     "recipes_fixed_size": "recipes without progressive resizing (every step at 224 px: the whole network compiled "
     "with static shapes, where resizing compiles the blocks with a dynamic token count)",
     "recipes_cudagraphs": "recipes with `model.compile_mode=reduce-overhead` (each compiled block replayed as CUDA "
@@ -155,7 +155,7 @@ PLANS: dict[str, dict[str, Any]] = {
                "hand_variants": "compiled_patchmm,compiled_patchmm@1024", "steps": 30, "warmup": 6,
                "budget": 480},
     # the alternatives to today's defaults, each beside the default measured in `table`
-    "alternatives": {"only": "hand,recipes_ahead,seed_ahead,seed_host_data,recipes_stack,fsdp_blocks,"
+    "alternatives": {"only": "hand,recipes_ahead,seed_ahead,seed_host_data,recipes_blocks,fsdp_blocks,"
                      "fsdp_per_block,folder_gpu_decode_inline,recipes_fixed_size,recipes_cudagraphs,"
                      "streaming,seed_blocks", "steps": 30, "warmup": 6, "photos": 19_200, "budget": 480},
 }  # fmt: skip
@@ -608,7 +608,7 @@ def section(ctx: Ctx, name: str, timeout: float) -> dict[str, Any]:
         extra = [*ctx.folder_data(in_memory=False), f"datamodule.decode_device={decode}"]
         if name == "folder_gpu_decode_inline":
             extra.append("datamodule.decode_ahead=0")
-    elif name in ("recipes", "recipes_stack", "recipes_ahead", "recipes_fixed_size", "recipes_cudagraphs"):
+    elif name in ("recipes", "recipes_blocks", "recipes_ahead", "recipes_fixed_size", "recipes_cudagraphs"):
         size, patch = (32, 8) if ctx.cpu else (224, 32)
         # the photos held in memory make fewer batches than the other sections' window: the window fits
         base = ctx.common(name, epoch_batches=ctx.photo_batches())
@@ -632,8 +632,8 @@ def section(ctx: Ctx, name: str, timeout: float) -> dict[str, Any]:
             extra.append("model.compile_mode=reduce-overhead")
             if ctx.cpu:  # the CPU smoke runs eagerly (compile=auto is off there): compile to check the path
                 extra.append("model.compile=true")
-        if name == "recipes_stack":
-            extra.append("model.compile_scope=stack")
+        if name == "recipes_blocks":
+            extra.append("model.compile_scope=blocks")
             if ctx.cpu:  # the CPU smoke runs eagerly (compile=auto is off there): compile to check the path
                 extra.append("model.compile=true")
     elif name in ("fsdp", "fsdp_compiled", "fsdp_per_block", "fsdp_autocast", "fsdp_blocks"):

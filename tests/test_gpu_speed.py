@@ -111,7 +111,9 @@ def _graphs_for_sizes(
         num_classes=4, dynamic_img_size=True, drop_path_rate=drop_path_rate,
     )  # fmt: skip
     parallelize(net, None, compile=True, resizes=per_block, compile_scope=scope)
-    if scope == "stack":  # the blocks' container compiled, nothing inside or around it
+    if scope == "stack" or (
+        scope == "auto" and per_block
+    ):  # the blocks' container, nothing inside or around it
         assert getattr(net.blocks, "_compiled_call_impl", None) is not None
         assert not any(getattr(m, "_compiled_call_impl", None) for m in [net, *net.blocks, net.patch_embed])
         # the first frame Dynamo traces is the stack's forward, so not one of torch.nn's files: torch 2.11's
@@ -127,9 +129,11 @@ def _graphs_for_sizes(
 def test_progressive_resizing_compiles_each_block_twice_not_the_network_per_size(
     monkeypatch: pytest.MonkeyPatch,
 ):
-    """With progressive resizing, compile takes the blocks: one graph for the first size, one with a dynamic
-    token count for every later size; the whole network would be compiled again at each new size."""
+    """With progressive resizing, compile takes the blocks (by default their container, `auto_scope`): one graph
+    for the first size, one with a dynamic token count for every later size; the whole network would be
+    compiled again at each new size."""
     assert _graphs_for_sizes(per_block=True, monkeypatch=monkeypatch) == 2
+    assert _graphs_for_sizes(per_block=True, monkeypatch=monkeypatch, scope="blocks") == 2
     assert _graphs_for_sizes(per_block=False, monkeypatch=monkeypatch) == 3
 
 
@@ -137,7 +141,7 @@ def test_blocks_with_growing_drop_path_rates_share_one_graph(monkeypatch: pytest
     """Stochastic depth's rate grows with depth (0, 0.05, 0.1 here; ViT-B at 0.1: twelve rates): compiled
     block by block, timm's float rates made a graph per block (ViT-B: 8, then Dynamo's recompile limit and
     eager blocks); as tensors, the blocks share the graphs of rate-free blocks."""
-    assert _graphs_for_sizes(per_block=True, monkeypatch=monkeypatch, drop_path_rate=0.1) == 2
+    assert _graphs_for_sizes(per_block=True, monkeypatch=monkeypatch, drop_path_rate=0.1, scope="blocks") == 2
 
 
 def test_progressive_resizing_compiles_the_stack_of_blocks_twice(monkeypatch: pytest.MonkeyPatch):
@@ -258,7 +262,7 @@ def test_auto_scope_under_fsdp_compiles_what_fsdp_hooks_as_one_group():
     units = transformer_blocks(net)
     block = sum(p.numel() for p in net.blocks[0].parameters())
     assert auto_scope(net, units, False, False, 0, False) == "network"
-    assert auto_scope(net, units, False, True, 0, False) == "blocks"
+    assert auto_scope(net, units, False, True, 0, False) == "stack"  # progressive resizing: the container
     assert auto_scope(net, units, True, False, 10**9, False) == "stack"
     assert auto_scope(net, units, True, True, 10**9, False) == "stack"  # resizable as blocks are
     assert auto_scope(net, units, True, False, 0, False) == "blocks"  # a group per block

@@ -6,8 +6,9 @@ break its graph at every one; each unit compiled before `fully_shard` is what to
 (alike, so one graph serves them all), or their container where all blocks are one FSDP group sharded as
 it (`auto_scope`), (3) `fully_shard` shards each unit or group, then the root. Without a sharding strategy (one device, DDP) only (1) and (2) apply, and compile
 takes the whole network, unless progressive resizing changes the input size: a ViT's patch and position
-embeddings specialise the whole-network graph to each size (one compile per size), while a block sees only
-the token count, which the second size makes dynamic (two compiles in all).
+embeddings specialise the whole-network graph to each size (one compile per size), while the blocks see only
+the token count, which the second size makes dynamic (two compiles in all): their container is compiled as
+one graph then, or each block where there is none (`auto_scope`).
 `compile_scope=blocks` compiles the units on one device too: a third of the whole network's compile time for
 ViT-B/32 on a CPU, at the same step time there (docs/benchmarks.md, "Levers"); on an H100 a quarter of it, at
 1.04x the GPU time per step (the block boundaries keep fusions apart) and 12 compiled calls a step instead of
@@ -87,19 +88,26 @@ def auto_scope(
     unit_params: int,
     activation_checkpointing: bool,
 ) -> str:
-    """`compile_scope=auto`. One device or DDP: the whole network, or the blocks where progressive resizing
-    changes the input size. Under FSDP: what FSDP hooks as one unit, so that its hooks stay outside every
-    graph: the blocks' container where all blocks are one group sharded as it (`group_module`: a ViT's
-    `blocks` under the default `unit_params`), else each block. One graph instead of twelve saves the
-    compiled calls' host work (guards, wrappers, launches: with FSDP, 5.7 ms of a 27.7 ms step of a host-bound
-    12-block ViT on a CPU, docs/benchmarks.md 4b) at about the whole network's compile time. Activation
-    checkpointing keeps the blocks one by one: each checkpointed block is its own compiled call."""
-    if not sharded:
-        return "blocks" if resizes else "network"
-    groups = group_units(units, unit_params)
-    if len(groups) == 1 and not activation_checkpointing and sequential_of(net, groups[0]) is not None:
-        return "stack"
-    return "blocks"
+    """`compile_scope=auto`: the network on one device or DDP; else the blocks' container as one graph where
+    there is one (`stack`), else each block.
+
+    Why: progressive resizing would recompile the whole network at every size (its patch and position
+    embeddings specialise), where the blocks see only the token count (two compiles in all); under FSDP its
+    hooks must stay outside every graph, so what is compiled is what FSDP hooks as one group, the container
+    where all blocks are one group sharded as it (`group_module`: a ViT's `blocks` under the default
+    `unit_params`). One graph instead of one per block saves the compiled calls' host work (guards,
+    wrappers: 12 calls forward and 12 backward for ViT-B) at about the whole network's compile time: on a CPU,
+    on a 12-block ViT whose step is host work, 5.7 ms of a 27.7 ms step under FSDP and 6.4 ms of a 23.2 ms
+    step after a resizing ramp, whose two compiles took 3.1x as long (docs/benchmarks.md 4b and "Levers"). Activation checkpointing keeps the blocks
+    one by one: each checkpointed block is its own compiled call."""
+    if not sharded and not resizes:
+        return "network"
+    if activation_checkpointing:
+        return "blocks"
+    if sharded:
+        groups = group_units(units, unit_params)
+        return "stack" if len(groups) == 1 and sequential_of(net, groups[0]) is not None else "blocks"
+    return "stack" if unit_stack(net, units) is not None else "blocks"
 
 
 def apply_activation_checkpointing(root: nn.Module, units: list[nn.Module]) -> list[nn.Module]:
