@@ -1,23 +1,23 @@
 """FSDP's host cost: what FSDP2 (`fully_shard`) adds to a training step's host work, on one process.
 
 On one H100 the one-GPU FSDP run was bound by the host (31 ms of kernels in a 147 ms step, docs/benchmarks.md
-section 7b). Host work is measured here on the CPU, where it can be isolated: a network with ViT-B's
-parameter tensors (12 blocks, the same 152 weights and biases) at a width so small that the arithmetic is
-negligible, trained by a plain loop (fused AdamW, the batch already in memory; in fp32, and under bf16 autocast), then
-the same loop with the network sharded by the template's own `apply_fsdp` (each block, then the root; the
-unit backward starts with keeps its gathered weights; one gloo rank, one thread), without and with the bf16 policy (`trainer.strategy.mixed_precision=bf16`; compared with the
-bf16 plain loop, since bf16 kernels on a CPU have costs of their own), with `reshard_after_forward=false`,
-with all twelve blocks in one unit (what `trainer.strategy.unit_params`, default 1e8, makes of ViT-B's blocks,
-85 M parameters), with that and AdamW stepping on the local shards (`steps_on_local_shards`: the template's
-FSDP defaults); those defaults without the bf16 policy, fp32 weights gathered and the step under bf16
-autocast (`trainer=fsdp` as configured; compared with the bf16 plain loop), and with each block compiled (`model.compile=true` under FSDP compiles
-block by block; compared with the plain loop's blocks compiled alike), and with the blocks' container compiled
-as one graph instead (`_stack`: what `compile_scope=auto` takes under FSDP where all blocks are one group
-sharded as their container). The `_list` variants hand the group of
-all blocks to FSDP2 as the list of its blocks, each then hooked by FSDP2 (the template until 2026-11-30),
-where the template now hands it their container (`fsdp.group_module`). Variants are interleaved (A, B, B, A, ...), each segment timing a few
-steps; the figure is each variant's median ms per step, and the top-level aten ops per step (torch.profiler:
-on a GPU each is at least one kernel launch).
+section 7b). Host work is measured here on the CPU, where it can be isolated: a network with ViT-B's parameter
+tensors (12 blocks, the same 152 weights and biases) at a width so small that the arithmetic is negligible,
+trained by a plain loop (fused AdamW, the batch already in memory; in fp32, and under bf16 autocast), then the
+same loop with the network sharded by the template's own `apply_fsdp` (each block, then the root; the unit
+backward starts with keeps its gathered weights; one gloo rank, one thread), without and with the bf16 policy
+(`trainer.strategy.mixed_precision=bf16`; compared with the bf16 plain loop, since bf16 kernels on a CPU have
+costs of their own), with `reshard_after_forward=false`, with all twelve blocks in one unit (what
+`trainer.strategy.unit_params`, default 1e8, makes of ViT-B's blocks, 85 M parameters), with that and AdamW
+stepping on the local shards (`steps_on_local_shards`: the template's FSDP defaults); those defaults without the
+bf16 policy, fp32 weights gathered and the step under bf16 autocast (`trainer=fsdp` as configured; compared with
+the bf16 plain loop), and with each block compiled (`model.compile_scope=blocks`, `auto` before 2026-11-30;
+compared with the plain loop's blocks compiled alike), and with the blocks' container compiled as one graph
+instead (`_stack`: what `compile_scope=auto` takes under FSDP where all blocks are one group sharded as their
+container). The `_list` variants hand the group of all blocks to FSDP2 as the list of its blocks, each then hooked
+by FSDP2 (the template until 2026-11-30), where the template now hands it their container (`fsdp.group_module`).
+Variants are interleaved (A, B, B, A, ...), each segment timing a few steps; the figure is each variant's median
+ms per step, and the top-level aten ops per step (torch.profiler: on a GPU each is at least one kernel launch).
 """
 
 from __future__ import annotations

@@ -179,9 +179,9 @@ def group_module(model: nn.Module, group: list[nn.Module]) -> nn.Module | list[n
     post-forward hooks and registers 12 pre- and post-backward hooks a step, where the container that calls
     them runs one of each, for the same all-gather, reduce-scatter and ops. On a CPU (ViT-B's 152 tensors,
     the blocks compiled) that is 1.7-3.5 ms a step less in three runs, of the 10.5-11.7 FSDP added
-    (docs/benchmarks.md 4b, the `_list` variants). A model that iterates over the container instead of calling it (timm's NaFlexViT) would
-    bypass its hooks: `sequential_of` reads the model's code for a call, and `bypassed_group` names the
-    case it misses in one line."""
+    (docs/benchmarks.md 4b, the `_list` variants). A model that iterates over the container instead of
+    calling it (timm's NaFlexViT) would bypass its hooks: `sequential_of` reads the model's code for a call,
+    and `bypassed_group` names the case it misses in one line."""
     if len(group) == 1:
         return group[0]
     container = sequential_of(model, group)

@@ -4,11 +4,12 @@ Order matters and lives here only: (1) activation checkpointing wraps each unit,
 compiles what FSDP will hook as a unit (FSDP2's hooks sit between its units, so a whole-model compile would
 break its graph at every one; each unit compiled before `fully_shard` is what torchtitan does): each block
 (alike, so one graph serves them all), or their container where all blocks are one FSDP group sharded as
-it (`auto_scope`), (3) `fully_shard` shards each unit or group, then the root. Without a sharding strategy (one device, DDP) only (1) and (2) apply, and compile
-takes the whole network, unless progressive resizing changes the input size: a ViT's patch and position
-embeddings specialise the whole-network graph to each size (one compile per size), while the blocks see only
-the token count, which the second size makes dynamic (two compiles in all): their container is compiled as
-one graph then, or each block where there is none (`auto_scope`).
+it (`auto_scope`), (3) `fully_shard` shards each unit or group, then the root. Without a sharding strategy
+(one device, DDP) only (1) and (2) apply, and compile takes the whole network, unless progressive resizing
+changes the input size: a ViT's patch and position embeddings specialise the whole-network graph to each size
+(one compile per size), while the blocks see only the token count, which the second size makes dynamic (two
+compiles in all): their container is compiled as one graph then, or each block where there is none
+(`auto_scope`).
 `compile_scope=blocks` compiles the units on one device too: a third of the whole network's compile time for
 ViT-B/32 on a CPU, at the same step time there (docs/benchmarks.md, "Levers"); on an H100 a quarter of it, at
 1.04x the GPU time per step (the block boundaries keep fusions apart) and 12 compiled calls a step instead of
@@ -98,8 +99,8 @@ def auto_scope(
     `unit_params`). One graph instead of one per block saves the compiled calls' host work (guards,
     wrappers: 12 calls forward and 12 backward for ViT-B) at about the whole network's compile time: on a CPU,
     on a 12-block ViT whose step is host work, 5.7 ms of a 27.7 ms step under FSDP and 6.4 ms of a 23.2 ms
-    step after a resizing ramp, whose two compiles took 3.1x as long (docs/benchmarks.md 4b and "Levers"). Activation checkpointing keeps the blocks
-    one by one: each checkpointed block is its own compiled call."""
+    step after a resizing ramp, whose two compiles took 3.1x as long (docs/benchmarks.md 4b and "Levers").
+    Activation checkpointing keeps the blocks one by one: each checkpointed block is its own compiled call."""
     if not sharded and not resizes:
         return "network"
     if activation_checkpointing:
@@ -172,8 +173,9 @@ class BlockStack(nn.Sequential):
 
 def unit_stack(root: nn.Module, units: list[nn.Module]) -> nn.Module | None:
     """The `nn.Sequential` whose children are exactly the twin units, in order (a ViT's `blocks`), or None
-    (units spread over stages, a `ModuleList` looped over in the model's own forward, other children beside
-    them, or timm's grad checkpointing on, whose `checkpoint_seq` calls each child, never the container):
+    (units spread over stages, a `ModuleList` or an `nn.Sequential` looped over in the model's own forward,
+    other children beside them, or timm's grad checkpointing on, whose `checkpoint_seq` calls each child,
+    never the container):
     what `compile_scope=stack` compiles as one graph."""
     return sequential_of(root, twin_units(units))
 
