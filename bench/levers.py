@@ -148,41 +148,32 @@ print(json.dumps({"ms": times, "ramp_s": {k: v[1] for k, v in built.items()}}))
 """
 
 
-def resize_scopes(smoke: bool) -> dict[str, Any]:
-    """`RESIZE_PROBE` in a fresh process and compiler cache: per scope the ms per step of each round, and the
-    ramp's seconds (both sizes' compiles)."""
+def fresh_probe(script: str, *argv: str, what: str) -> dict[str, Any]:
+    """`python -c script *argv` in a fresh process with a fresh compiler cache (a probe must not find an
+    earlier one's kernels); its last stdout line, as JSON."""
     env = {
         **os.environ,
         "TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp(dir=scratch_dir("inductor-probe")),
         "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
     }
-    shape = ("2", "2", "2", "1") if smoke else ("12", "8", "10", "0")
     done = subprocess.run(
-        [sys.executable, "-c", RESIZE_PROBE, *shape], capture_output=True, text=True, env=env, timeout=1800
+        [sys.executable, "-c", script, *argv], capture_output=True, text=True, env=env, timeout=1800
     )
     if done.returncode != 0:
-        raise RuntimeError(f"resize probe failed: {done.stderr[-2000:]}")
+        raise RuntimeError(f"{what} failed: {done.stderr[-2000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def resize_scopes(smoke: bool) -> dict[str, Any]:
+    """`RESIZE_PROBE`: per scope the ms per step of each round, and the ramp's seconds (both sizes' compiles)."""
+    shape = ("2", "2", "2", "1") if smoke else ("12", "8", "10", "0")
+    return fresh_probe(RESIZE_PROBE, *shape, what="resize probe")
 
 
 def compile_probe(scope: str, model: str, batch: int, steps: int) -> dict[str, float]:
-    """First step (the compile) and step time of `model` compiled as `scope`, in a fresh process with a fresh
-    compiler cache: the second scope must not find the first one's kernels."""
-    env = {
-        **os.environ,
-        "TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp(dir=scratch_dir("inductor-probe")),
-        "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
-    }
-    done = subprocess.run(
-        [sys.executable, "-c", COMPILE_PROBE, scope, model, str(batch), str(steps)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=1800,
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"compile probe ({scope}) failed: {done.stderr[-2000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    """First step (the compile) and step time of `model` compiled as `scope`, each scope in a fresh process
+    and compiler cache."""
+    return fresh_probe(COMPILE_PROBE, scope, model, str(batch), str(steps), what=f"compile probe ({scope})")
 
 
 class Variant:
