@@ -21,7 +21,8 @@ from omegaconf import OmegaConf
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from vitrain.callbacks.s3_upload import S3CheckpointUpload
-from vitrain.callbacks.upload_queue import sharded_complete
+from vitrain.callbacks.upload_jobs import UploadRunner
+from vitrain.callbacks.upload_queue import UploadJob, sharded_complete, signature
 from vitrain.errors import UserError
 from vitrain.s3 import store as store_module
 from vitrain.s3.client import MiB, S3Options, S3Uri, make_client, parse_s3_uri
@@ -244,6 +245,63 @@ def test_sharded_folder_upload_and_fetch(s3_bucket: str, s3_env: str, tmp_path: 
     shard = next(folder.glob("*.distcp"))
     shard.unlink()  # another node's shard, on a filesystem rank zero does not see
     assert not sharded_complete(folder)
+
+
+def test_folder_upload_mirrors_the_save_offered(s3_bucket: str, s3_env: str, tmp_path: Path):
+    """A `last.ckpt` folder rewritten in place: an upload takes only the files of the save it was offered (not
+    DCP's `.metadata.tmp` of a save in progress), and the finished upload leaves no older file under the
+    prefix, which every resume would download with it (a flaky CI run fetched 5 files for a 4-file folder)."""
+    import torch.distributed.checkpoint as dcp
+
+    folder, prefix = tmp_path / "last.ckpt", "runs/r/checkpoints/last.ckpt"
+    dcp.save({"w": torch.randn(8, 8)}, checkpoint_id=str(folder))
+    torch.save({"epoch": 1}, folder / "meta.pt")
+    client = _client(s3_env)
+    for stale in (".metadata.tmp", "__1_0.distcp"):  # an earlier upload's catch; a 2-rank save's shard
+        client.put_object(Bucket=s3_bucket, Key=f"{prefix}/{stale}", Body=b"old")
+    runner = UploadRunner(S3Store(), prune=True, fatal=False)
+    local = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+
+    def under_prefix() -> list[str]:
+        return sorted(k[len(prefix) + 1 :] for k in _keys(s3_env, s3_bucket) if k.startswith(prefix + "/"))
+
+    # offered, then a newer save starts writing before the worker gets to it
+    job = UploadJob(folder, S3Uri(s3_bucket, prefix), "last:0", signature(folder), "last")
+    (folder / ".metadata.tmp").write_bytes((folder / ".metadata").read_bytes())
+    runner(job)
+    assert ".metadata.tmp" in under_prefix()  # the stale one, untouched: the newer save's job mirrors
+    assert runner.uploaded == [] and runner.failures == []  # superseded, not done and not failed
+    (folder / ".metadata.tmp").replace(folder / ".metadata")  # the newer save completes
+
+    runner(UploadJob(folder, S3Uri(s3_bucket, prefix), "last:0", signature(folder), "last"))
+    assert under_prefix() == local and len(runner.uploaded) == len(local)
+    fetched = fetch_checkpoint(f"s3://{s3_bucket}/{prefix}", tmp_path / "cache")
+    assert sorted(p.relative_to(fetched).as_posix() for p in fetched.rglob("*") if p.is_file()) == local
+    assert all((fetched / rel).read_bytes() == (folder / rel).read_bytes() for rel in local)
+
+
+def test_replaced_sharded_best_is_deleted_whole(s3_bucket: str, s3_env: str, tmp_path: Path):
+    """save_top_k replaces a sharded best: every object under its prefix goes, not only one of its files."""
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+
+    runner, base = UploadRunner(S3Store(), prune=True, fatal=False), "runs/r/checkpoints"
+    for epoch in (0, 1):
+        folder = tmp_path / f"epoch{epoch}.ckpt"
+        dcp.save({"w": torch.randn(8, 8)}, checkpoint_id=str(folder))
+        torch.save({"epoch": epoch}, folder / "meta.pt")
+        if epoch == 1:
+            shutil.rmtree(tmp_path / "epoch0.ckpt")  # ModelCheckpoint removes the replaced best
+        runner(
+            UploadJob(folder, S3Uri(s3_bucket, f"{base}/{folder.name}"), "best:0", signature(folder), "best")
+        )
+    keys = _keys(s3_env, s3_bucket)
+    assert not [k for k in keys if k.startswith(f"{base}/epoch0.ckpt/")], keys
+    assert sorted(k for k in keys if k.startswith(f"{base}/epoch1.ckpt/")) == sorted(
+        f"{base}/epoch1.ckpt/{p.name}" for p in folder.iterdir()
+    )
+    assert all("/epoch1.ckpt/" in uri for uri in runner.uploaded) and runner.failures == []
 
 
 def test_fsdp_folder_fetched_by_concurrent_ranks_downloads_once(

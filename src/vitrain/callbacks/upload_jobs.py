@@ -33,7 +33,7 @@ class UploadRunner:
         self._lock = threading.Lock()
         self._done: dict[str, Uploaded] = {}  # by URI, in upload order
         self._failed: dict[str, tuple[UploadJob, str]] = {}  # by slot
-        self._bests: dict[str, list[Uploaded]] = {}  # by slot, for pruning replaced bests
+        self._bests: dict[str, list[UploadJob]] = {}  # by slot, for pruning replaced bests
 
     @property
     def uploaded(self) -> list[str]:
@@ -69,6 +69,8 @@ class UploadRunner:
         except Exception as err:
             self._record_failure(job, scrub(f"{type(err).__name__}: {err}"))
             return
+        if job.folder and not self._mirrored(job, uploads):
+            return
         with self._lock:
             for up in uploads:
                 self._done.pop(str(up.uri), None)
@@ -77,11 +79,11 @@ class UploadRunner:
         for up in uploads:
             log.info("S3: uploaded %s (%.1f MiB, sha256 %s)", up.uri, up.size / MiB, up.sha256[:12])
         if job.kind == "best":
-            self._prune(job.slot, uploads[0])
+            self._prune(job.slot, job)
 
     def _upload(self, job: UploadJob) -> list[Uploaded]:
-        if job.local.is_dir():
-            return self.store.upload_tree(job.local, job.uri)
+        if job.folder:  # the files of the save that was offered, not what a newer save has begun
+            return self.store.upload_tree(job.local, job.uri, [name for name, *_stat in job.signature])
         if job.kind == "file" and job.local.suffix in _TEXT_SUFFIXES and job.local.stat().st_size < 16 * MiB:
             text = job.local.read_text(errors="replace")
             leaked = find_secrets(text)
@@ -91,6 +93,21 @@ class UploadRunner:
                 )
                 return [self._upload_text(scrub(text), job)]
         return [self.store.upload_file(job.local, job.uri)]
+
+    def _mirrored(self, job: UploadJob, uploads: list[Uploaded]) -> bool:
+        """After a folder's upload: false if it was rewritten meanwhile (the newer save is queued and will
+        do this), else delete what the prefix holds beyond this save's files."""
+        if signature(job.local) != job.signature:
+            log.debug("S3: %s changed during upload; the newer version will be uploaded", job.local)
+            return False
+        try:
+            stale = self.store.prune_tree(job.uri, [up.uri for up in uploads])
+        except S3Error as err:
+            log.warning("S3: could not delete older files under %s: %s", job.uri, err)
+        else:
+            for obj in stale:
+                log.info("S3: deleted %s (not part of the checkpoint now at %s/)", obj, job.uri)
+        return True
 
     def _upload_text(self, text: str, job: UploadJob) -> Uploaded:
         with tempfile.TemporaryDirectory() as tmp:
@@ -113,20 +130,27 @@ class UploadRunner:
         with self._lock:
             self._failed.pop(slot, None)
 
-    def _prune(self, slot: str, new: Uploaded) -> None:
-        """Delete earlier bests of this slot once ModelCheckpoint has removed them locally (save_top_k)."""
-        keep: list[Uploaded] = []
+    def _prune(self, slot: str, new: UploadJob) -> None:
+        """Delete earlier bests of this slot once ModelCheckpoint has removed them locally (save_top_k); a
+        sharded best is every object under its prefix."""
+        keep: list[UploadJob] = []
         for old in self._bests.get(slot, []):
             if old.uri == new.uri:
                 continue
             if self.prune and not old.local.exists():
                 try:
-                    self.store.delete(old.uri)
+                    if old.folder:
+                        self.store.prune_tree(old.uri, keep=[])
+                    else:
+                        self.store.delete(old.uri)
                 except S3Error as err:
                     log.warning("S3: could not delete replaced checkpoint %s: %s", old.uri, err)
                 else:
                     with self._lock:
-                        self._done.pop(str(old.uri), None)
+                        for uri in [
+                            u for u in self._done if u == str(old.uri) or u.startswith(f"{old.uri}/")
+                        ]:
+                            self._done.pop(uri)
                     log.info("S3: deleted replaced checkpoint %s", old.uri)
                     continue
             keep.append(old)

@@ -29,6 +29,11 @@ class UploadJob:
     signature: Signature
     kind: str  # "best", "last" or "file"
 
+    @property
+    def folder(self) -> bool:
+        """A sharded checkpoint (its signature has an entry per file): still known once the folder is gone."""
+        return bool(self.signature) and isinstance(self.signature[0], tuple)
+
 
 class UploadWorker:
     """One background thread draining a queue of jobs keyed by slot."""

@@ -12,7 +12,7 @@ import os
 import re
 import shutil
 import uuid
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -105,11 +105,24 @@ class S3Store:
         self._check(uri, head, digest)
         return Uploaded(uri, path, digest.size, digest.sha256)
 
-    def upload_tree(self, folder: Path, uri: S3Uri) -> list[Uploaded]:
-        """Every file below `folder`, keyed by its relative path (a sharded checkpoint, a log dir)."""
-        return [
-            self.upload_file(path, uri.child(path.relative_to(folder).as_posix())) for path in _files(folder)
-        ]
+    def upload_tree(self, folder: Path, uri: S3Uri, names: Sequence[str] | None = None) -> list[Uploaded]:
+        """The files below `folder` (every one, or the relative paths `names`), keyed by relative path."""
+        if names is None:
+            names = [path.relative_to(folder).as_posix() for path in _files(folder)]
+        return [self.upload_file(folder / name, uri.child(name)) for name in names]
+
+    def prune_tree(self, uri: S3Uri, keep: Collection[S3Uri]) -> list[S3Uri]:
+        """Delete the objects under the prefix `uri` that are not in `keep`; return them.
+
+        A sharded checkpoint re-uploaded to the same prefix must not keep files of an older save: a writer's
+        temporary file caught by an earlier upload (DCP's `.metadata.tmp`) or another world size's shards
+        would be downloaded with it at every resume.
+        """
+        kept = {u.key for u in keep}
+        stale = [S3Uri(uri.bucket, key) for key, _etag, _size in self._listing(uri) if key not in kept]
+        for obj in stale:
+            self.delete(obj)
+        return stale
 
     def _check(self, uri: S3Uri, head: dict[str, Any], digest: Digest) -> None:
         problems = []
@@ -170,13 +183,7 @@ class S3Store:
 
     def _fetch_prefix(self, uri: S3Uri, base: Path) -> Path:
         prefix = uri.key.rstrip("/") + "/"
-        try:
-            pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=uri.bucket, Prefix=prefix)
-            listing = sorted(
-                (o["Key"], o["ETag"], o["Size"]) for page in pages for o in page.get("Contents", [])
-            )
-        except Exception as exc:
-            raise self.error(exc, f"listing {uri}") from exc
+        listing = self._listing(uri)
         if not listing:
             raise S3ObjectNotFound(f"S3: no object and no folder at {uri}")
         version = hashlib.sha256(repr(listing).encode()).hexdigest()[:16]
@@ -205,6 +212,17 @@ class S3Store:
                 shutil.rmtree(staging, ignore_errors=True)
         log.info("S3: fetched %s/ (%d files) -> %s", uri, len(listing), target)
         return target
+
+    def _listing(self, uri: S3Uri) -> list[tuple[str, str, int]]:
+        """(key, ETag, size) of every object under the prefix `uri`, sorted."""
+        prefix = uri.key.rstrip("/") + "/"
+        try:
+            pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=uri.bucket, Prefix=prefix)
+            return sorted(
+                (o["Key"], o["ETag"], o["Size"]) for page in pages for o in page.get("Contents", [])
+            )
+        except Exception as exc:
+            raise self.error(exc, f"listing {uri}") from exc
 
     def _download_verified(self, uri: S3Uri, head: dict[str, Any], dest: Path) -> None:
         try:
