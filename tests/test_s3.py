@@ -304,6 +304,32 @@ def test_replaced_sharded_best_is_deleted_whole(s3_bucket: str, s3_env: str, tmp
     assert all("/epoch1.ckpt/" in uri for uri in runner.uploaded) and runner.failures == []
 
 
+def test_best_folder_removed_while_uploading_leaves_nothing(
+    s3_bucket: str, s3_env: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """save_top_k removes a best folder while its files go up: the files already up are deleted too."""
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+
+    folder, prefix = tmp_path / "epoch0.ckpt", "runs/r/checkpoints/epoch0.ckpt"
+    dcp.save({"w": torch.randn(8, 8)}, checkpoint_id=str(folder))
+    torch.save({"epoch": 0}, folder / "meta.pt")
+    job = UploadJob(folder, S3Uri(s3_bucket, prefix), "best:0", signature(folder), "best")
+    original = S3Store.upload_file
+
+    def then_removed(self, path, uri, digest=None):  # ModelCheckpoint's rmtree after the first file
+        up = original(self, path, uri, digest)
+        shutil.rmtree(folder)
+        return up
+
+    monkeypatch.setattr(S3Store, "upload_file", then_removed)
+    runner = UploadRunner(S3Store(), prune=True, fatal=False)
+    runner(job)
+    assert not [k for k in _keys(s3_env, s3_bucket) if k.startswith(prefix)]
+    assert runner.uploaded == [] and runner.failures == []
+
+
 def test_fsdp_folder_fetched_by_concurrent_ranks_downloads_once(
     s3_bucket: str, s3_env: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):

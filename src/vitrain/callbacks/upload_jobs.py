@@ -56,6 +56,8 @@ class UploadRunner:
         except FileNotFoundError:
             log.debug("S3: %s is gone before upload (replaced by a newer checkpoint)", job.local)
             self._resolve(job.slot)
+            if job.kind == "best" and job.folder and not job.local.exists():
+                self._delete_partial(job)
             return
         except S3VerifyError as err:
             if signature(job.local) != job.signature:  # rewritten while uploading: the newer save is queued
@@ -108,6 +110,16 @@ class UploadRunner:
             for obj in stale:
                 log.info("S3: deleted %s (not part of the checkpoint now at %s/)", obj, job.uri)
         return True
+
+    def _delete_partial(self, job: UploadJob) -> None:
+        """A best folder that save_top_k removed while it was going up: what went up is of no checkpoint."""
+        try:
+            stale = self.store.prune_tree(job.uri, keep=[])
+        except S3Error as err:
+            log.warning("S3: could not delete the partial upload under %s: %s", job.uri, err)
+        else:
+            if stale:
+                log.info("S3: deleted %d file(s) of %s, replaced while uploading", len(stale), job.uri)
 
     def _upload_text(self, text: str, job: UploadJob) -> Uploaded:
         with tempfile.TemporaryDirectory() as tmp:
