@@ -162,23 +162,20 @@ def main() -> None:
     ms = {name: median(values) for name, values in times.items()}
     ops = {name: ops_per_step(step) for name, step in variants.items()}
     dist.destroy_process_group()
-    # the container against the list, round by round (each pair ran back to back): robust to a busy machine
+
+    def paired(slower: str, faster: str) -> list[float]:
+        """`slower` minus `faster`, round by round (each pair ran back to back): robust to a busy machine."""
+        return [a - b for a, b in zip(times[slower], times[faster], strict=True)]
+
+    # the container against the list
     saved = {
-        kind: [
-            a - b
-            for a, b in zip(times[f"fsdp_{kind}_defaults_list"], times[f"fsdp_{kind}_defaults"], strict=True)
-        ]
+        kind: paired(f"fsdp_{kind}_defaults_list", f"fsdp_{kind}_defaults")
         for kind in ("compiled", "autocast")
     }
-    # one graph for the blocks against one per block, round by round
+    # one graph for the blocks against one per block
     stack_saves = {
-        "plain": [a - b for a, b in zip(times["plain_compiled"], times["plain_compiled_stack"], strict=True)],
-        "fsdp": [
-            a - b
-            for a, b in zip(
-                times["fsdp_compiled_defaults"], times["fsdp_compiled_stack_defaults"], strict=True
-            )
-        ],
+        "plain": paired("plain_compiled", "plain_compiled_stack"),
+        "fsdp": paired("fsdp_compiled_defaults", "fsdp_compiled_stack_defaults"),
     }
     added = ms["fsdp_bf16"] - ms["plain_bf16"]
     added_fp32 = ms["fsdp"] - ms["plain"]

@@ -13,7 +13,7 @@ import threading
 from pathlib import Path
 
 from vitrain.callbacks.upload_queue import UploadJob, signature
-from vitrain.s3.client import MiB
+from vitrain.s3.client import MiB, S3Uri
 from vitrain.s3.errors import S3Error, S3VerifyError
 from vitrain.s3.store import S3Store, Uploaded
 from vitrain.utils.secrets import find_secrets, scrub
@@ -56,8 +56,9 @@ class UploadRunner:
         except FileNotFoundError:
             log.debug("S3: %s is gone before upload (replaced by a newer checkpoint)", job.local)
             self._resolve(job.slot)
+            # a best folder that save_top_k removed meanwhile: what went up is of no checkpoint
             if job.kind == "best" and job.folder and not job.local.exists():
-                self._delete_partial(job)
+                self._delete_under(job.uri, keep=[], what="file(s) of a best replaced while going up")
             return
         except S3VerifyError as err:
             if signature(job.local) != job.signature:  # rewritten while uploading: the newer save is queued
@@ -102,24 +103,18 @@ class UploadRunner:
         if signature(job.local) != job.signature:
             log.debug("S3: %s changed during upload; the newer version will be uploaded", job.local)
             return False
-        try:
-            stale = self.store.prune_tree(job.uri, [up.uri for up in uploads])
-        except S3Error as err:
-            log.warning("S3: could not delete older files under %s: %s", job.uri, err)
-        else:
-            for obj in stale:
-                log.info("S3: deleted %s (not part of the checkpoint now at %s/)", obj, job.uri)
+        self._delete_under(job.uri, keep=[up.uri for up in uploads], what="older file(s)")
         return True
 
-    def _delete_partial(self, job: UploadJob) -> None:
-        """A best folder that save_top_k removed while it was going up: what went up is of no checkpoint."""
+    def _delete_under(self, prefix: S3Uri, keep: list[S3Uri], what: str) -> None:
+        """Delete the objects under `prefix` beyond `keep`; a refusal is a warning, not a failed upload."""
         try:
-            stale = self.store.prune_tree(job.uri, keep=[])
+            stale = self.store.prune_tree(prefix, keep)
         except S3Error as err:
-            log.warning("S3: could not delete the partial upload under %s: %s", job.uri, err)
+            log.warning("S3: could not delete %s under %s: %s", what, prefix, err)
         else:
             if stale:
-                log.info("S3: deleted %d file(s) of %s, replaced while uploading", len(stale), job.uri)
+                log.info("S3: deleted %d %s under %s/", len(stale), what, prefix)
 
     def _upload_text(self, text: str, job: UploadJob) -> Uploaded:
         with tempfile.TemporaryDirectory() as tmp:

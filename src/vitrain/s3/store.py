@@ -120,6 +120,7 @@ class S3Store:
         """
         kept = {u.key for u in keep}
         stale = [S3Uri(uri.bucket, key) for key, _etag, _size in self._listing(uri) if key not in kept]
+        # one DELETE each: the batch DeleteObjects is missing from some S3-compatible stores
         for obj in stale:
             self.delete(obj)
         return stale
