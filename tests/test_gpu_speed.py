@@ -111,9 +111,8 @@ def _graphs_for_sizes(
         num_classes=4, dynamic_img_size=True, drop_path_rate=drop_path_rate,
     )  # fmt: skip
     parallelize(net, None, compile=True, resizes=per_block, compile_scope=scope)
-    if scope == "stack" or (
-        scope == "auto" and per_block
-    ):  # the blocks' container, nothing inside or around it
+    # the blocks' container compiled (auto takes it under resizing), nothing inside or around it
+    if scope == "stack" or (scope == "auto" and per_block):
         assert getattr(net.blocks, "_compiled_call_impl", None) is not None
         assert not any(getattr(m, "_compiled_call_impl", None) for m in [net, *net.blocks, net.patch_embed])
         # the first frame Dynamo traces is the stack's forward, so not one of torch.nn's files: torch 2.11's
