@@ -95,7 +95,9 @@ def environment_stays_in_its_test():  # -> Iterator[None]
     of the CPU), and an in-process FSDP run's MASTER_PORT would name a later plain run."""
     from helpers import LAUNCH_VARS  # here: the test runner's own process need not import Lightning for it
 
-    before = {name: os.environ.get(name) for name in [*DECISIONS, *LAUNCH_VARS]}
+    # MLflow's `set_tracking_uri` (Lightning's MLFlowLogger calls it) writes MLFLOW_TRACKING_URI into the
+    # environment: a later test's logger without a URI would log to this test's server
+    before = {name: os.environ.get(name) for name in [*DECISIONS, *LAUNCH_VARS, "MLFLOW_TRACKING_URI"]}
     yield
     # Lightning leaves an in-process DDP/FSDP run's default process group up (for a next fit): a later test's
     # `init_process_group` in the same xdist process would fail with "initialize ... twice"

@@ -4,6 +4,7 @@ upgrade moved, renamed or changed, before a training run finds out."""
 import importlib
 import inspect
 import os
+import uuid
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -269,13 +270,14 @@ def test_set_wandb_run_id(tmp_path: Path):
     assert logger._wandb_init == WandbLogger(project="p", save_dir=str(tmp_path), id="abc123")._wandb_init
 
 
-def test_set_mlflow_run_id(tmp_path: Path):
+def test_set_mlflow_run_id(mlflow_server: str):
     from lightning.pytorch.loggers import MLFlowLogger
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    first = MLFlowLogger(experiment_name="e", tracking_uri=uri, artifact_location=(tmp_path / "a").as_uri())
+    # the session's server: a new SQLite store would cost its schema migrations (~15 s of CPU)
+    experiment = f"e-{uuid.uuid4().hex[:8]}"
+    first = MLFlowLogger(experiment_name=experiment, tracking_uri=mlflow_server)
     run_id = first.run_id  # starts a run
-    logger = MLFlowLogger(experiment_name="e", tracking_uri=uri)
+    logger = MLFlowLogger(experiment_name=experiment, tracking_uri=mlflow_server)
     compat.set_mlflow_run_id(logger, run_id)
     assert logger.run_id == run_id and logger.experiment_id == first.experiment_id, (
         f"{UPGRADE} MLFlowLogger run"
@@ -284,12 +286,11 @@ def test_set_mlflow_run_id(tmp_path: Path):
         compat.set_mlflow_run_id(logger, "another")
 
 
-def test_mlflow_params(tmp_path: Path):
+def test_mlflow_params(mlflow_server: str):
     """What Lightning's MLFlowLogger logs for a nested config is what `mlflow_params` says it logs."""
     from lightning.pytorch.loggers import MLFlowLogger
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    logger = MLFlowLogger(experiment_name="e", tracking_uri=uri, artifact_location=(tmp_path / "a").as_uri())
+    logger = MLFlowLogger(experiment_name=f"e-{uuid.uuid4().hex[:8]}", tracking_uri=mlflow_server)
     params = {
         "model": {"net": {"name": "vit", "dims": [1, 2]}, "lr": 0.001},
         "ckpt_path": None,

@@ -317,7 +317,7 @@ def test_a_resumed_offline_wandb_run_is_a_new_run(
 
 
 def test_continue_logger_runs_only_into_the_recorded_project_or_server(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, mlflow_server: str, monkeypatch: pytest.MonkeyPatch
 ):
     """An online W&B run is continued (W&B's `resume="allow"` with its id: `test_compat.py` checks that
     Lightning passes both to `wandb.init`), in its own project only; an MLflow run on its own server only."""
@@ -327,9 +327,10 @@ def test_continue_logger_runs_only_into_the_recorded_project_or_server(
     from vitrain.loggers import MLFlowLogger, continue_logger_runs
 
     monkeypatch.delenv("WANDB_MODE", raising=False)
-    local = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    # the session's server: a new SQLite store would cost its schema migrations (~15 s of CPU)
+    local = mlflow_server
     client = MlflowClient(local)
-    mlflow_run = client.create_run(client.create_experiment("e", (tmp_path / "a").as_uri())).info.run_id
+    mlflow_run = client.create_run(client.create_experiment(f"e-{uuid.uuid4().hex[:8]}")).info.run_id
     wandb_run = {"id": "w1", "project": "p", "offline": False}
     (tmp_path / "logger_runs.json").write_text(
         json.dumps({"wandb": wandb_run, "mlflow": {"run_id": mlflow_run, "tracking_uri": local}})
@@ -352,15 +353,18 @@ def test_continue_logger_runs_only_into_the_recorded_project_or_server(
     assert was_offline.version is None, "a run that was offline is not continued online"
 
 
-def test_a_deleted_mlflow_run_is_not_continued(tmp_path: Path, tiny_cifar: Path, data_cache: Path):
+def test_a_deleted_mlflow_run_is_not_continued(
+    tmp_path: Path, tiny_cifar: Path, data_cache: Path, mlflow_server: str, monkeypatch: pytest.MonkeyPatch
+):
     """The run dir's MLflow run was deleted on the server: the resume logs to a new run, with a warning,
     instead of failing to start."""
     from mlflow.tracking import MlflowClient
 
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
     overrides = [
         *tiny_overrides(tiny_cifar, data_cache),
         "logger=mlflow",
-        f"logger.mlflow.save_dir={tmp_path / 'store'}",
+        f"logger.mlflow.experiment_name=test-deleted-{uuid.uuid4().hex[:8]}",
         "test=false",
     ]
     train(compose_cfg("train", [*overrides, "trainer.max_epochs=1"], tmp_path / "run"))

@@ -119,6 +119,7 @@ def test_real_cifar10_learns(tmp_path: Path, real_cifar10_cache):
         f"datamodule.cache_dir={cache_dir}",
         "datamodule.batch_size=128",
         "datamodule.train_subset=15000",
+        "datamodule.test_subset=2000",  # three test passes below (train's, eval's, eval's without TTA)
         "model.net.depth=2",  # the experiment: depth 4, six stem convs up to 192 channels
         "model.net.embed_dim=64",
         "model.net.num_heads=2",
