@@ -56,6 +56,14 @@ def xdist_group(item: pytest.Item) -> str | None:
     return group
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """The heap the test modules imported (torch, Lightning, timm, MLflow...) frozen, as a run's start-up heap
+    is (vitrain/utils/host_memory.py): the full collections of the tests' in-process runs skip it."""
+    from vitrain.utils.host_memory import freeze_startup_heap
+
+    freeze_startup_heap()
+
+
 # tryfirst: xdist's own hook turns the markers into groups (a suffix on the node id) and would otherwise run
 # before this one in a test process, grouping nothing
 @pytest.hookimpl(tryfirst=True)

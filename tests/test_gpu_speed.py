@@ -634,3 +634,37 @@ _RECORDER: Any = None
 def _recorder() -> Any:
     """The config's handle on the test's live callback."""
     return _RECORDER
+
+
+FREEZE_CHECK = """
+import gc, weakref
+from vitrain.utils.host_memory import freeze_startup_heap
+
+gc.disable()  # no automatic collection frees the cycle below: only the one before the freeze may
+
+
+class Node:
+    pass
+
+a, b = Node(), Node()
+a.other, b.other = b, a  # a reference cycle: garbage once dropped, freed only by a collection
+gone = weakref.ref(a)
+del a, b
+kept = [Node() for _ in range(1000)]
+assert freeze_startup_heap()
+assert gone() is None, "the cycle was frozen instead of collected"
+count = gc.get_freeze_count()
+assert count >= 1000, count
+tracked = {id(o) for o in gc.get_objects()}  # what a full collection traverses
+assert not any(id(o) in tracked for o in kept), "a start-up object is still traversed"
+assert not freeze_startup_heap() and gc.get_freeze_count() == count, "frozen twice"
+print("ok")
+"""
+
+
+def test_start_up_heap_is_collected_then_frozen_once():
+    """A run's start-up objects leave the full collections (vitrain/utils/host_memory.py), after one collection
+    (garbage is not frozen for good) and once a process. A new interpreter: a warm one is frozen already."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+    done = subprocess.run([sys.executable, "-c", FREEZE_CHECK], env=env, capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]

@@ -31,6 +31,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import faulthandler
+import gc
 import json
 import multiprocessing
 import os
@@ -134,6 +135,10 @@ def _child(
 ):
     """In the process forked by the forkserver: a session of its own, output to files, then `_become`."""
     global _server_env, _base_path
+    # the forkserver's heap (what it preloaded, never freed) out of this process's and its children's full
+    # collections, as a run's own start-up freezes it (vitrain/utils/host_memory.py: there after a collection,
+    # which here would traverse, and copy on write, every page of that heap)
+    gc.freeze()
     _server_env, _base_path = server
     os.setsid()  # a session of its own: a timeout kills the run with everything it started
     _limit_file_size(file_size_limit)

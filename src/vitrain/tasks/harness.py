@@ -19,7 +19,7 @@ from vitrain.distributed.ranks import check_launch_env, setup_rank
 from vitrain.errors import UserError
 from vitrain.loggers import finish_runs
 from vitrain.utils.cuda_check import skip_failing_nvml_check
-from vitrain.utils.host_memory import retain_freed_memory
+from vitrain.utils.host_memory import freeze_startup_heap, retain_freed_memory
 from vitrain.utils.secrets import install_secret_filter
 
 log = logging.getLogger(__name__)
@@ -109,6 +109,7 @@ def run_task(task: Task, cfg: DictConfig) -> tuple[dict[str, float], Any]:
     )
     if extras.get("retain_freed_memory", True):
         retain_freed_memory()
+    freeze_startup_heap()
     skip_failing_nvml_check()  # no NVIDIA driver: no failing library load per optimizer step
     output_dir = Path(cfg.paths.output_dir)
     # the config tree (extras.print_config) is printed by the task once its set-up has succeeded: the
