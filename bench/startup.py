@@ -2,6 +2,9 @@
 optimizer step, with a cold data cache (unpack and decode the archive) and with a warm one, against the
 time `python -c "import torch, lightning, timm"` takes. Warm runs and bare imports are interleaved.
 
+And what a full garbage collection costs once the template is imported: with the start-up heap as imported,
+and frozen as a run freezes it (vitrain/utils/host_memory.py), in paired rounds in one new interpreter.
+
 The clock starts just before the child process is spawned and stops at bench/probe.py's wall-clock stamp
 after the first training batch (config composition, imports, model, data, trainer set-up and the two
 sanity-check validation batches are inside; what the run does after that step is not).
@@ -58,6 +61,36 @@ def to_first_step(args: Any, cache_dir: Path, workdir: Path, tag: str, commands:
     return json.loads(out.read_text())["first_step_unix"] - t0
 
 
+COLLECT = """
+import gc, json, sys, time
+import torch, lightning, timm
+import vitrain.tasks.training
+gc.collect()
+objects = len(gc.get_objects()) + gc.get_freeze_count()
+ms = {"as imported": [], "frozen": []}
+for _ in range(int(sys.argv[1])):
+    for name, times in ms.items():
+        gc.freeze() if name == "frozen" else gc.unfreeze()
+        t0 = time.perf_counter()
+        gc.collect()
+        times.append(1000 * (time.perf_counter() - t0))
+print(json.dumps({"objects": objects, "ms": ms}))
+"""
+
+
+def collection_ms(rounds: int) -> dict[str, Any]:
+    """A full collection's milliseconds in a process that imported the template, heap as is and frozen."""
+    done = subprocess.run(
+        [PYTHON, "-c", COLLECT, str(rounds)],
+        check=True,
+        cwd=ROOT,
+        env=train_env(),
+        capture_output=True,
+        text=True,
+    )
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def import_seconds() -> float:
     t0 = time.perf_counter()
     subprocess.run([PYTHON, "-c", IMPORTS], check=True, cwd=ROOT, env=train_env())
@@ -83,11 +116,15 @@ def main() -> None:
         },
         args.rounds,
     )
+    collect = collection_ms(3 if args.smoke else 10)
+    heap_ms, frozen_ms = (median(collect["ms"][k]) for k in ("as imported", "frozen"))
     warm_ratio = ratio(runs["warm"], runs["imports"])
     met = warm_ratio <= 1.5
     line = (
         f"to first step: cold cache {cold:.1f} s, warm {median(runs['warm']):.1f} s = {warm_ratio:.2f}x "
-        f"`{IMPORTS}` ({median(runs['imports']):.1f} s; goal <= 1.5x: {'met' if met else 'NOT met'})"
+        f"`{IMPORTS}` ({median(runs['imports']):.1f} s; goal <= 1.5x: {'met' if met else 'NOT met'}); "
+        f"a full garbage collection after the imports {heap_ms:.0f} ms, {frozen_ms:.2f} ms with the start-up "
+        f"heap frozen ({collect['objects']:,} objects)"
     )
     result.save(
         line,
@@ -96,10 +133,14 @@ def main() -> None:
             "cold_s": round(cold, 2),
             "warm_s": round(median(runs["warm"]), 2),
             "imports_s": round(median(runs["imports"]), 2),
+            "collect_ms": round(heap_ms, 1),
+            "collect_frozen_ms": round(frozen_ms, 2),
+            "startup_objects": collect["objects"],
         },
         goal="warm run <= 1.5x the bare imports",
         met=met,
         rounds={k: [round(v, 2) for v in vs] for k, vs in runs.items()},
+        collect_ms_rounds={k: [round(v, 2) for v in vs] for k, vs in collect["ms"].items()},
         command=commands[0],
     )
 

@@ -328,14 +328,13 @@ def test_continue_logger_runs_only_into_the_recorded_project_or_server(
 
     monkeypatch.delenv("WANDB_MODE", raising=False)
     # the session's server: a new SQLite store would cost its schema migrations (~15 s of CPU)
-    local = mlflow_server
-    client = MlflowClient(local)
+    client = MlflowClient(mlflow_server)
     mlflow_run = client.create_run(client.create_experiment(f"e-{uuid.uuid4().hex[:8]}")).info.run_id
     wandb_run = {"id": "w1", "project": "p", "offline": False}
     (tmp_path / "logger_runs.json").write_text(
-        json.dumps({"wandb": wandb_run, "mlflow": {"run_id": mlflow_run, "tracking_uri": local}})
+        json.dumps({"wandb": wandb_run, "mlflow": {"run_id": mlflow_run, "tracking_uri": mlflow_server}})
     )
-    same = [WandbLogger(project="p", save_dir=str(tmp_path)), MLFlowLogger(tracking_uri=local)]
+    same = [WandbLogger(project="p", save_dir=str(tmp_path)), MLFlowLogger(tracking_uri=mlflow_server)]
     other = [
         WandbLogger(project="q", save_dir=str(tmp_path)),
         MLFlowLogger(save_dir=str(tmp_path / "elsewhere")),
@@ -354,21 +353,23 @@ def test_continue_logger_runs_only_into_the_recorded_project_or_server(
 
 
 def test_a_deleted_mlflow_run_is_not_continued(
-    tmp_path: Path, tiny_cifar: Path, data_cache: Path, mlflow_server: str, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, tiny_cifar: Path, data_cache: Path, monkeypatch: pytest.MonkeyPatch
 ):
-    """The run dir's MLflow run was deleted on the server: the resume logs to a new run, with a warning,
-    instead of failing to start."""
+    """The run dir's MLflow run was deleted from its store: the resume logs to a new run, with a warning,
+    instead of failing to start. No tracking URI: the store is the local one under `save_dir` (the only test
+    of that default; the others use the session's server, a new SQLite store costs its schema migrations)."""
     from mlflow.tracking import MlflowClient
 
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     overrides = [
         *tiny_overrides(tiny_cifar, data_cache),
         "logger=mlflow",
-        f"logger.mlflow.experiment_name=test-deleted-{uuid.uuid4().hex[:8]}",
+        f"logger.mlflow.save_dir={tmp_path / 'store'}",
         "test=false",
     ]
     train(compose_cfg("train", [*overrides, "trainer.max_epochs=1"], tmp_path / "run"))
     recorded = json.loads((tmp_path / "run" / "logger_runs.json").read_text())["mlflow"]
+    assert recorded["tracking_uri"] == f"sqlite:///{(tmp_path / 'store').resolve() / 'mlflow.db'}"
     client = MlflowClient(recorded["tracking_uri"])
     client.delete_run(recorded["run_id"])
     train(compose_cfg("train", [*overrides, "trainer.max_epochs=2", "ckpt_path=last"], tmp_path / "run"))

@@ -58,10 +58,10 @@ def freeze_startup_heap() -> bool:
     """Once per process: collect, then move every object alive into the collector's permanent generation.
 
     What is alive at start-up is mostly what torch, Lightning and timm imported (about half a million tracked
-    objects), none of it ever freed. Every full collection would traverse it all again: Python's own (each
-    time the heap grew by a quarter) and the `gc.collect()` calls of Lightning's batch-size finder, 0.3-3 s
-    each with the training loop stopped (4 calls took 41 s of a 60 s batch-size search test on a slow 2-core
-    machine here). Frozen, a collection sees only what the run made, and the DataLoader workers forked later
+    objects), none of it ever freed. Every full collection would traverse it all again, with the training
+    loop stopped: Python's own (each time the heap grew by a quarter) and the `gc.collect()` of Lightning's
+    batch-size finder at every trial (docs/benchmarks.md, "Start-up", has a collection's time with and
+    without). Frozen, a collection sees only what the run made, and the DataLoader workers forked later
     do not write into those objects' pages (copy-on-write), as `gc.freeze`'s documentation advises. An object
     frozen is never collected: hence a collection first, and once, before the run builds anything (a sweep's
     later jobs in the same process are collected as usual). False where this process already froze.
