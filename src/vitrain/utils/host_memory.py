@@ -61,10 +61,11 @@ def freeze_startup_heap() -> bool:
     objects), none of it ever freed. Every full collection would traverse it all again, with the training
     loop stopped: Python's own (each time the heap grew by a quarter) and the `gc.collect()` of Lightning's
     batch-size finder at every trial (docs/benchmarks.md, "Start-up", has a collection's time with and
-    without). Frozen, a collection sees only what the run made, and the DataLoader workers forked later
-    do not write into those objects' pages (copy-on-write), as `gc.freeze`'s documentation advises. An object
-    frozen is never collected: hence a collection first, and once, before the run builds anything (a sweep's
-    later jobs in the same process are collected as usual). False where this process already froze.
+    without). Frozen, a collection sees only what the run made, and the collections of DataLoader workers
+    forked later do not write into those objects' pages (copy-on-write), as `gc.freeze`'s documentation
+    advises. An object frozen is never collected: hence a collection first, and once, before the run builds
+    anything (a sweep's later jobs in the same process are collected as usual). False where this process
+    already froze.
     """
     if gc.get_freeze_count():
         return False
