@@ -5,7 +5,7 @@ RUN ?=
 .PHONY: install test test-fast lint format train train-smoke eval report clean bench bench-gpu bench-smoke bench-recipes gpu-check shards
 
 install:  ## create .venv and install everything (the README's first command)
-	python3 -m venv .venv && .venv/bin/pip install -r requirements.txt
+	python3 -m venv .venv && .venv/bin/pip install uv==0.13.9 && .venv/bin/uv pip install --python .venv/bin/python -r requirements.txt
 
 test:  ## the whole suite, as CI runs it
 	$(PY) -m pytest

@@ -149,15 +149,22 @@ print(json.dumps({"ms": times, "ramp_s": {k: v[1] for k, v in built.items()}}))
 
 
 def fresh_probe(script: str, *argv: str, what: str) -> dict[str, Any]:
-    """`python -c script *argv` in a fresh process with a fresh compiler cache (a probe must not find an
-    earlier one's kernels); its last stdout line, as JSON."""
+    """`python <script file> *argv` in a fresh process with a fresh compiler cache (a probe must not find an
+    earlier one's kernels); its last stdout line, as JSON. A script file, not `-c`: the tests' smoke run
+    starts it warm (tests/warm.py), a process forked before any compile."""
+    workdir = Path(tempfile.mkdtemp(dir=scratch_dir("inductor-probe")))
     env = {
         **os.environ,
-        "TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp(dir=scratch_dir("inductor-probe")),
+        "TORCHINDUCTOR_CACHE_DIR": str(workdir / "cache"),
         "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
     }
+    (workdir / "probe.py").write_text(script)
     done = subprocess.run(
-        [sys.executable, "-c", script, *argv], capture_output=True, text=True, env=env, timeout=1800
+        [sys.executable, str(workdir / "probe.py"), *argv],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=1800,
     )
     if done.returncode != 0:
         raise RuntimeError(f"{what} failed: {done.stderr[-2000:]}")
