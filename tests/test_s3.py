@@ -35,7 +35,7 @@ from vitrain.s3.errors import (
     S3ObjectNotFound,
     S3VerifyError,
 )
-from vitrain.s3.store import S3Store, fetch_checkpoint
+from vitrain.s3.store import SAVE_MANIFEST, S3Store, fetch_checkpoint
 from vitrain.utils.secrets import (
     REDACTED,
     SECRET_ENV_VARS,
@@ -274,10 +274,55 @@ def test_folder_upload_mirrors_the_save_offered(s3_bucket: str, s3_env: str, tmp
     (folder / ".metadata.tmp").replace(folder / ".metadata")  # the newer save completes
 
     runner(UploadJob(folder, S3Uri(s3_bucket, prefix), "last:0", signature(folder), "last"))
-    assert under_prefix() == local and len(runner.uploaded) == len(local)
+    assert under_prefix() == sorted([*local, SAVE_MANIFEST]) and len(runner.uploaded) == len(local) + 1
+    assert runner.uploaded[-1].endswith(f"/{SAVE_MANIFEST}")  # the manifest goes up last
     fetched = fetch_checkpoint(f"s3://{s3_bucket}/{prefix}", tmp_path / "cache")
     assert sorted(p.relative_to(fetched).as_posix() for p in fetched.rglob("*") if p.is_file()) == local
     assert all((fetched / rel).read_bytes() == (folder / rel).read_bytes() for rel in local)
+
+
+def test_a_folder_whose_newer_upload_was_cut_off_is_refused_not_mixed(
+    s3_bucket: str, s3_env: str, tmp_path: Path
+):
+    """S3 has no rename: a newer save replaces a folder's files one by one. A machine lost midway leaves two
+    saves' shards under one prefix, which would load silently mixed; the fetch refuses such a folder, takes
+    only the files of the manifest's save otherwise, and a whole later upload makes it fetchable again."""
+    import torch.distributed.checkpoint as dcp
+
+    folder, prefix = tmp_path / "last.ckpt", "runs/r/checkpoints/last.ckpt"
+    uri, url = S3Uri(s3_bucket, prefix), f"s3://{s3_bucket}/{prefix}"
+    runner = UploadRunner(S3Store(), prune=True, fatal=False)
+
+    def save(step: int) -> list[str]:
+        dcp.save({"w": torch.full((8, 8), float(step))}, checkpoint_id=str(folder))
+        torch.save({"global_step": step}, folder / "meta.pt")
+        runner(UploadJob(folder, uri, "last:0", signature(folder), "last"))
+        assert runner.failures == []
+        return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+
+    def loaded(path: Path) -> tuple[float, int]:
+        state = {"w": torch.zeros(8, 8)}
+        dcp.load(state, checkpoint_id=str(path))
+        assert state["w"].unique().numel() == 1
+        return state["w"][0, 0].item(), torch.load(path / "meta.pt")["global_step"]
+
+    local = save(1)
+    # an object no save names (an older file that could not be deleted): left out of the fetched folder
+    _client(s3_env).put_object(Bucket=s3_bucket, Key=f"{prefix}/__1_0.distcp", Body=b"other world size")
+    fetched = fetch_checkpoint(url, tmp_path / "cache1")
+    assert sorted(p.relative_to(fetched).as_posix() for p in fetched.rglob("*") if p.is_file()) == local
+    assert loaded(fetched) == (1.0, 1)
+
+    # the next save's upload is cut off after its first shard: the manifest still names save 1
+    dcp.save({"w": torch.full((8, 8), 2.0)}, checkpoint_id=str(folder))
+    shard = next(name for name in local if name.endswith(".distcp"))
+    S3Store().upload_file(folder / shard, uri.child(shard))
+    with pytest.raises(S3VerifyError, match=rf"{prefix}/ is not one whole save: {shard} is not the file"):
+        fetch_checkpoint(url, tmp_path / "cache2")
+    assert not [p for p in (tmp_path / "cache2").rglob("*") if p.is_file() and p.suffix != ".lock"]
+
+    save(3)  # a whole upload: fetchable again, all of one save
+    assert loaded(fetch_checkpoint(url, tmp_path / "cache3")) == (3.0, 3)
 
 
 def test_replaced_sharded_best_is_deleted_whole(s3_bucket: str, s3_env: str, tmp_path: Path):
@@ -299,7 +344,7 @@ def test_replaced_sharded_best_is_deleted_whole(s3_bucket: str, s3_env: str, tmp
     keys = _keys(s3_env, s3_bucket)
     assert not [k for k in keys if k.startswith(f"{base}/epoch0.ckpt/")], keys
     assert sorted(k for k in keys if k.startswith(f"{base}/epoch1.ckpt/")) == sorted(
-        f"{base}/epoch1.ckpt/{p.name}" for p in folder.iterdir()
+        f"{base}/epoch1.ckpt/{name}" for name in [*(p.name for p in folder.iterdir()), SAVE_MANIFEST]
     )
     assert all("/epoch1.ckpt/" in uri for uri in runner.uploaded) and runner.failures == []
 
@@ -803,8 +848,10 @@ def test_distributed_run_uploads_from_rank_zero_once(
     # a folder of shards written by both ranks, uploaded whole by rank zero after the barrier
     local = sorted(p.relative_to(best).as_posix() for p in best.rglob("*") if p.is_file())
     assert best.is_dir() and {".metadata", "meta.pt"} <= set(local) and len(local) >= 4
-    assert sorted(k[len(prefix) + 1 :] for k in keys if k.startswith(prefix + "/")) == local
-    for rel in local:
+    assert sorted(k[len(prefix) + 1 :] for k in keys if k.startswith(prefix + "/")) == sorted(
+        [*local, SAVE_MANIFEST]
+    )
+    for rel in [*local, SAVE_MANIFEST]:
         assert output.count(f"S3: uploaded s3://{s3_bucket}/{prefix}/{rel} ") == 1
     fetched = fetch_checkpoint(f"s3://{s3_bucket}/{prefix}", tmp_path / "cache")
     assert all((fetched / rel).read_bytes() == (best / rel).read_bytes() for rel in local)
@@ -904,7 +951,7 @@ def test_resume_from_s3_on_an_empty_disk(
     assert len(mlflow_runs(mlflow_server, experiment)) == 2
 
 
-@pytest.mark.parametrize("case", ["missing", "sha256"])
+@pytest.mark.parametrize("case", ["missing", "sha256", "cut_off"])
 def test_ckpt_path_on_s3_that_is_missing_or_corrupt_stops_in_one_line(
     case: str,
     tmp_path: Path,
@@ -923,6 +970,13 @@ def test_ckpt_path_on_s3_that_is_missing_or_corrupt_stops_in_one_line(
         _client(s3_env).put_object(
             Bucket=s3_bucket, Key=key, Body=b"not a checkpoint", Metadata={"sha256": "0" * 64}
         )
+    if case == "cut_off":  # a folder whose manifest's save was being replaced when its machine was lost
+        folder = tmp_path / "last.ckpt"
+        folder.mkdir()
+        (folder / "meta.pt").write_bytes(b"save 1")
+        S3Store().upload_save(folder, S3Uri(s3_bucket, key), ["meta.pt"])
+        (folder / "meta.pt").write_bytes(b"save 2")
+        S3Store().upload_file(folder / "meta.pt", S3Uri(s3_bucket, f"{key}/meta.pt"))
     cache = tmp_path / "cache"
     overrides = [
         *tiny_overrides(tiny_cifar, data_cache),
@@ -933,7 +987,11 @@ def test_ckpt_path_on_s3_that_is_missing_or_corrupt_stops_in_one_line(
         run_task(train, compose_cfg("train", overrides, tmp_path / "run"))
     assert info.value.code == 2
     error = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
-    expected = "no object and no folder at" if case == "missing" else "sha256"
+    expected = {
+        "missing": "no object and no folder at",
+        "sha256": "sha256",
+        "cut_off": "is not one whole save",
+    }[case]
     assert len(error) == 1 and expected in error[0] and key in error[0], error
     assert not [p for p in cache.rglob("*") if p.is_file() and p.suffix != ".lock"], (
         "nothing unverified is kept"

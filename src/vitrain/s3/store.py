@@ -7,10 +7,12 @@ object's ETag, filled once per node and only by atomic rename, so a resume never
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import re
 import shutil
+import tempfile
 import uuid
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -29,6 +31,8 @@ from vitrain.s3.errors import S3Error, S3ObjectNotFound, S3VerifyError, classify
 log = logging.getLogger(__name__)
 
 SHA256_META = "sha256"  # object metadata key (sent as x-amz-meta-sha256)
+# a checkpoint folder's last object: the sha256 of each file of its save (a fetch leaves it out of the folder)
+SAVE_MANIFEST = ".vitrain-save.json"
 
 
 @dataclass(frozen=True)
@@ -110,6 +114,20 @@ class S3Store:
         if names is None:
             names = [path.relative_to(folder).as_posix() for path in _files(folder)]
         return [self.upload_file(folder / name, uri.child(name)) for name in names]
+
+    def upload_save(self, folder: Path, uri: S3Uri, names: Sequence[str]) -> list[Uploaded]:
+        """A checkpoint folder as one save: its files, then `SAVE_MANIFEST` with each one's sha256, last.
+        S3 has no rename, so a newer save replaces the folder's files one by one; an upload cut off midway
+        (a machine lost without SIGTERM) leaves two saves' files under one prefix, and shards of the same
+        shapes would load silently mixed. A fetch takes the files the manifest names and refuses a folder
+        where one of them is not the manifest's (`_whole_save`)."""
+        uploads = [self.upload_file(folder / name, uri.child(name)) for name in names]
+        manifest = {"files": {name: up.sha256 for name, up in zip(names, uploads, strict=True)}}
+        with tempfile.TemporaryDirectory() as tmp:
+            local = Path(tmp) / SAVE_MANIFEST
+            local.write_text(json.dumps(manifest, indent=1) + "\n")
+            up = self.upload_file(local, uri.child(SAVE_MANIFEST))
+        return [*uploads, replace(up, local=folder / SAVE_MANIFEST)]
 
     def prune_tree(self, uri: S3Uri, keep: Collection[S3Uri]) -> list[S3Uri]:
         """Delete the objects under the prefix `uri` that are not in `keep`; return them.
@@ -193,14 +211,20 @@ class S3Store:
             if target.is_dir():
                 log.info("S3: %s/ is cached at %s", uri, target)
                 return target
+            heads = {}
+            for key, _etag, _size in listing:
+                try:
+                    heads[key] = self.client.head_object(Bucket=uri.bucket, Key=key)
+                except Exception as exc:
+                    raise self.error(exc, f"reading {S3Uri(uri.bucket, key)}") from exc
+            # a folder `upload_save` wrote: the files its manifest names, if whole
+            if prefix + SAVE_MANIFEST in heads:
+                heads = self._whole_save(uri, prefix, heads)
+            listing = [entry for entry in listing if entry[0] in heads]
             staging = target.with_name(f".{target.name}.{uuid.uuid4().hex}.partial")
             try:
                 for key, _etag, _size in listing:
-                    obj = S3Uri(uri.bucket, key)
-                    try:
-                        head = self.client.head_object(Bucket=uri.bucket, Key=key)
-                    except Exception as exc:
-                        raise self.error(exc, f"reading {obj}") from exc
+                    obj, head = S3Uri(uri.bucket, key), heads[key]
                     dest = staging / _safe_relpath(key[len(prefix) :])
                     dest.parent.mkdir(parents=True, exist_ok=True)
                     self._download_verified(obj, head, dest)
@@ -213,6 +237,37 @@ class S3Store:
                 shutil.rmtree(staging, ignore_errors=True)
         log.info("S3: fetched %s/ (%d files) -> %s", uri, len(listing), target)
         return target
+
+    def _whole_save(
+        self, uri: S3Uri, prefix: str, heads: dict[str, dict[str, Any]]
+    ) -> dict[str, dict[str, Any]]:
+        """The heads of the files the folder's manifest names, once each holds the bytes the manifest names
+        (the download then checks the bytes against the head); an object the manifest does not name (an older
+        save's file that could not be deleted) is left out."""
+        key = prefix + SAVE_MANIFEST
+        try:
+            manifest = json.loads(self.client.get_object(Bucket=uri.bucket, Key=key)["Body"].read())
+            files = dict(manifest["files"])
+        except (ValueError, KeyError, TypeError):
+            raise S3VerifyError(f"S3: {S3Uri(uri.bucket, key)} is not a readable save manifest") from None
+        except Exception as exc:
+            raise self.error(exc, f"reading {S3Uri(uri.bucket, key)}") from exc
+        whole = {}
+        for name, sha256 in files.items():
+            head = heads.get(prefix + name)
+            meta = (head or {}).get("Metadata", {})
+            if head is None or meta.get(SHA256_META) != sha256:
+                raise S3VerifyError(
+                    f"S3: {uri}/ is not one whole save: {name} is "
+                    f"{'missing' if head is None else 'not the file the folder manifest names'} (an upload "
+                    "of a newer save was cut off midway); resume from another checkpoint, or upload the "
+                    "folder again"
+                )
+            whole[prefix + name] = head
+        ignored = len(heads) - len(whole) - 1
+        if ignored:
+            log.info("S3: %s/: %d object(s) not of its save left out", uri, ignored)
+        return whole
 
     def _listing(self, uri: S3Uri) -> list[tuple[str, str, int]]:
         """(key, ETag, size) of every object under the prefix `uri`, sorted."""
