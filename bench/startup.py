@@ -1,6 +1,7 @@
 """Start-up: seconds from launching `python src/train.py experiment=cifar_cpu ...` to the end of the first
 optimizer step, with a cold data cache (unpack and decode the archive) and with a warm one, against the
-time `python -c "import torch, lightning, timm"` takes. Warm runs and bare imports are interleaved.
+time a new interpreter takes to run `import torch, lightning, timm` (a script file of that line). Warm runs
+and bare imports are interleaved.
 
 And what a full garbage collection costs once the template is imported: with the start-up heap as imported,
 and frozen as a run freezes it (vitrain/utils/host_memory.py), in paired rounds in one new interpreter.
