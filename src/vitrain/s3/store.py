@@ -121,7 +121,7 @@ class S3Store:
         (a machine lost without SIGTERM) leaves two saves' files under one prefix, and shards of the same
         shapes would load silently mixed. A fetch takes the files the manifest names and refuses a folder
         where one of them is not the manifest's (`_whole_save`)."""
-        uploads = [self.upload_file(folder / name, uri.child(name)) for name in names]
+        uploads = self.upload_tree(folder, uri, names)
         manifest = {"files": {name: up.sha256 for name, up in zip(names, uploads, strict=True)}}
         with tempfile.TemporaryDirectory() as tmp:
             local = Path(tmp) / SAVE_MANIFEST
