@@ -2,6 +2,7 @@
 
 import csv
 import json
+import os
 import struct
 import uuid
 from collections.abc import Iterator
@@ -370,6 +371,8 @@ def test_a_deleted_mlflow_run_is_not_continued(
     train(compose_cfg("train", [*overrides, "trainer.max_epochs=1"], tmp_path / "run"))
     recorded = json.loads((tmp_path / "run" / "logger_runs.json").read_text())["mlflow"]
     assert recorded["tracking_uri"] == f"sqlite:///{(tmp_path / 'store').resolve() / 'mlflow.db'}"
+    # the next job of this process (a multirun) does not inherit this job's store through the environment
+    assert "MLFLOW_TRACKING_URI" not in os.environ
     client = MlflowClient(recorded["tracking_uri"])
     client.delete_run(recorded["run_id"])
     train(compose_cfg("train", [*overrides, "trainer.max_epochs=2", "ckpt_path=last"], tmp_path / "run"))

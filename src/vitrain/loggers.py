@@ -295,7 +295,8 @@ class MLFlowLogger(_LightningMLFlowLogger):
         log_best_checkpoint: bool = False,
         **kwargs: Any,
     ) -> None:
-        tracking_uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+        self._uri_before: str | None = os.environ.get("MLFLOW_TRACKING_URI")
+        tracking_uri = tracking_uri or self._uri_before
         if not tracking_uri:  # a local store: a database and an artifact folder under `save_dir`
             Path(save_dir).mkdir(parents=True, exist_ok=True)
             tracking_uri = f"sqlite:///{Path(save_dir).resolve() / 'mlflow.db'}"
@@ -362,6 +363,9 @@ class MLFlowLogger(_LightningMLFlowLogger):
         if self.log_best_checkpoint and status == "success" and self._best_callback is not None:
             self.upload_best_checkpoint(self._best_callback.best_model_path)
         super().finalize(status)
+        # Lightning's `experiment` calls `mlflow.set_tracking_uri`, which also writes MLFLOW_TRACKING_URI into
+        # the environment: the next job of a multirun process would log to this job's store
+        mlflow.set_tracking_uri(self._uri_before)
 
     def upload_best_checkpoint(self, path: str) -> None:
         """`path` (a file or a checkpoint folder) under the run's `checkpoints/` artifacts; once per path."""
