@@ -1,5 +1,6 @@
 """S3 checkpoints against a real HTTP endpoint (moto server on 127.0.0.1): upload, verify, fetch, failures."""
 
+import json
 import logging
 import os
 import socket
@@ -9,6 +10,7 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from unittest import mock
 
 import boto3
 import lightning as L
@@ -58,6 +60,18 @@ def _keys(endpoint: str, bucket: str) -> list[str]:
 
 def _body(endpoint: str, bucket: str, key: str) -> bytes:
     return _client(endpoint).get_object(Bucket=bucket, Key=key)["Body"].read()
+
+
+def _save_dir(endpoint: str, bucket: str, prefix: str) -> str:
+    """The subfolder of the save that a checkpoint folder's manifest names."""
+    return json.loads(_body(endpoint, bucket, f"{prefix}/{SAVE_MANIFEST}"))["save"]
+
+
+def _folder_keys(endpoint: str, bucket: str, prefix: str) -> list[str]:
+    """The keys under `prefix/`, relative to it, with the manifest's save subfolder written `SAVE`."""
+    save = _save_dir(endpoint, bucket, prefix)
+    keys = [k[len(prefix) + 1 :] for k in _keys(endpoint, bucket) if k.startswith(prefix + "/")]
+    return sorted(k.replace(f"{save}/", "SAVE/", 1) if k.startswith(f"{save}/") else k for k in keys)
 
 
 @contextmanager
@@ -270,23 +284,26 @@ def test_folder_upload_mirrors_the_save_offered(s3_bucket: str, s3_env: str, tmp
     (folder / ".metadata.tmp").write_bytes((folder / ".metadata").read_bytes())
     runner(job)
     assert ".metadata.tmp" in under_prefix()  # the stale one, untouched: the newer save's job mirrors
+    assert SAVE_MANIFEST not in under_prefix()  # its files may be of two saves: no manifest names them
     assert runner.uploaded == [] and runner.failures == []  # superseded, not done and not failed
     (folder / ".metadata.tmp").replace(folder / ".metadata")  # the newer save completes
 
     runner(UploadJob(folder, S3Uri(s3_bucket, prefix), "last:0", signature(folder), "last"))
-    assert under_prefix() == sorted([*local, SAVE_MANIFEST]) and len(runner.uploaded) == len(local) + 1
-    assert runner.uploaded[-1].endswith(f"/{SAVE_MANIFEST}")  # the manifest goes up last
+    # the save's files in a subfolder of their own, then the manifest naming it, last; nothing else
+    assert _folder_keys(s3_env, s3_bucket, prefix) == sorted([*(f"SAVE/{n}" for n in local), SAVE_MANIFEST])
+    assert len(runner.uploaded) == len(local) + 1 and runner.uploaded[-1].endswith(f"/{SAVE_MANIFEST}")
     fetched = fetch_checkpoint(f"s3://{s3_bucket}/{prefix}", tmp_path / "cache")
     assert sorted(p.relative_to(fetched).as_posix() for p in fetched.rglob("*") if p.is_file()) == local
     assert all((fetched / rel).read_bytes() == (folder / rel).read_bytes() for rel in local)
 
 
-def test_a_folder_whose_newer_upload_was_cut_off_is_refused_not_mixed(
+def test_a_folder_whose_newer_upload_was_cut_off_still_holds_the_older_save(
     s3_bucket: str, s3_env: str, tmp_path: Path
 ):
-    """S3 has no rename: a newer save replaces a folder's files one by one. A machine lost midway leaves two
-    saves' shards under one prefix, which would load silently mixed; the fetch refuses such a folder, takes
-    only the files of the manifest's save otherwise, and a whole later upload makes it fetchable again."""
+    """S3 has no rename: a newer save written over a folder's keys would replace its files one by one, and a
+    machine lost midway would leave two saves' shards, which load silently mixed. Each save goes up into a
+    subfolder of its own and the manifest naming it last: a cut-off upload leaves the older save whole and
+    fetched; a folder whose named files changed after their upload is refused in one line."""
     import torch.distributed.checkpoint as dcp
 
     folder, prefix = tmp_path / "last.ckpt", "runs/r/checkpoints/last.ckpt"
@@ -297,7 +314,6 @@ def test_a_folder_whose_newer_upload_was_cut_off_is_refused_not_mixed(
         dcp.save({"w": torch.full((8, 8), float(step))}, checkpoint_id=str(folder))
         torch.save({"global_step": step}, folder / "meta.pt")
         runner(UploadJob(folder, uri, "last:0", signature(folder), "last"))
-        assert runner.failures == []
         return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
 
     def loaded(path: Path) -> tuple[float, int]:
@@ -306,23 +322,55 @@ def test_a_folder_whose_newer_upload_was_cut_off_is_refused_not_mixed(
         assert state["w"].unique().numel() == 1
         return state["w"][0, 0].item(), torch.load(path / "meta.pt")["global_step"]
 
+    def fetched_files(path: Path) -> list[str]:
+        return sorted(p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file())
+
     local = save(1)
+    assert runner.failures == []
+    save1 = _save_dir(s3_env, s3_bucket, prefix)
     # an object no save names (an older file that could not be deleted): left out of the fetched folder
     _client(s3_env).put_object(Bucket=s3_bucket, Key=f"{prefix}/__1_0.distcp", Body=b"other world size")
     fetched = fetch_checkpoint(url, tmp_path / "cache1")
-    assert sorted(p.relative_to(fetched).as_posix() for p in fetched.rglob("*") if p.is_file()) == local
-    assert loaded(fetched) == (1.0, 1)
+    assert fetched_files(fetched) == local and loaded(fetched) == (1.0, 1)
 
-    # the next save's upload is cut off after its first shard: the manifest still names save 1
-    dcp.save({"w": torch.full((8, 8), 2.0)}, checkpoint_id=str(folder))
-    shard = next(name for name in local if name.endswith(".distcp"))
-    S3Store().upload_file(folder / shard, uri.child(shard))
-    with pytest.raises(S3VerifyError, match=rf"{prefix}/ is not one whole save: {shard} is not the file"):
-        fetch_checkpoint(url, tmp_path / "cache2")
-    assert not [p for p in (tmp_path / "cache2").rglob("*") if p.is_file() and p.suffix != ".lock"]
+    # the next save's upload is cut off after its first file (the machine is lost): save 1 is still whole
+    real_upload, calls = S3Store.upload_file, []
 
-    save(3)  # a whole upload: fetchable again, all of one save
+    def lost_after_one(self: S3Store, path: Path, *args, **kwargs):
+        calls.append(path)
+        if len(calls) > 1:
+            raise ConnectionError("machine lost")
+        return real_upload(self, path, *args, **kwargs)
+
+    with mock.patch.object(S3Store, "upload_file", lost_after_one):
+        save(2)
+    assert len(calls) == 2 and len(runner.failures) == 1
+    keys = _keys(s3_env, s3_bucket)
+    assert len([k for k in keys if k.startswith(prefix + "/save-") and f"/{save1}/" not in k]) == 1
+    assert _save_dir(s3_env, s3_bucket, prefix) == save1
+    fetched = fetch_checkpoint(url, tmp_path / "cache2")
+    assert fetched_files(fetched) == local and loaded(fetched) == (1.0, 1)
+
+    save(3)  # a whole upload: the manifest names save 3, and save 1 and the cut-off files are deleted
+    assert _folder_keys(s3_env, s3_bucket, prefix) == sorted([*(f"SAVE/{n}" for n in local), SAVE_MANIFEST])
     assert loaded(fetch_checkpoint(url, tmp_path / "cache3")) == (3.0, 3)
+
+    # a file of the named save replaced after its upload (by hand, another tool): refused, nothing cached
+    shard = next(name for name in local if name.endswith(".distcp"))
+    save3 = _save_dir(s3_env, s3_bucket, prefix)
+    S3Store().upload_file(folder / "meta.pt", uri.child(save3, shard))
+    with pytest.raises(
+        S3VerifyError, match=rf"{prefix}/ is not one whole save: {save3}/{shard} is not the file"
+    ):
+        fetch_checkpoint(url, tmp_path / "cache4")
+    assert not [p for p in (tmp_path / "cache4").rglob("*") if p.is_file() and p.suffix != ".lock"]
+
+    # the previous version's layout (the files at the folder's top, a manifest without `save`) still loads
+    old = S3Uri(s3_bucket, "runs/old/checkpoints/last.ckpt")
+    ups = S3Store().upload_tree(folder, old, local)
+    manifest = {"files": {name: up.sha256 for name, up in zip(local, ups, strict=True)}}
+    _client(s3_env).put_object(Bucket=s3_bucket, Key=f"{old.key}/{SAVE_MANIFEST}", Body=json.dumps(manifest))
+    assert loaded(fetch_checkpoint(f"s3://{old.bucket}/{old.key}", tmp_path / "cache5")) == (3.0, 3)
 
 
 def test_replaced_sharded_best_is_deleted_whole(s3_bucket: str, s3_env: str, tmp_path: Path):
@@ -343,8 +391,8 @@ def test_replaced_sharded_best_is_deleted_whole(s3_bucket: str, s3_env: str, tmp
         )
     keys = _keys(s3_env, s3_bucket)
     assert not [k for k in keys if k.startswith(f"{base}/epoch0.ckpt/")], keys
-    assert sorted(k for k in keys if k.startswith(f"{base}/epoch1.ckpt/")) == sorted(
-        f"{base}/epoch1.ckpt/{name}" for name in [*(p.name for p in folder.iterdir()), SAVE_MANIFEST]
+    assert _folder_keys(s3_env, s3_bucket, f"{base}/epoch1.ckpt") == sorted(
+        [*(f"SAVE/{p.name}" for p in folder.iterdir()), SAVE_MANIFEST]
     )
     assert all("/epoch1.ckpt/" in uri for uri in runner.uploaded) and runner.failures == []
 
@@ -840,7 +888,6 @@ def test_distributed_run_uploads_from_rank_zero_once(
 
     best = next((tmp_path / "run" / "checkpoints").glob("epoch*"))
     prefix = f"runs/run/checkpoints/{best.name}"
-    keys = _keys(s3_env, s3_bucket)
     if strategy == "ddp":
         assert best.is_file() and output.count(f"S3: uploaded s3://{s3_bucket}/{prefix} ") == 1
         assert _body(s3_env, s3_bucket, prefix) == best.read_bytes()
@@ -848,10 +895,9 @@ def test_distributed_run_uploads_from_rank_zero_once(
     # a folder of shards written by both ranks, uploaded whole by rank zero after the barrier
     local = sorted(p.relative_to(best).as_posix() for p in best.rglob("*") if p.is_file())
     assert best.is_dir() and {".metadata", "meta.pt"} <= set(local) and len(local) >= 4
-    assert sorted(k[len(prefix) + 1 :] for k in keys if k.startswith(prefix + "/")) == sorted(
-        [*local, SAVE_MANIFEST]
-    )
-    for rel in [*local, SAVE_MANIFEST]:
+    assert _folder_keys(s3_env, s3_bucket, prefix) == sorted([*(f"SAVE/{n}" for n in local), SAVE_MANIFEST])
+    save = _save_dir(s3_env, s3_bucket, prefix)
+    for rel in [*(f"{save}/{n}" for n in local), SAVE_MANIFEST]:
         assert output.count(f"S3: uploaded s3://{s3_bucket}/{prefix}/{rel} ") == 1
     fetched = fetch_checkpoint(f"s3://{s3_bucket}/{prefix}", tmp_path / "cache")
     assert all((fetched / rel).read_bytes() == (best / rel).read_bytes() for rel in local)
@@ -884,8 +930,10 @@ def _resume_fsdp_folder_from_s3(
     assert output.count(f"S3: fetched {uri}/ ({len(local)} files) -> ") == 1, output[-4000:]
     (copy,) = [p.parent for p in cache.rglob(".metadata")]
     assert copy.is_relative_to(cache / "s3" / bucket) and copy.name == "last.ckpt"
+    save = _save_dir(endpoint, bucket, prefix)
     for rel in local:
-        recorded = _client(endpoint).head_object(Bucket=bucket, Key=f"{prefix}/{rel}")["Metadata"]["sha256"]
+        head = _client(endpoint).head_object(Bucket=bucket, Key=f"{prefix}/{save}/{rel}")
+        recorded = head["Metadata"]["sha256"]
         assert file_digest(copy / rel, MiB, MiB).sha256 == recorded  # what _download_verified checked
         assert (copy / rel).read_bytes() == (last / rel).read_bytes()
     assert f"Restored all states from the checkpoint at {copy}" in output, output[-4000:]
@@ -951,7 +999,7 @@ def test_resume_from_s3_on_an_empty_disk(
     assert len(mlflow_runs(mlflow_server, experiment)) == 2
 
 
-@pytest.mark.parametrize("case", ["missing", "sha256", "cut_off"])
+@pytest.mark.parametrize("case", ["missing", "sha256", "changed"])
 def test_ckpt_path_on_s3_that_is_missing_or_corrupt_stops_in_one_line(
     case: str,
     tmp_path: Path,
@@ -970,13 +1018,14 @@ def test_ckpt_path_on_s3_that_is_missing_or_corrupt_stops_in_one_line(
         _client(s3_env).put_object(
             Bucket=s3_bucket, Key=key, Body=b"not a checkpoint", Metadata={"sha256": "0" * 64}
         )
-    if case == "cut_off":  # a folder whose manifest's save was being replaced when its machine was lost
+    if case == "changed":  # a folder whose manifest's file was replaced after the upload
         folder = tmp_path / "last.ckpt"
         folder.mkdir()
         (folder / "meta.pt").write_bytes(b"save 1")
         S3Store().upload_save(folder, S3Uri(s3_bucket, key), ["meta.pt"])
         (folder / "meta.pt").write_bytes(b"save 2")
-        S3Store().upload_file(folder / "meta.pt", S3Uri(s3_bucket, f"{key}/meta.pt"))
+        save = _save_dir(s3_env, s3_bucket, key)
+        S3Store().upload_file(folder / "meta.pt", S3Uri(s3_bucket, f"{key}/{save}/meta.pt"))
     cache = tmp_path / "cache"
     overrides = [
         *tiny_overrides(tiny_cifar, data_cache),
@@ -990,7 +1039,7 @@ def test_ckpt_path_on_s3_that_is_missing_or_corrupt_stops_in_one_line(
     expected = {
         "missing": "no object and no folder at",
         "sha256": "sha256",
-        "cut_off": "is not one whole save",
+        "changed": "is not one whole save",
     }[case]
     assert len(error) == 1 and expected in error[0] and key in error[0], error
     assert not [p for p in cache.rglob("*") if p.is_file() and p.suffix != ".lock"], (

@@ -86,7 +86,10 @@ class UploadRunner:
 
     def _upload(self, job: UploadJob) -> list[Uploaded]:
         if job.folder:  # the files of the save that was offered, not what a newer save has begun; as one save
-            return self.store.upload_save(job.local, job.uri, [name for name, *_stat in job.signature])
+            names = [name for name, *_stat in job.signature]
+            return self.store.upload_save(
+                job.local, job.uri, names, unchanged=lambda: signature(job.local) == job.signature
+            )
         if job.kind == "file" and job.local.suffix in _TEXT_SUFFIXES and job.local.stat().st_size < 16 * MiB:
             text = job.local.read_text(errors="replace")
             leaked = find_secrets(text)

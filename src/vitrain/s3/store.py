@@ -14,7 +14,7 @@ import re
 import shutil
 import tempfile
 import uuid
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -31,7 +31,7 @@ from vitrain.s3.errors import S3Error, S3ObjectNotFound, S3VerifyError, classify
 log = logging.getLogger(__name__)
 
 SHA256_META = "sha256"  # object metadata key (sent as x-amz-meta-sha256)
-# a checkpoint folder's last object: the sha256 of each file of its save (a fetch leaves it out of the folder)
+# a checkpoint folder's last object: its save's subfolder and each file's sha256 (not fetched into the folder)
 SAVE_MANIFEST = ".vitrain-save.json"
 
 
@@ -115,17 +115,26 @@ class S3Store:
             names = [path.relative_to(folder).as_posix() for path in _files(folder)]
         return [self.upload_file(folder / name, uri.child(name)) for name in names]
 
-    def upload_save(self, folder: Path, uri: S3Uri, names: Sequence[str]) -> list[Uploaded]:
-        """A checkpoint folder as one save: its files, then `SAVE_MANIFEST` with each one's sha256, last.
-        S3 has no rename, so a newer save replaces the folder's files one by one; an upload cut off midway
-        (a machine lost without SIGTERM) leaves two saves' files under one prefix, and shards of the same
-        shapes would load silently mixed. A fetch takes the files the manifest names and refuses a folder
-        where one of them is not the manifest's (`_whole_save`)."""
-        uploads = self.upload_tree(folder, uri, names)
-        manifest = {"files": {name: up.sha256 for name, up in zip(names, uploads, strict=True)}}
+    def upload_save(
+        self, folder: Path, uri: S3Uri, names: Sequence[str], unchanged: Callable[[], bool] | None = None
+    ) -> list[Uploaded]:
+        """A checkpoint folder as one save that leaves the folder's older save whole until it is complete.
+
+        S3 has no rename: a newer save written over the folder's keys would replace its files one by one, and
+        an upload cut off midway (a machine lost without SIGTERM) would leave two saves' shards under one
+        prefix, which load silently mixed when their shapes match. So the files go under a new
+        `<uri>/save-<id>/`, and `SAVE_MANIFEST` at `<uri>/`, naming that subfolder and each file's sha256,
+        goes up last: until it does, a fetch takes the older save the manifest names (`_whole_save`). No
+        manifest goes up when `unchanged()` says the local folder was rewritten meanwhile (its files may be
+        of two saves). The caller deletes the older save's objects once the manifest is up."""
+        save = f"save-{uuid.uuid4().hex[:16]}"
+        uploads = self.upload_tree(folder, uri.child(save), names)
+        if unchanged is not None and not unchanged():
+            return uploads
+        files = {name: up.sha256 for name, up in zip(names, uploads, strict=True)}
         with tempfile.TemporaryDirectory() as tmp:
             local = Path(tmp) / SAVE_MANIFEST
-            local.write_text(json.dumps(manifest, indent=1) + "\n")
+            local.write_text(json.dumps({"save": save, "files": files}, indent=1) + "\n")
             up = self.upload_file(local, uri.child(SAVE_MANIFEST))
         return [*uploads, replace(up, local=folder / SAVE_MANIFEST)]
 
@@ -217,17 +226,17 @@ class S3Store:
                     heads[key] = self.client.head_object(Bucket=uri.bucket, Key=key)
                 except Exception as exc:
                     raise self.error(exc, f"reading {S3Uri(uri.bucket, key)}") from exc
-            # a folder `upload_save` wrote: the files its manifest names, if whole
+            # a folder `upload_save` wrote: the files of the save its manifest names, if whole
             if prefix + SAVE_MANIFEST in heads:
-                heads = self._whole_save(uri, prefix, heads)
-            listing = [entry for entry in listing if entry[0] in heads]
+                files = self._whole_save(uri, prefix, heads)
+            else:
+                files = {key: (key[len(prefix) :], head) for key, head in heads.items()}
             staging = target.with_name(f".{target.name}.{uuid.uuid4().hex}.partial")
             try:
-                for key, _etag, _size in listing:
-                    obj, head = S3Uri(uri.bucket, key), heads[key]
-                    dest = staging / _safe_relpath(key[len(prefix) :])
+                for key, (name, head) in sorted(files.items()):
+                    dest = staging / _safe_relpath(name)
                     dest.parent.mkdir(parents=True, exist_ok=True)
-                    self._download_verified(obj, head, dest)
+                    self._download_verified(S3Uri(uri.bucket, key), head, dest)
                 try:
                     os.replace(staging, target)
                 except OSError:
@@ -235,38 +244,41 @@ class S3Store:
                         raise
             finally:
                 shutil.rmtree(staging, ignore_errors=True)
-        log.info("S3: fetched %s/ (%d files) -> %s", uri, len(listing), target)
+        log.info("S3: fetched %s/ (%d files) -> %s", uri, len(files), target)
         return target
 
     def _whole_save(
         self, uri: S3Uri, prefix: str, heads: dict[str, dict[str, Any]]
-    ) -> dict[str, dict[str, Any]]:
-        """The heads of the files the folder's manifest names, once each holds the bytes the manifest names
-        (the download then checks the bytes against the head); an object the manifest does not name (an older
-        save's file that could not be deleted) is left out."""
+    ) -> dict[str, tuple[str, dict[str, Any]]]:
+        """{key: (name in the folder, head)} of the files of the save the folder's manifest names, once each
+        holds the bytes the manifest names (the download then checks the bytes against the head). Objects
+        the manifest does not name (a newer save whose upload was cut off, an older one not yet deleted) are
+        left out. A manifest without `save` (the files at the folder's top) is an earlier version's."""
         key = prefix + SAVE_MANIFEST
         try:
             manifest = json.loads(self.client.get_object(Bucket=uri.bucket, Key=key)["Body"].read())
-            files = dict(manifest["files"])
-        except (ValueError, KeyError, TypeError):
+            files, save = dict(manifest["files"]), manifest.get("save")
+            base = prefix + (f"{_safe_relpath(save).as_posix()}/" if save else "")
+        except (ValueError, KeyError, TypeError, UserError):
             raise S3VerifyError(f"S3: {S3Uri(uri.bucket, key)} is not a readable save manifest") from None
         except Exception as exc:
             raise self.error(exc, f"reading {S3Uri(uri.bucket, key)}") from exc
         whole = {}
         for name, sha256 in files.items():
-            head = heads.get(prefix + name)
+            head = heads.get(base + name)
             meta = (head or {}).get("Metadata", {})
             if head is None or meta.get(SHA256_META) != sha256:
+                # an earlier version's manifest: its files were replaced in place by a newer save's upload
+                why = "changed since its upload" if save else "an upload of a newer save was cut off midway"
                 raise S3VerifyError(
-                    f"S3: {uri}/ is not one whole save: {name} is "
-                    f"{'missing' if head is None else 'not the file the folder manifest names'} (an upload "
-                    "of a newer save was cut off midway); resume from another checkpoint, or upload the "
-                    "folder again"
+                    f"S3: {uri}/ is not one whole save: {save + '/' if save else ''}{name} is "
+                    f"{'missing' if head is None else 'not the file the folder manifest names'} ({why}); "
+                    "resume from another checkpoint, or upload the folder again"
                 )
-            whole[prefix + name] = head
+            whole[base + name] = (name, head)
         ignored = len(heads) - len(whole) - 1
         if ignored:
-            log.info("S3: %s/: %d object(s) not of its save left out", uri, ignored)
+            log.info("S3: %s/: %d object(s) not of its save (%s) left out", uri, ignored, save)
         return whole
 
     def _listing(self, uri: S3Uri) -> list[tuple[str, str, int]]:
