@@ -259,7 +259,7 @@ class S3Store:
             manifest = json.loads(self.client.get_object(Bucket=uri.bucket, Key=key)["Body"].read())
             files, save = dict(manifest["files"]), manifest.get("save")
             base = prefix + (f"{_safe_relpath(save).as_posix()}/" if save else "")
-        except (ValueError, KeyError, TypeError, UserError):
+        except (ValueError, KeyError, TypeError, AttributeError, UserError):
             raise S3VerifyError(f"S3: {S3Uri(uri.bucket, key)} is not a readable save manifest") from None
         except Exception as exc:
             raise self.error(exc, f"reading {S3Uri(uri.bucket, key)}") from exc
