@@ -325,6 +325,29 @@ def test_a_folder_whose_newer_upload_was_cut_off_still_holds_the_older_save(
     def fetched_files(path: Path) -> list[str]:
         return sorted(p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file())
 
+    real_upload = S3Store.upload_file
+
+    def lost_after(files: int):
+        """`S3Store.upload_file` on a machine lost after `files` uploads."""
+        calls = []
+
+        def upload(self: S3Store, path: Path, *args, **kwargs):
+            calls.append(path)
+            if len(calls) > files:
+                raise ConnectionError("machine lost")
+            return real_upload(self, path, *args, **kwargs)
+
+        return mock.patch.object(S3Store, "upload_file", upload)
+
+    # the first save's upload cut off: no whole save there yet, which a resume reads as nothing to resume
+    with lost_after(1):
+        save(0)
+    assert len(runner.failures) == 1 and any(
+        k.startswith(prefix + "/save-") for k in _keys(s3_env, s3_bucket)
+    )
+    with pytest.raises(S3ObjectNotFound, match=rf"no whole save at {url}/ yet: the upload of its first save"):
+        fetch_checkpoint(url, tmp_path / "cache0")
+
     local = save(1)
     assert runner.failures == []
     save1 = _save_dir(s3_env, s3_bucket, prefix)
@@ -334,17 +357,9 @@ def test_a_folder_whose_newer_upload_was_cut_off_still_holds_the_older_save(
     assert fetched_files(fetched) == local and loaded(fetched) == (1.0, 1)
 
     # the next save's upload is cut off after its first file (the machine is lost): save 1 is still whole
-    real_upload, calls = S3Store.upload_file, []
-
-    def lost_after_one(self: S3Store, path: Path, *args, **kwargs):
-        calls.append(path)
-        if len(calls) > 1:
-            raise ConnectionError("machine lost")
-        return real_upload(self, path, *args, **kwargs)
-
-    with mock.patch.object(S3Store, "upload_file", lost_after_one):
+    with lost_after(1):
         save(2)
-    assert len(calls) == 2 and len(runner.failures) == 1
+    assert len(runner.failures) == 1
     keys = _keys(s3_env, s3_bucket)
     assert len([k for k in keys if k.startswith(prefix + "/save-") and f"/{save1}/" not in k]) == 1
     assert _save_dir(s3_env, s3_bucket, prefix) == save1

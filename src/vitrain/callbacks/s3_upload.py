@@ -177,8 +177,8 @@ class S3CheckpointUpload(Callback):
         uri = self.run_uri(trainer).child("checkpoints", "last.ckpt")
         try:
             path = S3Store(self.options).fetch(uri, cache_dir)
-        except S3ObjectNotFound:
-            log.info("S3: no %s yet: nothing to resume", uri)
+        except S3ObjectNotFound as err:
+            log.info("%s: nothing to resume", err)
             return None
         log.info("Resuming from %s (downloaded from %s)", path, uri)
         self._fetch_logger_runs(trainer, cache_dir)

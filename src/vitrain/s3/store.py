@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 SHA256_META = "sha256"  # object metadata key (sent as x-amz-meta-sha256)
 # a checkpoint folder's last object: its save's subfolder and each file's sha256 (not fetched into the folder)
 SAVE_MANIFEST = ".vitrain-save.json"
+_SAVE_DIR = re.compile(r"save-[0-9a-f]{16}/")  # the subfolder of one save (`upload_save`)
 
 
 @dataclass(frozen=True)
@@ -127,7 +128,7 @@ class S3Store:
         goes up last: until it does, a fetch takes the older save the manifest names (`_whole_save`). No
         manifest goes up when `unchanged()` says the local folder was rewritten meanwhile (its files may be
         of two saves). The caller deletes the older save's objects once the manifest is up."""
-        save = f"save-{uuid.uuid4().hex[:16]}"
+        save = f"save-{uuid.uuid4().hex[:16]}"  # matches _SAVE_DIR
         uploads = self.upload_tree(folder, uri.child(save), names)
         if unchanged is not None and not unchanged():
             return uploads
@@ -214,6 +215,12 @@ class S3Store:
         listing = self._listing(uri)
         if not listing:
             raise S3ObjectNotFound(f"S3: no object and no folder at {uri}")
+        keys = {key for key, _etag, _size in listing}
+        if prefix + SAVE_MANIFEST not in keys and all(_SAVE_DIR.match(key[len(prefix) :]) for key in keys):
+            # `upload_save`'s files without its manifest: the folder's first save was cut off midway
+            raise S3ObjectNotFound(
+                f"S3: no whole save at {uri}/ yet: the upload of its first save was cut off midway"
+            )
         version = hashlib.sha256(repr(listing).encode()).hexdigest()[:16]
         target = base / version / Path(prefix.rstrip("/")).name
         with _entry_lock(target):
