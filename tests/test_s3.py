@@ -368,6 +368,8 @@ def test_a_folder_whose_newer_upload_was_cut_off_still_holds_the_older_save(
 
     save(3)  # a whole upload: the manifest names save 3, and save 1 and the cut-off files are deleted
     assert _folder_keys(s3_env, s3_bucket, prefix) == sorted([*(f"SAVE/{n}" for n in local), SAVE_MANIFEST])
+    up = _save_dir(s3_env, s3_bucket, prefix)  # what the report lists: save 3's files, not the deleted ones
+    assert runner.uploaded == [*(f"{url}/{up}/{n}" for n in local), f"{url}/{SAVE_MANIFEST}"]
     assert loaded(fetch_checkpoint(url, tmp_path / "cache3")) == (3.0, 3)
 
     # a file of the named save replaced after its upload (by hand, another tool): refused, nothing cached

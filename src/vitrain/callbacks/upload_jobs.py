@@ -75,6 +75,9 @@ class UploadRunner:
         if job.folder and not self._mirrored(job, uploads):
             return
         with self._lock:
+            if job.folder:  # `_mirrored` deleted the folder's older save: its files are no longer up
+                for uri in [u for u in self._done if u.startswith(f"{job.uri}/")]:
+                    self._done.pop(uri)
             for up in uploads:
                 self._done.pop(str(up.uri), None)
                 self._done[str(up.uri)] = up
