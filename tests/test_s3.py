@@ -918,6 +918,11 @@ def test_distributed_run_uploads_from_rank_zero_once(
         assert output.count(f"S3: uploaded s3://{s3_bucket}/{prefix}/{rel} ") == 1
     fetched = fetch_checkpoint(f"s3://{s3_bucket}/{prefix}", tmp_path / "cache")
     assert all((fetched / rel).read_bytes() == (best / rel).read_bytes() for rel in local)
+    # the report names each checkpoint folder once, as ckpt_path takes it, not the files inside
+    report = (tmp_path / "run" / "report.md").read_text().splitlines()
+    assert sorted(line for line in report if line.startswith("- S3: ")) == [
+        f"- S3: `s3://{s3_bucket}/runs/run/checkpoints/{name}`" for name in sorted([best.name, "last.ckpt"])
+    ]
     _resume_fsdp_folder_from_s3(overrides, env, tmp_path, s3_bucket, s3_env)
 
 

@@ -215,7 +215,7 @@ def render_markdown(report: dict[str, Any]) -> str:
     lines.append(f"- last: `{ckpts['last']}`" if ckpts.get("last") else "- last: none saved")
     s3 = report["s3"]
     if s3:
-        lines += [f"- S3: `{uri}`" for uri in s3.get("uploaded", []) if "/checkpoints/" in uri]
+        lines += [f"- S3: `{uri}`" for uri in uploaded_checkpoints(s3.get("uploaded", []))]
         lines += [f"- S3 failure: {message}" for message in s3.get("failures", [])]
 
     plots = report.get("plots") or {}
@@ -249,3 +249,14 @@ def _throughput(report: dict[str, Any]) -> str:
         if report.get("images_per_s_after_first_step"):
             text += f", {fmt(report['images_per_s_after_first_step'])} images/s after it"
     return text
+
+
+def uploaded_checkpoints(uris: list[str]) -> list[str]:
+    """The checkpoints among uploaded URIs, as `ckpt_path` takes them: a sharded checkpoint's files (its
+    save's subfolder, its manifest) as the folder's one URI."""
+    found = []
+    for uri in uris:
+        head, sep, tail = uri.rpartition("/checkpoints/")
+        if sep and tail:
+            found.append(f"{head}{sep}{tail.split('/', 1)[0]}")
+    return list(dict.fromkeys(found))
