@@ -75,9 +75,6 @@ class UploadRunner:
         if job.folder and not self._mirrored(job, uploads):
             return
         with self._lock:
-            if job.folder:  # `_mirrored` deleted the folder's older save: its files are no longer up
-                for uri in [u for u in self._done if u.startswith(f"{job.uri}/")]:
-                    self._done.pop(uri)
             for up in uploads:
                 self._done.pop(str(up.uri), None)
                 self._done[str(up.uri)] = up
@@ -105,11 +102,15 @@ class UploadRunner:
 
     def _mirrored(self, job: UploadJob, uploads: list[Uploaded]) -> bool:
         """After a folder's upload: false if it was rewritten meanwhile (the newer save is queued and will
-        do this), else delete what the prefix holds beyond this save's files."""
+        do this), else delete what the prefix holds beyond this save's files (the older save), and forget
+        the older save's files in the record of what is uploaded."""
         if signature(job.local) != job.signature:
             log.debug("S3: %s changed during upload; the newer version will be uploaded", job.local)
             return False
         self._delete_under(job.uri, keep=[up.uri for up in uploads], what="older file(s)")
+        with self._lock:
+            for uri in [u for u in self._done if u.startswith(f"{job.uri}/")]:
+                self._done.pop(uri)
         return True
 
     def _delete_under(self, prefix: S3Uri, keep: list[S3Uri], what: str) -> None:
