@@ -188,6 +188,27 @@ def test_report_of_a_run_killed_before_its_stats_is_truthful(tmp_path: Path):
             "trainer=fsdp trainer.strategy.mixed_precision=fp8",
             "error: trainer.strategy.mixed_precision=fp8: must be null or bf16",
         ),
+        # each a traceback before: Lightning's MisconfigurationException wrapped by Hydra, a ZeroDivisionError
+        # at the first epoch's end, int('abc') in seed_everything, the DataLoader's ValueError
+        ("trainer.max_steps=-7", "error: trainer.max_steps=-7: must be a whole number (-1: no limit)"),
+        ("trainer.num_nodes=0", "error: trainer.num_nodes=0: must be a positive whole number"),
+        (
+            "trainer.check_val_every_n_epoch=0",
+            "error: trainer.check_val_every_n_epoch=0: must be a positive whole number or null",
+        ),
+        (
+            "trainer.limit_val_batches=2.5",
+            "error: trainer.limit_val_batches=2.5: must be null (all), a count >= 0 or a fraction in [0, 1]",
+        ),
+        (
+            "trainer.limit_train_batches=-1",
+            "error: trainer.limit_train_batches=-1: must be null (all), a count >= 0 or a fraction in [0, 1]",
+        ),
+        ("seed=abc", "error: seed=abc: must be a whole number or null"),
+        (
+            "datamodule.num_workers=-2",
+            "error: datamodule.num_workers=-2: must be a whole number >= 0 or null (its share of the cores)",
+        ),
     ],
 )
 def test_bad_values_stop_in_one_line_before_the_heavy_imports(override: str, expected: str, capsys):
@@ -207,6 +228,20 @@ def test_library_argument_errors_name_the_config_key(tmp_path: Path, tiny_cifar:
     assert len(err.strip().splitlines()) == 1
     code, err = fails_in_process("train", [*base, "model.net.drop_path_rate=abc"], tmp_path / "b")
     assert code == 2 and err.startswith("error: model.net.drop_path_rate=abc"), err
+    # Lightning's own check of its arguments, as it starts: one line naming the key (Hydra's wrapper before)
+    code, err = fails_in_process("train", [*base, "+trainer.val_check_interval=-3"], tmp_path / "c")
+    assert code == 2 and err.startswith(
+        "error: trainer.val_check_interval=-3: You have passed invalid value -3 for val_check_interval"
+    ), err
+    assert len(err.strip().splitlines()) == 1
+    # a GPU the machine lacks: CUDA's driver traceback from the precision probe before, or Lightning's "No
+    # supported gpu backend found!" with an explicit precision
+    missing = torch.cuda.device_count() + 3
+    for precision in ("auto", "32-true"):
+        gpu = ["trainer.accelerator=cuda", f"trainer.devices=[{missing}]", f"trainer.precision={precision}"]
+        code, err = fails_in_process("train", [*base, *gpu], tmp_path / f"d{precision}")
+        assert code == 2 and err.startswith("error: trainer.accelerator=cuda needs a CUDA GPU"), err
+        assert "trainer=cpu" in err and len(err.strip().splitlines()) == 1
 
 
 def test_progress_lines_without_a_terminal_and_one_line_per_epoch(

@@ -12,14 +12,16 @@ from typing import Any
 import hydra
 import lightning as L
 import torch
+from hydra.errors import InstantiationException
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import Logger
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from omegaconf import DictConfig, open_dict
 
 from vitrain.callbacks.resume import CheckpointOnSigterm
 from vitrain.callbacks.run_stats import RunStats
 from vitrain.callbacks.time_limit import TimeLimit
-from vitrain.errors import DataError
+from vitrain.errors import DataError, UserError, argument_error
 from vitrain.loggers import MetricRecord
 from vitrain.models.timm_net import check_pretrained_available
 from vitrain.tasks.precision import resolve_precision
@@ -124,9 +126,20 @@ def build_trainer(
         # GPUs); ours agrees every few steps (vitrain/callbacks/time_limit.py) and takes its place
         callbacks = [*callbacks, TimeLimit(duration=plain(cfg.trainer.max_time))]
         extra["max_time"] = None
-    trainer: L.Trainer = hydra.utils.instantiate(
-        cfg.trainer, callbacks=callbacks, logger=loggers, precision=resolve_precision(cfg.trainer), **extra
-    )
+    precision = resolve_precision(cfg.trainer)
+    try:
+        trainer: L.Trainer = hydra.utils.instantiate(
+            cfg.trainer, callbacks=callbacks, logger=loggers, precision=precision, **extra
+        )
+    except InstantiationException as err:
+        # Lightning checks its arguments as it starts (`max_steps` must be a non-negative integer or -1):
+        # one line naming the key, not Hydra's three-line wrapper; errors of ours inside it pass through
+        cause = err.__cause__
+        if isinstance(
+            cause, MisconfigurationException | ValueError | TypeError | ImportError
+        ) and not isinstance(cause, UserError):
+            raise argument_error("trainer", cfg.trainer, cause) from err
+        raise
     return trainer
 
 

@@ -120,6 +120,11 @@ VALUE_CHECKS: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "model.mixup.switch_prob": ("a number in [0, 1]", lambda v: _number(v) and 0 <= v <= 1),
     "model.tta_flip": ("true or false", lambda v: isinstance(v, bool)),
     "datamodule.batch_size": ("a positive whole number", lambda v: _whole(v) and v > 0),
+    "datamodule.num_workers": (
+        "a whole number >= 0 or null (its share of the cores)",
+        lambda v: v is None or (_whole(v) and v >= 0),
+    ),
+    "seed": ("a whole number or null", lambda v: v is None or _whole(v)),
     "datamodule.eval_batch_size": (
         "a positive whole number or null",
         lambda v: v is None or (_whole(v) and v > 0),
@@ -132,6 +137,20 @@ VALUE_CHECKS: dict[str, tuple[str, Callable[[Any], bool]]] = {
         "auto or one of Lightning's: 32-true, bf16-mixed, 16-mixed, bf16-true, 16-true, 64-true",
         lambda v: v == "auto" or str(v) in PRECISIONS,
     ),
+    "trainer.max_steps": ("a whole number (-1: no limit)", lambda v: _whole(v) and v >= -1),
+    "trainer.num_nodes": ("a positive whole number", lambda v: _whole(v) and v > 0),
+    # 0 ends in a ZeroDivisionError at the first epoch's end; null validates on val_check_interval only
+    "trainer.check_val_every_n_epoch": (
+        "a positive whole number or null",
+        lambda v: v is None or (_whole(v) and v > 0),
+    ),
+    **{
+        f"trainer.limit_{split}_batches": (
+            "null (all), a count >= 0 or a fraction in [0, 1]",
+            lambda v: v is None or (_whole(v) and v >= 0) or (_number(v) and 0 <= v <= 1),
+        )
+        for split in ("train", "val", "test")
+    },
     "trainer.accumulate_grad_batches": ("a positive whole number", lambda v: _whole(v) and v > 0),
     # Lightning skips clipping for a value <= 0: a negative one (a typo for a norm) would train unclipped, silently
     "trainer.gradient_clip_val": ("a number >= 0 or null", lambda v: v is None or (_number(v) and v >= 0)),

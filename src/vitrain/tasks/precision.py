@@ -164,6 +164,18 @@ def _is_sharded(strategy: Any) -> bool:
     return issubclass(get_class(target), ModelParallelStrategy)
 
 
+def _check_cuda_device(accelerator: Any, index: int) -> None:
+    """A GPU run on a machine without that GPU stops in one line (Lightning's: "No supported gpu backend
+    found!", or CUDA's driver traceback from the capability probe below)."""
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if index >= count:
+        raise UserError(
+            f"trainer.accelerator={accelerator} needs a CUDA GPU, and this machine has "
+            + (f"{count} (GPU {index} asked for)" if count else "none that torch can use")
+            + ": run on the CPU with trainer=cpu, or let trainer.accelerator=auto choose"
+        )
+
+
 def resolve_precision(trainer_cfg: DictConfig | dict[str, Any]) -> Any:
     """`trainer_cfg.precision`, with `auto` replaced by the choice for this machine (logged).
 
@@ -174,12 +186,14 @@ def resolve_precision(trainer_cfg: DictConfig | dict[str, Any]) -> Any:
     capability of the run's first device (this initialises CUDA in the process, as the Trainer does next anyway).
     """
     precision = trainer_cfg.get("precision", "32-true")
-    if str(precision) != AUTO:
-        return precision
     device = _device_type(trainer_cfg.get("accelerator", "auto"))
-    sharded = _is_sharded(trainer_cfg.get("strategy"))
     if device == "cuda":
         index = _first_cuda_index(trainer_cfg.get("devices", 1))
+        _check_cuda_device(trainer_cfg.get("accelerator"), index)
+    if str(precision) != AUTO:
+        return precision
+    sharded = _is_sharded(trainer_cfg.get("strategy"))
+    if device == "cuda":
         capability = torch.cuda.get_device_capability(index)
         why = f"{torch.cuda.get_device_name(index)}, compute capability {capability[0]}.{capability[1]}"
         chosen = choose_precision(device, cuda_capability=capability, sharded=sharded)
