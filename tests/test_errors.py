@@ -211,3 +211,22 @@ def test_state_dict_mismatch_gives_the_first_detail(tmp_path: Path):
         ModelError, match=r"model\.weights_file=.* does not fit vit_tiny_patch16_224: size mismatch"
     ):
         create_net({**net, "embed_dim": 32}, str(weights))
+
+
+def test_an_error_chain_that_loops_is_walked_once():
+    """An exception re-raised inside the handler of one it caused has that one as its context, which has it as
+    its cause: the harness's walks (the user error behind a failure, a lost peer) followed that loop forever."""
+    from vitrain.errors import chain
+    from vitrain.tasks.harness import peer_lost, user_error
+
+    inner = UserError("S3: s3://b/k/ is not one whole save")
+    try:
+        try:
+            raise RuntimeError("wrapper") from inner
+        except RuntimeError:
+            raise inner  # noqa: B904 - the loop under test
+    except UserError as err:
+        caught = err
+    assert caught.__context__.__cause__ is caught  # the loop
+    assert [type(e) for e in chain(caught)] == [UserError, RuntimeError]
+    assert user_error(caught) is inner and not peer_lost(caught)

@@ -390,6 +390,69 @@ def test_a_folder_whose_newer_upload_was_cut_off_still_holds_the_older_save(
     assert loaded(fetch_checkpoint(f"s3://{old.bucket}/{old.key}", tmp_path / "cache5")) == (3.0, 3)
 
 
+def test_a_checkpoint_read_while_a_newer_save_replaces_it_is_read_again(
+    s3_bucket: str, s3_env: str, tmp_path: Path, caplog
+):
+    """eval.py (or a resume on another machine) lists a checkpoint folder; the training run's upload worker then
+    puts the next save up and deletes the listed one. The read starts again on the newer save: before, it ended
+    in a one-line "not found" (which `resume=auto` would read as nothing to resume). A folder that fails the
+    same way without changing is refused as before."""
+    import torch.distributed.checkpoint as dcp
+
+    folder, prefix = tmp_path / "last.ckpt", "runs/r/checkpoints/last.ckpt"
+    uri, url = S3Uri(s3_bucket, prefix), f"s3://{s3_bucket}/{prefix}"
+    runner = UploadRunner(S3Store(), prune=True, fatal=False)
+
+    def save(step: int) -> None:
+        dcp.save({"w": torch.full((8, 8), float(step))}, checkpoint_id=str(folder))
+        torch.save({"global_step": step}, folder / "meta.pt")
+        runner(UploadJob(folder, uri, "last:0", signature(folder), "last"))
+
+    save(1)
+    save1 = _save_dir(s3_env, s3_bucket, prefix)
+    real = S3Store._download_verified
+    downloads: list[str] = []
+
+    def download(self: S3Store, source: S3Uri, *args, **kwargs):
+        if not downloads:  # between the listing and the first download: the run's next save, save 1 deleted
+            save(2)
+        downloads.append(source.key)
+        return real(self, source, *args, **kwargs)
+
+    with mock.patch.object(S3Store, "_download_verified", download), caplog.at_level(logging.INFO):
+        fetched = fetch_checkpoint(url, tmp_path / "cache")
+    state = {"w": torch.zeros(8, 8)}
+    dcp.load(state, checkpoint_id=str(fetched))
+    assert state["w"].unique().tolist() == [2.0] and torch.load(fetched / "meta.pt")["global_step"] == 2
+    assert f"/{save1}/" in downloads[0] and all(f"/{save1}/" not in key for key in downloads[1:])
+    assert [r for r in caplog.records if "changed while it was read" in r.getMessage()]
+    assert runner.failures == []
+
+    # a file of the named save deleted by hand: the folder read again is the same, so it is refused
+    save2 = _save_dir(s3_env, s3_bucket, prefix)
+    _client(s3_env).delete_object(Bucket=s3_bucket, Key=f"{prefix}/{save2}/meta.pt")
+    with pytest.raises(S3VerifyError, match=rf"not one whole save: {save2}/meta.pt is missing"):
+        fetch_checkpoint(url, tmp_path / "cache2")
+
+    # a checkpoint file (not sharded) replaced by the run's next upload while it was downloaded
+    ckpt, key = tmp_path / "best.ckpt", "runs/r/checkpoints/best.ckpt"
+    store = S3Store()
+    torch.save({"global_step": 1}, ckpt)
+    store.upload_file(ckpt, S3Uri(s3_bucket, key))
+    downloads.clear()
+
+    def replaced(self: S3Store, source: S3Uri, head: dict, dest: Path):
+        if not downloads:
+            torch.save({"global_step": 2, "pad": torch.zeros(64)}, ckpt)
+            store.upload_file(ckpt, S3Uri(s3_bucket, key))
+        downloads.append(head["ETag"])
+        return real(self, source, head, dest)
+
+    with mock.patch.object(S3Store, "_download_verified", replaced):
+        fetched = fetch_checkpoint(f"s3://{s3_bucket}/{key}", tmp_path / "cache3")
+    assert torch.load(fetched)["global_step"] == 2 and len(set(downloads)) == 2
+
+
 def test_replaced_sharded_best_is_deleted_whole(s3_bucket: str, s3_env: str, tmp_path: Path):
     """save_top_k replaces a sharded best: every object under its prefix goes, not only one of its files."""
     import shutil

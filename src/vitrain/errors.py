@@ -1,7 +1,18 @@
 """Errors that mean "the user asked for something we cannot do", shown as one line, not a traceback."""
 
 import re
+from collections.abc import Iterator
 from typing import Any
+
+
+def chain(err: BaseException | None) -> Iterator[BaseException]:
+    """`err` and what caused it (`raise ... from`, or raised while handling), each once: a chain can loop (an
+    exception re-raised inside the handler of one it caused), which a plain walk would follow forever."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        yield err
+        err = err.__cause__ or err.__context__
 
 
 class UserError(Exception):

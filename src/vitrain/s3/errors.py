@@ -17,7 +17,7 @@ from botocore.exceptions import (
     ProfileNotFound,
 )
 
-from vitrain.errors import UserError
+from vitrain.errors import UserError, chain
 from vitrain.utils.secrets import scrub
 
 
@@ -67,10 +67,8 @@ _DENIED_CODES = {"AccessDenied", "403", "Forbidden", "AllAccessDisabled", "Accou
 
 def classify(exc: BaseException, doing: str, endpoint: str) -> S3Error:
     """Map the botocore exception in `exc`'s chain to one of our S3Error classes with a fix-it hint."""
-    cause: BaseException | None = exc
-    while cause is not None and not isinstance(cause, BotoCoreError | ClientError | S3Error):
-        cause = cause.__cause__ or cause.__context__
-    err: BaseException = cause or exc
+    kinds = BotoCoreError | ClientError | S3Error
+    err: BaseException = next((e for e in chain(exc) if isinstance(e, kinds)), exc)
     if isinstance(err, S3Error):
         return err
     what = f"S3: {doing}"

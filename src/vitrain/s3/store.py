@@ -187,16 +187,35 @@ class S3Store:
         if not uri.key:
             raise UserError(f"{uri}: give a key or prefix inside the bucket, not the bucket itself")
         rel = _safe_relpath(uri.key)
+        head = self._head(uri)
+        if head is None:
+            return self._fetch_prefix(uri, cache_dir / uri.bucket / rel)
+        for attempt in range(1, _CHANGED_READS + 1):
+            try:
+                return self._fetch_object(uri, head, cache_dir / uri.bucket / rel)
+            except (S3ObjectNotFound, S3VerifyError) as err:
+                # the run's next upload replaced the object while it was read (a ranged download can then
+                # mix both versions: the sha256 refuses that); read it again if it did, else the error stands
+                newer = self._head(uri)
+                if newer is None or newer["ETag"] == head["ETag"] or attempt == _CHANGED_READS:
+                    raise
+                log.info("S3: %s was replaced while it was read (%s): reading it again", uri, err)
+                head = newer
+        raise AssertionError("unreachable")
+
+    def _head(self, uri: S3Uri) -> dict[str, Any] | None:
+        """The object's head, or None when there is no object at `uri`."""
         try:
-            head = self.client.head_object(Bucket=uri.bucket, Key=uri.key)
+            return self.client.head_object(Bucket=uri.bucket, Key=uri.key)
         except ClientError as exc:
             if error_code(exc) not in {"404", "NoSuchKey", "NotFound"}:
                 raise self.error(exc, f"reading {uri}") from exc
-            return self._fetch_prefix(uri, cache_dir / uri.bucket / rel)
+            return None
         except Exception as exc:
             raise self.error(exc, f"reading {uri}") from exc
 
-        target = cache_dir / uri.bucket / rel / _etag_dir(head["ETag"]) / rel.name
+    def _fetch_object(self, uri: S3Uri, head: dict[str, Any], base: Path) -> Path:
+        target = base / _etag_dir(head["ETag"]) / base.name
         with _entry_lock(target):
             if target.is_file() and target.stat().st_size == head["ContentLength"]:
                 log.info("S3: %s is cached at %s", uri, target)
@@ -211,8 +230,25 @@ class S3Store:
         return target
 
     def _fetch_prefix(self, uri: S3Uri, base: Path) -> Path:
-        prefix = uri.key.rstrip("/") + "/"
+        """The folder at `uri`, read again when it changed while it was read: a training run's upload worker
+        puts a newer save's manifest up and then deletes the older save's files, which a reader (eval.py,
+        another machine) listed a moment before. A failed read of a folder whose listing stayed the same is an error."""
         listing = self._listing(uri)
+        for attempt in range(1, _CHANGED_READS + 1):
+            try:
+                return self._fetch_listed(uri, base, listing)
+            except _FolderChanged as changed:
+                error = changed.error
+            # raised out here: inside the except it would get `changed` as its context, whose cause it is (a
+            # cycle that exception-chain walks, ours and others', would follow forever)
+            before, listing = listing, self._listing(uri)
+            if listing == before or attempt == _CHANGED_READS:
+                raise error
+            log.info("S3: %s/ changed while it was read (%s): reading it again", uri, error)
+        raise AssertionError("unreachable")
+
+    def _fetch_listed(self, uri: S3Uri, base: Path, listing: list[tuple[str, str, int]]) -> Path:
+        prefix = uri.key.rstrip("/") + "/"
         if not listing:
             raise S3ObjectNotFound(f"S3: no object and no folder at {uri}")
         keys = {key for key, _etag, _size in listing}
@@ -232,10 +268,15 @@ class S3Store:
                 try:
                     heads[key] = self.client.head_object(Bucket=uri.bucket, Key=key)
                 except Exception as exc:
-                    raise self.error(exc, f"reading {S3Uri(uri.bucket, key)}") from exc
+                    raise _FolderChanged.or_error(
+                        self.error(exc, f"reading {S3Uri(uri.bucket, key)}")
+                    ) from exc
             # a folder `upload_save` wrote: the files of the save its manifest names, if whole
             if prefix + SAVE_MANIFEST in heads:
-                files = self._whole_save(uri, prefix, heads)
+                try:
+                    files = self._whole_save(uri, prefix, heads)
+                except S3VerifyError as err:  # a manifest newer than the listing names files it lacks
+                    raise _FolderChanged(err) from err
             else:
                 files = {key: (key[len(prefix) :], head) for key, head in heads.items()}
             staging = target.with_name(f".{target.name}.{uuid.uuid4().hex}.partial")
@@ -243,7 +284,10 @@ class S3Store:
                 for key, (name, head) in sorted(files.items()):
                     dest = staging / _safe_relpath(name)
                     dest.parent.mkdir(parents=True, exist_ok=True)
-                    self._download_verified(S3Uri(uri.bucket, key), head, dest)
+                    try:
+                        self._download_verified(S3Uri(uri.bucket, key), head, dest)
+                    except (S3ObjectNotFound, S3VerifyError) as err:
+                        raise _FolderChanged(err) from err
                 try:
                     os.replace(staging, target)
                 except OSError:
@@ -319,6 +363,24 @@ class S3Store:
                 raise S3VerifyError(f"S3: {uri} MD5 {local} != ETag {etag}; the download is corrupt")
         else:
             log.info("S3: %s has no sha256 metadata and a multipart ETag: only its size was verified", uri)
+
+
+# reads of an object or folder that changed while it was read (`S3Store.fetch`): a save every few minutes at most
+_CHANGED_READS = 3
+
+
+class _FolderChanged(Exception):
+    """A folder's read failed in a way a concurrent save explains (an object gone, or not the manifest's);
+    `error` is what the user sees when the folder turns out unchanged."""
+
+    def __init__(self, error: S3Error) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+    @classmethod
+    def or_error(cls, error: S3Error) -> Exception:
+        """Gone objects (404) may be a concurrent save's doing; any other error is raised as it is."""
+        return cls(error) if isinstance(error, S3ObjectNotFound | S3VerifyError) else error
 
 
 def fetch_checkpoint(uri: str, cache_dir: Path, options: S3Options | None = None) -> Path:

@@ -16,7 +16,7 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
 from omegaconf import OmegaConf
 
-from vitrain.errors import UserError
+from vitrain.errors import UserError, chain
 
 CONFIG_DIR = Path(__file__).resolve().parents[3] / "configs"
 # flags after which Hydra does something other than run the task: leave those to Hydra
@@ -243,9 +243,7 @@ def _check_run_dir(config_name: str, overrides: list[str]) -> None:
     try:
         str(cfg.hydra.run.dir)
     except Exception as err:
-        cause: BaseException | None = err
-        while cause is not None and not isinstance(cause, UserError):
-            cause = cause.__cause__ or cause.__context__
+        cause = next((e for e in chain(err) if isinstance(e, UserError)), None)
         if cause is None:
             raise
         print(f"error: {cause}", file=sys.stderr, flush=True)

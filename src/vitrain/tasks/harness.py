@@ -16,7 +16,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig
 
 from vitrain.distributed.ranks import check_launch_env, setup_rank
-from vitrain.errors import UserError
+from vitrain.errors import UserError, chain
 from vitrain.loggers import finish_runs
 from vitrain.utils.cuda_check import skip_failing_nvml_check
 from vitrain.utils.host_memory import freeze_startup_heap, retain_freed_memory
@@ -49,11 +49,7 @@ Task = Callable[[DictConfig], tuple[dict[str, float], Any]]
 
 def user_error(err: BaseException) -> UserError | None:
     """The UserError behind `err`, also when Hydra's instantiate wrapped it."""
-    while err is not None:
-        if isinstance(err, UserError):
-            return err
-        err = err.__cause__ or err.__context__
-    return None
+    return next((e for e in chain(err) if isinstance(e, UserError)), None)
 
 
 def one_line(problem: UserError) -> str:
@@ -81,13 +77,11 @@ PEER_LOST = (
 
 def peer_lost(err: BaseException) -> bool:
     """True when `err` (or what caused it) says another rank of the process group is gone."""
-    while err is not None:
-        if isinstance(err, torch.distributed.DistError):
-            return True
-        if isinstance(err, RuntimeError) and any(s in str(err) for s in PEER_LOST):
-            return True
-        err = err.__cause__ or err.__context__
-    return False
+    return any(
+        isinstance(e, torch.distributed.DistError)
+        or (isinstance(e, RuntimeError) and any(s in str(e) for s in PEER_LOST))
+        for e in chain(err)
+    )
 
 
 def run_task(task: Task, cfg: DictConfig) -> tuple[dict[str, float], Any]:
