@@ -14,7 +14,7 @@ import torch
 from lightning.pytorch.utilities.memory import is_oom_error
 from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
 
-from helpers import PYTHON, ROOT, compose_cfg, tiny_overrides
+from helpers import PYTHON, ROOT, compose_cfg, run_cli, tiny_overrides
 from vitrain.models.classifier import ImageClassifier
 from vitrain.reporting.report import mask_override
 from vitrain.tasks.training import train
@@ -172,6 +172,30 @@ def test_batch_size_search_is_recorded_and_applied(tmp_path: Path, tiny_cifar: P
     assert "test/acc1" in metrics
     assert "8 global, 8 per device" in (tmp_path / "report.md").read_text()
     assert not list(tmp_path.glob(".scale_batch_size_*.ckpt"))
+
+
+def test_a_run_not_meant_to_train_is_not_reported_interrupted(
+    run_dir: Path, tmp_path: Path, tiny_cifar: Path, data_cache: Path
+):
+    """`+tune=batch_size` alone (search, report, stop) and `train=false ckpt_path=...` (test a checkpoint) write
+    no record of a fit: their report.md said "**Interrupted**: ... killed, or still running"."""
+    base = [o for o in tiny_overrides(tiny_cifar, data_cache) if not o.startswith("extras.")]
+    search_dir = tmp_path / "search"
+    search = ["+tune=batch_size", "tune.batch_size.max_trials=2", "tune.batch_size.steps_per_trial=1"]
+    done = run_cli("train.py", [*base, *search, f"hydra.run.dir={search_dir}"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = (search_dir / "report.md").read_text()
+    assert "Interrupted" not in report and "killed" not in report, report[:600]
+    assert "| stopped | without training: a batch-size search only (tune.batch_size.apply=false) |" in report
+    assert "| MFU | n/a: no training in this run (train=false) |" in report
+    assert "| max batch size | 4 global, 4 per device |" in report
+
+    tested = tmp_path / "tested"
+    last = run_dir / "checkpoints" / "last.ckpt"
+    metrics, _ = train(compose_cfg("train", [*base, "train=false", f"ckpt_path={last}"], tested))
+    report = (tested / "report.md").read_text()
+    assert "test/acc1" in metrics and "Interrupted" not in report, report[:600]
+    assert "| stopped | without training: train=false |" in report
 
 
 def test_batch_size_search_trains_at_full_size():

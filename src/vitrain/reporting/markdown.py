@@ -52,6 +52,8 @@ def _stopped(stopped: dict[str, Any] | None, with_resume: bool = False) -> str:
     by = stopped.get("by")
     if by == "unknown":
         return "before the end of fit (no run_stats.json: killed, or still running)"
+    if by == "no training":
+        return f"without training: {stopped.get('why')}"
     where = f"at step {fmt(stopped.get('step'))} (epoch {fmt(stopped.get('epoch'))})"
     if by == "trainer.max_time":
         return f"by trainer.max_time {where}"
@@ -97,7 +99,8 @@ def render_markdown(report: dict[str, Any]) -> str:
             else []
         ),
         f"Run dir `{report['run_dir']}`; generated {report['generated']}. "
-        "Rebuild with `python -m vitrain.reporting <run dir>`.",
+        "Rebuild with `make report RUN=<run dir>` (`python -m vitrain.reporting <run dir>` once vitrain is "
+        "installed).",
         "",
         *table(
             ["", ""],

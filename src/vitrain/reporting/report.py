@@ -27,7 +27,6 @@ from vitrain.utils.run_files import (
     read_hydra,
     read_json,
     read_scalars,
-    select_key,
     to_json,
 )
 from vitrain.utils.secrets import REDACTED, is_secret_key, redact, scrub
@@ -102,6 +101,7 @@ def build_report(run_dir: Path, scalars: Scalars | None = None) -> dict[str, Any
     stats = read_json(run_dir / STATS_FILE) or {}
     search = read_json(run_dir / SEARCH_FILE)
     hydra = read_hydra(run_dir) or stats.get("hydra") or {}
+    config = stats.get("config") or _config_from_hydra(run_dir)
     fit = stats.get("fit") or {}
     epochs = fit.get("epochs") or []
     world = stats.get("world_size")
@@ -121,7 +121,7 @@ def build_report(run_dir: Path, scalars: Scalars | None = None) -> dict[str, Any
         "generated": datetime.now().astimezone().isoformat(timespec="seconds"),
         "experiment": (hydra.get("choices") or {}).get("experiment"),
         "overrides": [mask_override(o) for o in hydra.get("overrides") or []],
-        "config": stats.get("config") or _config_from_hydra(run_dir),
+        "config": config,
         "model": stats.get("model"),
         "strategy": stats.get("strategy"),
         "accelerator": stats.get("accelerator"),
@@ -148,9 +148,8 @@ def build_report(run_dir: Path, scalars: Scalars | None = None) -> dict[str, Any
         "mfu": mfu,
         "first_step_s": fit.get("first_step_s"),
         "images_per_s_after_first_step": fit.get("images_per_s_after_first_step"),
-        "mfu_note": None if mfu is not None else mfu_note(flops, stats),
-        "stopped": stats.get("stopped")
-        or ({} if stats.get("fit") else {"by": "unknown", "interrupted": True}),
+        "mfu_note": None if mfu is not None else mfu_note(flops, stats, config),
+        "stopped": stats.get("stopped") or ({} if stats.get("fit") else _without_fit(config, search)),
         "flops": flops or None,
         "metrics": metric_summary(scalars, stats),
         "memory": memory or None,
@@ -168,8 +167,19 @@ def build_report(run_dir: Path, scalars: Scalars | None = None) -> dict[str, Any
     return redact(report)
 
 
-def mfu_note(flops: dict[str, Any], stats: dict[str, Any]) -> str:
+def _without_fit(config: dict[str, Any], search: dict[str, Any] | None) -> dict[str, Any]:
+    """How a run without a record of its fit ended: it was not meant to train (`train=false`: a test of a
+    checkpoint, a batch-size search alone), or it stopped before the end of fit (killed, or still running)."""
+    if config.get("train") is False:
+        why = "a batch-size search only (tune.batch_size.apply=false)" if search else "train=false"
+        return {"by": "no training", "why": why}
+    return {"by": "unknown", "interrupted": True}
+
+
+def mfu_note(flops: dict[str, Any], stats: dict[str, Any], config: dict[str, Any] | None = None) -> str:
     """Why a run's report has no MFU: the real reason, from what the run recorded."""
+    if (config or {}).get("train") is False:
+        return "no training in this run (train=false)"
     if not flops:
         if not stats:
             return "not measured (no run_stats.json: the run ended before its statistics were written)"
@@ -186,17 +196,26 @@ def mfu_note(flops: dict[str, Any], stats: dict[str, Any]) -> str:
 
 def _config_from_hydra(run_dir: Path) -> dict[str, Any]:
     """The report's config entries from the `.hydra/config.yaml` Hydra wrote at the start: for a run that
-    never wrote its run_stats.json (killed before the end of fit)."""
-    import yaml
+    never wrote its run_stats.json (killed before the end of fit, a batch-size search alone). Interpolations
+    within the file are resolved (`train: ${tune.batch_size.apply}`); one that needs the run (Hydra's
+    resolvers) stays as written."""
+    from omegaconf import OmegaConf
 
     path = run_dir / ".hydra" / "config.yaml"
     try:
-        config = yaml.safe_load(path.read_text()) if path.is_file() else None
-    except (OSError, yaml.YAMLError):
+        config = OmegaConf.load(path) if path.is_file() else None
+    except Exception:  # unreadable YAML
         config = None
-    if not isinstance(config, dict):
+    if not OmegaConf.is_dict(config):
         return {}
-    return {key: select_key(config, key) for key in CONFIG_KEYS}
+    entries = {}
+    for key in CONFIG_KEYS:
+        try:
+            value = OmegaConf.select(config, key, default=None)
+        except Exception:  # an interpolation that needs the run
+            value = OmegaConf.select(config, key, default=None, throw_on_resolution_failure=False)
+        entries[key] = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+    return entries
 
 
 def _checkpoints_on_disk(run_dir: Path) -> dict[str, Any]:

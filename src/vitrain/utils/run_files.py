@@ -38,6 +38,8 @@ CONFIG_KEYS = (
     "trainer.precision",  # as asked (`auto`); the top-level `precision` is what it resolved to
     "seed",
     "tags",
+    "train",  # false: a run that only tests a checkpoint or searches a batch size (its report says so)
+    "test",
 )
 
 
