@@ -112,6 +112,13 @@ def test_trains_one_process_then_eval_per_class(photos: Path, tmp_path: Path, ca
     assert objects.model.net.head.out_features == 3
     dm = objects.datamodule
     assert (len(dm.train_set), len(dm.val_set)) == (N_TRAIN_ALL, N_VAL_ALL)
+    # no test/: test/ metrics are on the validation images, and the report says so where it shows them
+    report = (tmp_path / "report.md").read_text()
+    assert (
+        dm.test_is_val
+        and f"{N_VAL_ALL} test images (test = the val images: the data has no test split)" in report
+    )
+    assert "Test metrics on the validation images (the data has no test split)" in report
     last = tmp_path / "checkpoints" / "last.ckpt"
     ckpt = torch.load(last, weights_only=True)
     assert ckpt["class_names"] == list(CLASSES)

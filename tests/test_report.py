@@ -95,6 +95,12 @@ def test_report_figures_match_the_run_and_its_tensorboard_events(run_dir: Path):
         assert text in md, text
 
 
+def test_a_test_split_of_its_own_is_not_called_the_val_images(run_dir: Path):
+    report = (run_dir / "report.md").read_text()
+    assert "| data | CIFAR10DataModule, 10 classes;" in report and "test = the val images" not in report
+    assert not json.loads((run_dir / "run_stats.json").read_text())["data"]["test_is_val"]
+
+
 def test_throughput_and_flops_are_logged(run_dir: Path):
     events = scalars(run_dir)
     assert events["train/device/samples_per_sec"][-1].value > 0

@@ -293,6 +293,8 @@ def test_train_from_local_shards_one_process(local_shards: Path, tmp_path: Path)
     )
     assert objects.trainer.global_step == 3
     assert 0 <= metrics["val/acc1"] <= 1 and "test/acc1" in metrics
+    # the photos have train/ and val/ only: the shards have no test split, tested on val, as the report says
+    assert objects.datamodule.test_is_val and "(test = the val images" in (tmp_path / "report.md").read_text()
 
 
 @pytest.mark.slow

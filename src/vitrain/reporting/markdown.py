@@ -30,7 +30,8 @@ def _data(data: dict[str, Any] | None) -> str:
         return "not recorded"
     sizes = data.get("images") or {}
     images = " / ".join(f"{fmt(sizes.get(s))} {s}" for s in ("train", "val", "test"))
-    return f"{data.get('datamodule')}, {fmt(data.get('num_classes'))} classes; {images} images"
+    same = " (test = the val images: the data has no test split)" if data.get("test_is_val") else ""
+    return f"{data.get('datamodule')}, {fmt(data.get('num_classes'))} classes; {images} images{same}"
 
 
 def _skipped(data: dict[str, Any] | None) -> str:
@@ -152,7 +153,18 @@ def render_markdown(report: dict[str, Any]) -> str:
     lines += [
         "",
         *(
-            table(["test metric", "value"], sorted(metrics["test"].items()))
+            [
+                *(
+                    [
+                        "Test metrics on the validation images (the data has no test split): not a held-out "
+                        "estimate, since the best checkpoint was chosen on them.",
+                        "",
+                    ]
+                    if (report.get("data") or {}).get("test_is_val")
+                    else []
+                ),
+                *table(["test metric", "value"], sorted(metrics["test"].items())),
+            ]
             if metrics["test"]
             else ["No test metrics."]
         ),

@@ -198,6 +198,8 @@ class ImageDataModule(LightningDataModule):
         self._batch = self._eval_batch = batch_size
         #: (path, why) of files left out as unreadable; the run report counts them (`data_facts`)
         self.skipped: list[tuple[str, str]] = []
+        # the data has no test split and test/ metrics are on the validation images (the report says so)
+        self.test_is_val = False
         # `decode_device=cuda` (image folders from disk, streaming shards): decodes encoded training batches
         self._gpu_decoder: GpuDecoder | None = None
 
@@ -336,6 +338,7 @@ class ImageDataModule(LightningDataModule):
             "images": self.split_sizes(),
             "skipped_files": len(self.skipped),
             "skipped_examples": [{"path": p, "why": why} for p, why in self.skipped[:examples]],
+            "test_is_val": self.test_is_val,
         }
 
     def split_batches(self, world_size: int) -> tuple[int, int]:

@@ -348,7 +348,7 @@ class ImageFolderDataModule(ImageDataModule):
             test_files = self._usable("test", splits["test"])
         else:
             log.info("the image folder has no test/: testing on the validation split")
-            test_files = val_files
+            test_files, self.test_is_val = val_files, True
         if memory:
             if hp.decode_device == "cuda":
                 log.info("datamodule.decode_device=cuda does not apply: the images are decoded into memory")

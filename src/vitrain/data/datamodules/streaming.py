@@ -350,7 +350,8 @@ class StreamingDataModule(ImageDataModule):
         )
         train.distributed_env = litdata_env(world, rank)
         test_split = "test" if meta["splits"].get("test") else "val"
-        if test_split == "val":
+        self.test_is_val = test_split == "val"
+        if self.test_is_val:
             log.info("the shards have no test split: testing on val")
         return Splits(
             train=train,
