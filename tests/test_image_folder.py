@@ -132,6 +132,14 @@ def test_trains_one_process_then_eval_per_class(photos: Path, tmp_path: Path, ca
     assert mean == pytest.approx(evaluated["val/acc1"], abs=1e-6)
     printed = capsys.readouterr().out
     assert all(f"│ {cls} " in printed for cls in CLASSES)
+    assert written["images_of_split"] == "val"
+    # split=test of a folder without test/: the val images, and its output says so
+    tested, _ = evaluate(compose_cfg("eval", [f"ckpt_path={last}"], tmp_path / "eval_test"))
+    written = json.loads((tmp_path / "eval_test" / "metrics.json").read_text())
+    assert (written["split"], written["images_of_split"]) == ("test", "val")
+    assert tested["test/acc1"] == pytest.approx(evaluated["val/acc1"], abs=1e-6)
+    words = " ".join(capsys.readouterr().out.split())  # Rich wraps the table's title to the table's width
+    assert "test (the val images: no test split) metrics of" in words
 
     other = tmp_path / "other"
     shutil.copytree(photos, other)

@@ -143,16 +143,27 @@ def evaluate(cfg: DictConfig) -> tuple[dict[str, float], RunObjects]:
     objects.per_class_images = dict(zip(classes, (int(n) for n in support), strict=True))
 
     if trainer.is_global_zero:
-        write_metrics(cfg, metrics, objects.per_class_acc, objects.per_class_images)
+        # split=test of data without a test split (an image folder or shards without test/) is the val images
+        images_of = "val" if cfg.split == "test" and getattr(datamodule, "test_is_val", False) else cfg.split
+        write_metrics(cfg, metrics, objects.per_class_acc, objects.per_class_images, images_of)
     return metrics, objects
 
 
 def write_metrics(
-    cfg: DictConfig, metrics: dict[str, float], per_class: dict[str, float], images: dict[str, int]
+    cfg: DictConfig,
+    metrics: dict[str, float],
+    per_class: dict[str, float],
+    images: dict[str, int],
+    images_of: str | None = None,
 ) -> Path:
-    """The tables on the console, and metrics.json in the run dir."""
-    print_table(metrics, f"{cfg.split} metrics of {cfg.ckpt_path}")
-    print_per_class(per_class, images, f"{cfg.split} accuracy per class")
+    """The tables on the console, and metrics.json in the run dir. `images_of`: the split whose images were
+    evaluated, where it is not `cfg.split`'s own."""
+    images_of = images_of or cfg.split
+    split = (
+        cfg.split if images_of == cfg.split else f"{cfg.split} (the {images_of} images: no {cfg.split} split)"
+    )
+    print_table(metrics, f"{split} metrics of {cfg.ckpt_path}")
+    print_per_class(per_class, images, f"{split} accuracy per class")
     out = Path(cfg.paths.output_dir) / "metrics.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(
@@ -160,6 +171,7 @@ def write_metrics(
             {
                 "ckpt_path": str(cfg.ckpt_path),
                 "split": cfg.split,
+                "images_of_split": images_of,
                 **metrics,
                 "per_class_acc": per_class,
                 "per_class_images": images,
