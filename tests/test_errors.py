@@ -107,6 +107,26 @@ def test_eval_checkpoint_that_does_not_exist(tmp_path: Path):
     _assert_one_line_exit_2(done, "missing.ckpt does not exist")
 
 
+def test_eval_without_a_checkpoint_or_with_one_that_is_none(tmp_path: Path, capsys):
+    """No ckpt_path (OmegaConf's MissingMandatoryValue traceback before), train.py's `ckpt_path=last` (which
+    looked for a run of eval.py to resume), a file that is no checkpoint (called one with Python objects)."""
+    from vitrain.tasks.cli import check_overrides
+
+    for args, needle in (
+        ([], "error: ckpt_path is required: a .ckpt file, an FSDP checkpoint folder or s3://bucket/key"),
+        (["split=val"], "error: ckpt_path is required"),
+        (["ckpt_path=last"], "error: eval.py takes a checkpoint, not ckpt_path=last"),
+    ):
+        with pytest.raises(SystemExit) as stop:
+            check_overrides("eval", args)
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and err.startswith(needle) and len(err.strip().splitlines()) == 1, err
+    text = tmp_path / "notes.ckpt"
+    text.write_text("# not a checkpoint\n")
+    done = fails_in_process("eval", [f"ckpt_path={text}"], tmp_path / "run")
+    _assert_one_line_exit_2(done, "notes.ckpt is not a checkpoint (torch.save writes a zip archive)")
+
+
 def test_batch_size_not_divisible_by_world_size(tmp_path: Path, tiny_cifar: Path, data_cache: Path):
     """Refused in the launching process, before Lightning starts the second rank."""
     overrides = [*tiny_overrides(tiny_cifar, data_cache, batch_size=9), "trainer=ddp", "trainer.devices=2"]

@@ -242,8 +242,23 @@ def state_dict_mismatch(err: BaseException) -> str | None:
     return next((line.strip() for line in text.splitlines()[1:] if line.strip()), text[:200])
 
 
+def _is_torch_save(path: Path) -> bool:
+    """Whether the file starts as `torch.save` writes: a zip archive, or (before torch 1.6) a pickle."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError:
+        return True  # unreadable here: the load's own error says more
+    return head.startswith((b"PK\x03\x04", b"\x80"))
+
+
 def _damaged(path: Path, err: BaseException) -> CheckpointError:
-    if "Weights only load failed" in str(err):
+    if path.is_file() and path.stat().st_size and not _is_torch_save(path):  # empty: cut off as written
+        return CheckpointError(
+            f"{path} is not a checkpoint (torch.save writes a zip archive): give a .ckpt file a training run "
+            "wrote (logs/train/runs/<run>/checkpoints/), an FSDP checkpoint folder or s3://bucket/key"
+        )
+    if "Weights only load failed" in str(err) and "Unsupported global" in str(err):
         # checkpoints hold plain data only; those of earlier versions pickled config objects
         return CheckpointError(
             f"checkpoint {path} holds Python objects, not only plain data: written by an earlier vitrain "

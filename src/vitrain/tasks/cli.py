@@ -193,6 +193,24 @@ def bad_value(cfg: Any) -> str | None:
     return None
 
 
+# what a mandatory value (`???` in the entry config) takes
+MANDATORY = {
+    "ckpt_path": "a .ckpt file, an FSDP checkpoint folder or s3://bucket/key, e.g. "
+    "ckpt_path=logs/train/runs/<run>/checkpoints/last.ckpt",
+}
+
+
+def missing_value(cfg: Any, config_name: str, overrides: Sequence[str]) -> str | None:
+    """A mandatory value left out (OmegaConf's MissingMandatoryValue traceback otherwise), or eval's
+    `ckpt_path=last`, which names a training run to resume, not a checkpoint to evaluate."""
+    for key, wanted in MANDATORY.items():
+        if OmegaConf.is_missing(cfg, key):
+            return f"{key} is required: {wanted}"
+    if config_name == "eval" and "ckpt_path=last" in overrides:
+        return f"eval.py takes a checkpoint, not ckpt_path=last (a training run's resume): {MANDATORY['ckpt_path']}"
+    return None
+
+
 def launch_problem(cfg: Any) -> str | None:
     """`check_launch_env`'s verdict on the launch variables, here where it needs no torch (devices given as a
     number or as ids): a SLURM task count that disagrees with the trainer then ends in a second on every task,
@@ -228,7 +246,7 @@ def check_overrides(config_name: str, argv: Sequence[str] | None = None) -> None
         except (ConfigCompositionException, MissingConfigException, OverrideParseException) as err:
             print(f"error: {describe(err, config_name, overrides)}", file=sys.stderr, flush=True)
             sys.exit(2)
-        problem = bad_value(cfg) or launch_problem(cfg)
+        problem = missing_value(cfg, config_name, overrides) or bad_value(cfg) or launch_problem(cfg)
         if problem:
             print(f"error: {problem}", file=sys.stderr, flush=True)
             sys.exit(2)
