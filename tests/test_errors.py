@@ -115,6 +115,8 @@ def test_eval_without_a_checkpoint_or_with_one_that_is_none(tmp_path: Path, caps
     for args, needle in (
         ([], "error: ckpt_path is required: a .ckpt file, an FSDP checkpoint folder or s3://bucket/key"),
         (["split=val"], "error: ckpt_path is required"),
+        (["ckpt_path="], "error: ckpt_path is required"),  # `make eval` without CKPT=
+        (["ckpt_path=null"], "error: ckpt_path is required"),
         (["ckpt_path=last"], "error: eval.py takes a checkpoint, not ckpt_path=last"),
     ):
         with pytest.raises(SystemExit) as stop:

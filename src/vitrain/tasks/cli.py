@@ -206,6 +206,8 @@ def missing_value(cfg: Any, config_name: str, overrides: Sequence[str]) -> str |
     for key, wanted in MANDATORY.items():
         if OmegaConf.is_missing(cfg, key):
             return f"{key} is required: {wanted}"
+    if config_name == "eval" and OmegaConf.select(cfg, "ckpt_path") in (None, ""):  # `make eval` without CKPT
+        return f"ckpt_path is required: {MANDATORY['ckpt_path']}"
     if config_name == "eval" and "ckpt_path=last" in overrides:
         return f"eval.py takes a checkpoint, not ckpt_path=last (a training run's resume): {MANDATORY['ckpt_path']}"
     return None
