@@ -27,6 +27,7 @@ from vitrain.utils.run_files import (
     read_hydra,
     read_json,
     read_scalars,
+    select_key,
     to_json,
 )
 from vitrain.utils.secrets import REDACTED, is_secret_key, redact, scrub
@@ -208,13 +209,15 @@ def _config_from_hydra(run_dir: Path) -> dict[str, Any]:
         config = None
     if not OmegaConf.is_dict(config):
         return {}
+    raw = OmegaConf.to_container(config, resolve=False)
     entries = {}
     for key in CONFIG_KEYS:
         try:
             value = OmegaConf.select(config, key, default=None)
+            value = OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
         except Exception:  # an interpolation that needs the run
-            value = OmegaConf.select(config, key, default=None, throw_on_resolution_failure=False)
-        entries[key] = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+            value = select_key(raw, key)
+        entries[key] = value
     return entries
 
 
