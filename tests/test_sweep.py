@@ -69,6 +69,7 @@ def check_jobs(sweep_dir: Path, batch_sizes: list[int], world_size: int) -> None
         assert float(row["images_per_s"]) > 0 and float(row["time_per_epoch_s"]) > 0
         assert len(row["peak_memory_gb_per_device"].split(" / ")) == world_size
         assert 0 <= float(row["best_val_acc1"]) <= 1 and 0 <= float(row["test_acc1"]) <= 1
+        assert row["test_split"] == "test"  # CIFAR-10's own test split
         assert (sweep_dir / row["report"]).is_file() and Path(row["dir"]) == job.resolve()
         assert f"[{row['report']}]({row['report']})" in md
 
@@ -238,3 +239,23 @@ def test_objective_is_the_best_value_of_the_run_not_the_last(tmp_path: Path):
     assert best_value("val/acc1", last, trainer) == 0.75
     assert best_value("val/loss", last, trainer) == 1.25  # no checkpoint monitors it: its last value
     assert best_value("val/acc5", last, trainer) is None
+
+
+def test_the_summary_says_which_images_test_acc1_is_on(tmp_path: Path):
+    """An image folder without test/ is tested on its val images: the summary's test_split says `val`."""
+    from vitrain.reporting.sweep import summary_rows
+
+    for job, test_is_val in (("0", True), ("1", False)):
+        (tmp_path / job).mkdir()
+        report = {
+            "overrides": [f"datamodule.data_dir=/data/{job}"],
+            "batch_size": {"global": 8},
+            "metrics": {"best": {}, "test": {"test/acc1": 0.5}},
+            "data": {"test_is_val": test_is_val},
+        }
+        (tmp_path / job / "report.json").write_text(json.dumps(report))
+    rows = summary_rows(tmp_path)
+    assert [(r["job"], r["test_acc1"], r["test_split"]) for r in rows] == [
+        ("0", 0.5, "val"),
+        ("1", 0.5, "test"),
+    ]

@@ -38,6 +38,10 @@ COLUMNS: dict[str, Any] = {
     "epochs": lambda r: r.get("epochs"),
     "best_val_acc1": lambda r: r["metrics"]["best"].get("val/acc1", {}).get("value"),
     "test_acc1": lambda r: r["metrics"]["test"].get("test/acc1"),
+    # the images test_acc1 is on: val where the data has no test split (an image folder or shards without test/)
+    "test_split": lambda r: (
+        ("val" if (r.get("data") or {}).get("test_is_val") else "test") if r["metrics"]["test"] else None
+    ),
     "max_batch_size": lambda r: (r.get("max_batch_size") or {}).get("global"),
     "report": None,
     "dir": None,
