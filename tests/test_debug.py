@@ -34,6 +34,8 @@ def test_debug_default_is_one_cpu_process_with_nothing_leaving_the_machine():
     )  # group choices give way to the debug config; explicit values (trainer.devices=4) would not
     assert cfg.task_name == "debug" and cfg.hydra.run.dir.startswith("./logs/debug/runs/")
     assert cfg.hydra.job_logging.root.level == "DEBUG"
+    # matplotlib's font search (the report's plots) wrote ~150 of a debug run's ~160 log lines
+    assert cfg.hydra.job_logging.loggers.matplotlib.level == "INFO"
     assert cfg.trainer.accelerator == "cpu" and cfg.trainer.devices == 1 and cfg.trainer.num_nodes == 1
     assert cfg.trainer.detect_anomaly is True
     assert cfg.logger is None and cfg.callbacks.s3_upload is None
