@@ -12,8 +12,10 @@ register_resolvers()
 @hydra.main(version_base="1.3", config_path="../configs", config_name="train.yaml")
 def main(cfg: DictConfig) -> float | None:
     metrics, objects = run_task(train, cfg)
-    # what a Hydra sweeper (hparams_search=...) optimises: the best value the run reached
-    return best_value(cfg.get("optimized_metric") or "val/acc1", metrics, objects.trainer)
+    # what a Hydra sweeper (hparams_search=...) optimises: the best value the run reached; a run without one
+    # (debug=fdr keeps no checkpoint) is not told that its last value stands for it
+    metric = cfg.get("optimized_metric")
+    return best_value(metric or "val/acc1", metrics, objects.trainer, warn=bool(metric))
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 import csv
 import importlib
 import json
+import logging
 import os
 import sys
 import uuid
@@ -239,6 +240,21 @@ def test_objective_is_the_best_value_of_the_run_not_the_last(tmp_path: Path):
     assert best_value("val/acc1", last, trainer) == 0.75
     assert best_value("val/loss", last, trainer) == 1.25  # no checkpoint monitors it: its last value
     assert best_value("val/acc5", last, trainer) is None
+
+
+def test_only_a_sweeps_objective_warns_that_its_last_value_stands(tmp_path: Path, caplog):
+    trainer = L.Trainer(
+        logger=False, accelerator="cpu", default_root_dir=tmp_path, enable_checkpointing=False
+    )
+
+    def warned() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.name == "vitrain.tasks.training"]
+
+    with caplog.at_level(logging.WARNING, logger="vitrain.tasks.training"):
+        assert best_value("val/acc1", {"val/acc1": 0.5}, trainer, warn=False) == 0.5
+        assert not warned()
+        assert best_value("val/acc1", {"val/acc1": 0.5}, trainer) == 0.5
+    assert warned() == ["No ModelCheckpoint monitors val/acc1: its last value stands for the run"]
 
 
 def test_the_summary_says_which_images_test_acc1_is_on(tmp_path: Path):

@@ -37,14 +37,14 @@ log = logging.getLogger(__name__)
 __all__ = ["RunObjects", "best_value", "finish_run", "train"]
 
 
-def best_value(metric: str, metrics: dict[str, float], trainer: L.Trainer) -> float | None:
+def best_value(metric: str, metrics: dict[str, float], trainer: L.Trainer, warn: bool = True) -> float | None:
     """The best value of `metric` in the run: the score of the ModelCheckpoint that monitors it (the same on
-    every rank), else, with a warning, its last value. What a sweeper optimises (`optimized_metric`)."""
+    every rank), else, with a warning (`warn`), its last value. What a sweeper optimises (`optimized_metric`)."""
     for callback in trainer.checkpoint_callbacks:
         score = callback.best_model_score if isinstance(callback, ModelCheckpoint) else None
         if score is not None and callback.monitor == metric:
             return float(score)
-    if metric in metrics:
+    if metric in metrics and warn:
         log.warning(f"No ModelCheckpoint monitors {metric}: its last value stands for the run")
     return metrics.get(metric)
 
