@@ -362,18 +362,24 @@ def test_a_deleted_mlflow_run_is_not_continued(
     from mlflow.tracking import MlflowClient
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
     overrides = [
         *tiny_overrides(tiny_cifar, data_cache),
         "logger=mlflow",
         f"logger.mlflow.save_dir={tmp_path / 'store'}",
-        "test=false",
     ]
+    # fit, then test: the logger is finalized twice
     train(compose_cfg("train", [*overrides, "trainer.max_epochs=1"], tmp_path / "run"))
     recorded = json.loads((tmp_path / "run" / "logger_runs.json").read_text())["mlflow"]
     assert recorded["tracking_uri"] == f"sqlite:///{(tmp_path / 'store').resolve() / 'mlflow.db'}"
     # the next job of this process (a multirun) does not inherit this job's store through the environment
     assert "MLFLOW_TRACKING_URI" not in os.environ
     client = MlflowClient(recorded["tracking_uri"])
+    # the test's metrics reached the run; the second finalize opened no store at MLflow's default (./mlflow.db)
+    assert "test/acc1" in client.get_run(recorded["run_id"]).data.metrics
+    assert list((tmp_path / "cwd").iterdir()) == []
+    overrides.append("test=false")
     client.delete_run(recorded["run_id"])
     train(compose_cfg("train", [*overrides, "trainer.max_epochs=2", "ckpt_path=last"], tmp_path / "run"))
     again = json.loads((tmp_path / "run" / "logger_runs.json").read_text())["mlflow"]

@@ -359,7 +359,11 @@ class MLFlowLogger(_LightningMLFlowLogger):
     def finalize(self, status: str = "success") -> None:
         import mlflow
 
-        mlflow.flush_async_logging()  # `synchronous=False`: the queued metrics reach the run before it ends
+        # `synchronous=False`: the queued metrics reach the run before it ends. `flush_async_logging` flushes
+        # the store of the process's tracking URI, which the end of fit set back (below): finalize runs again
+        # after test, and its flush then opened a store at MLflow's default, ./mlflow.db in the working dir
+        mlflow.set_tracking_uri(self.tracking_uri)
+        mlflow.flush_async_logging()
         if self.log_best_checkpoint and status == "success" and self._best_callback is not None:
             self.upload_best_checkpoint(self._best_callback.best_model_path)
         super().finalize(status)
