@@ -150,25 +150,17 @@ def render_markdown(report: dict[str, Any]) -> str:
         if tag not in metrics["best"]
     ]
     lines += table(["metric", "best", "at step", "final"], rows) if rows else ["No validation metrics."]
-    lines += [
-        "",
-        *(
-            [
-                *(
-                    [
-                        "Test metrics on the validation images (the data has no test split): not a held-out "
-                        "estimate, since the best checkpoint was chosen on them.",
-                        "",
-                    ]
-                    if (report.get("data") or {}).get("test_is_val")
-                    else []
-                ),
-                *table(["test metric", "value"], sorted(metrics["test"].items())),
+    lines.append("")
+    if not metrics["test"]:
+        lines.append("No test metrics.")
+    else:
+        if (report.get("data") or {}).get("test_is_val"):
+            lines += [
+                "Test metrics on the validation images (the data has no test split): not a held-out estimate, "
+                "since the best checkpoint was chosen on them.",
+                "",
             ]
-            if metrics["test"]
-            else ["No test metrics."]
-        ),
-    ]
+        lines += table(["test metric", "value"], sorted(metrics["test"].items()))
 
     lines += ["", "## Memory (peak per device)", ""]
     memory = report["memory"] or {}

@@ -187,20 +187,43 @@ class S3Store:
         if not uri.key:
             raise UserError(f"{uri}: give a key or prefix inside the bucket, not the bucket itself")
         rel = _safe_relpath(uri.key)
+        base = cache_dir / uri.bucket / rel
         head = self._head(uri)
-        if head is None:
-            return self._fetch_prefix(uri, cache_dir / uri.bucket / rel)
+        if head is None:  # a folder
+            listing = self._listing(uri)
+            return self._reread_if_changed(
+                uri, listing, lambda listed: self._fetch_listed(uri, base, listed), lambda: self._listing(uri)
+            )
+        return self._reread_if_changed(
+            uri,
+            head,
+            lambda h: self._fetch_object(uri, h, base),
+            lambda: self._head(uri),
+            lambda h: h["ETag"],
+        )
+
+    def _reread_if_changed(
+        self,
+        uri: S3Uri,
+        state: Any,
+        read: Callable[[Any], Path],
+        refresh: Callable[[], Any],
+        version: Callable[[Any], Any] = lambda state: state,
+    ) -> Path:
+        """`read(state)` (the object's head, or the folder's listing), read again with `refresh()`'s newer state
+        when it failed as a concurrent save explains (an object gone, bytes not the ones expected) and the
+        object or folder did change: a training run's upload replaces an object (a ranged download can then
+        mix both versions: the sha256 refuses that), or puts a newer save's manifest up and then deletes the
+        older save's files, which a reader (eval.py, another machine) listed a moment before. A failure of an
+        unchanged object or folder stands."""
         for attempt in range(1, _CHANGED_READS + 1):
             try:
-                return self._fetch_object(uri, head, cache_dir / uri.bucket / rel)
+                return read(state)
             except (S3ObjectNotFound, S3VerifyError) as err:
-                # the run's next upload replaced the object while it was read (a ranged download can then
-                # mix both versions: the sha256 refuses that); read it again if it did, else the error stands
-                newer = self._head(uri)
-                if newer is None or newer["ETag"] == head["ETag"] or attempt == _CHANGED_READS:
+                before, state = state, refresh()
+                if state is None or version(state) == version(before) or attempt == _CHANGED_READS:
                     raise
-                log.info("S3: %s was replaced while it was read (%s): reading it again", uri, err)
-                head = newer
+                log.info("S3: %s changed while it was read (%s): reading it again", uri, err)
         raise AssertionError("unreachable")
 
     def _head(self, uri: S3Uri) -> dict[str, Any] | None:
@@ -229,24 +252,6 @@ class S3Store:
         log.info("S3: fetched %s -> %s", uri, target)
         return target
 
-    def _fetch_prefix(self, uri: S3Uri, base: Path) -> Path:
-        """The folder at `uri`, read again when it changed while it was read: a training run's upload worker
-        puts a newer save's manifest up and then deletes the older save's files, which a reader (eval.py,
-        another machine) listed a moment before. A failed read of a folder whose listing stayed the same is an error."""
-        listing = self._listing(uri)
-        for attempt in range(1, _CHANGED_READS + 1):
-            try:
-                return self._fetch_listed(uri, base, listing)
-            except _FolderChanged as changed:
-                error = changed.error
-            # raised out here: inside the except it would get `changed` as its context, whose cause it is (a
-            # cycle that exception-chain walks, ours and others', would follow forever)
-            before, listing = listing, self._listing(uri)
-            if listing == before or attempt == _CHANGED_READS:
-                raise error
-            log.info("S3: %s/ changed while it was read (%s): reading it again", uri, error)
-        raise AssertionError("unreachable")
-
     def _fetch_listed(self, uri: S3Uri, base: Path, listing: list[tuple[str, str, int]]) -> Path:
         prefix = uri.key.rstrip("/") + "/"
         if not listing:
@@ -268,15 +273,10 @@ class S3Store:
                 try:
                     heads[key] = self.client.head_object(Bucket=uri.bucket, Key=key)
                 except Exception as exc:
-                    raise _FolderChanged.or_error(
-                        self.error(exc, f"reading {S3Uri(uri.bucket, key)}")
-                    ) from exc
+                    raise self.error(exc, f"reading {S3Uri(uri.bucket, key)}") from exc
             # a folder `upload_save` wrote: the files of the save its manifest names, if whole
             if prefix + SAVE_MANIFEST in heads:
-                try:
-                    files = self._whole_save(uri, prefix, heads)
-                except S3VerifyError as err:  # a manifest newer than the listing names files it lacks
-                    raise _FolderChanged(err) from err
+                files = self._whole_save(uri, prefix, heads)  # a newer manifest than the listing: read again
             else:
                 files = {key: (key[len(prefix) :], head) for key, head in heads.items()}
             staging = target.with_name(f".{target.name}.{uuid.uuid4().hex}.partial")
@@ -284,10 +284,7 @@ class S3Store:
                 for key, (name, head) in sorted(files.items()):
                     dest = staging / _safe_relpath(name)
                     dest.parent.mkdir(parents=True, exist_ok=True)
-                    try:
-                        self._download_verified(S3Uri(uri.bucket, key), head, dest)
-                    except (S3ObjectNotFound, S3VerifyError) as err:
-                        raise _FolderChanged(err) from err
+                    self._download_verified(S3Uri(uri.bucket, key), head, dest)
                 try:
                     os.replace(staging, target)
                 except OSError:
@@ -367,20 +364,6 @@ class S3Store:
 
 # reads of an object or folder that changed while it was read (`S3Store.fetch`): a save every few minutes at most
 _CHANGED_READS = 3
-
-
-class _FolderChanged(Exception):
-    """A folder's read failed in a way a concurrent save explains (an object gone, or not the manifest's);
-    `error` is what the user sees when the folder turns out unchanged."""
-
-    def __init__(self, error: S3Error) -> None:
-        super().__init__(str(error))
-        self.error = error
-
-    @classmethod
-    def or_error(cls, error: S3Error) -> Exception:
-        """Gone objects (404) may be a concurrent save's doing; any other error is raised as it is."""
-        return cls(error) if isinstance(error, S3ObjectNotFound | S3VerifyError) else error
 
 
 def fetch_checkpoint(uri: str, cache_dir: Path, options: S3Options | None = None) -> Path:

@@ -193,23 +193,22 @@ def bad_value(cfg: Any) -> str | None:
     return None
 
 
-# what a mandatory value (`???` in the entry config) takes
-MANDATORY = {
-    "ckpt_path": "a .ckpt file, an FSDP checkpoint folder or s3://bucket/key, e.g. "
-    "ckpt_path=logs/train/runs/<run>/checkpoints/last.ckpt",
-}
+# what eval.py's `ckpt_path` (`???` in configs/eval.yaml) takes
+CKPT_PATH_TAKES = (
+    "a .ckpt file, an FSDP checkpoint folder or s3://bucket/key, e.g. "
+    "ckpt_path=logs/train/runs/<run>/checkpoints/last.ckpt"
+)
 
 
 def missing_value(cfg: Any, config_name: str, overrides: Sequence[str]) -> str | None:
-    """A mandatory value left out (OmegaConf's MissingMandatoryValue traceback otherwise), or eval's
-    `ckpt_path=last`, which names a training run to resume, not a checkpoint to evaluate."""
-    for key, wanted in MANDATORY.items():
-        if OmegaConf.is_missing(cfg, key):
-            return f"{key} is required: {wanted}"
-    if config_name == "eval" and OmegaConf.select(cfg, "ckpt_path") in (None, ""):  # `make eval` without CKPT
-        return f"ckpt_path is required: {MANDATORY['ckpt_path']}"
-    if config_name == "eval" and "ckpt_path=last" in overrides:
-        return f"eval.py takes a checkpoint, not ckpt_path=last (a training run's resume): {MANDATORY['ckpt_path']}"
+    """eval.py's checkpoint left out: OmegaConf's MissingMandatoryValue traceback otherwise; `ckpt_path=` is
+    what `make eval` without CKPT gives; `ckpt_path=last` names a training run to resume, not a checkpoint."""
+    if config_name != "eval":
+        return None
+    if OmegaConf.is_missing(cfg, "ckpt_path") or cfg.ckpt_path in (None, ""):
+        return f"ckpt_path is required: {CKPT_PATH_TAKES}"
+    if "ckpt_path=last" in overrides:
+        return f"eval.py takes a checkpoint, not ckpt_path=last (a training run's resume): {CKPT_PATH_TAKES}"
     return None
 
 

@@ -154,11 +154,10 @@ def write_metrics(
     metrics: dict[str, float],
     per_class: dict[str, float],
     images: dict[str, int],
-    images_of: str | None = None,
+    images_of: str,
 ) -> Path:
     """The tables on the console, and metrics.json in the run dir. `images_of`: the split whose images were
-    evaluated, where it is not `cfg.split`'s own."""
-    images_of = images_of or cfg.split
+    evaluated (`val` for split=test of data without a test split)."""
     split = (
         cfg.split if images_of == cfg.split else f"{cfg.split} (the {images_of} images: no {cfg.split} split)"
     )
