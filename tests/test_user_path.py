@@ -20,7 +20,7 @@ from vitrain.callbacks.resume import CheckpointOnSigterm
 from vitrain.errors import DataError, UserError
 from vitrain.reporting.report import write_report
 from vitrain.tasks.build import build
-from vitrain.tasks.cli import EVAL_ADDED_ENV, check_overrides, checkpoint_overrides
+from vitrain.tasks.cli import EVAL_ADDED_ENV, check_overrides, checkpoint_overrides, sweep_variants
 from vitrain.tasks.evaluation import evaluate
 from vitrain.tasks.runs import RUN_ID_VARS, checkpoint_to_resume, resume_hint
 from vitrain.tasks.training import train
@@ -216,6 +216,66 @@ def test_bad_values_stop_in_one_line_before_the_heavy_imports(override: str, exp
         check_overrides("train", ["experiment=smoke", *override.split()])
     assert stop.value.code == 2
     assert capsys.readouterr().err.strip() == expected
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        # Hydra's "Could not override ... To append to your config use +..." over six lines before
+        (
+            "-m datamodule.batchsize=64,128",
+            "error: unknown config key datamodule.batchsize (did you mean datamodule.batch_size?)",
+        ),
+        # job 0 trained, then job 1 failed, before
+        ("-m datamodule.batch_size=4,-3", "error: datamodule.batch_size=-3: must be a positive whole number"),
+        (
+            "-m seed=1,2 model.optimizer.lr=range(-1,2)",
+            "error: model.optimizer.lr=-1: must be a positive number",
+        ),
+        # an Optuna interval at its ends; hparams_search sets hydra.mode=MULTIRUN: no -m
+        (
+            "hparams_search=cifar_optuna model.optimizer.lr=tag(log,interval(-1,0.1))",
+            "error: model.optimizer.lr=-1.0: must be a positive number",
+        ),
+        # the sweeper's own search space (hydra.sweeper.params), as a hparams_search config holds it
+        (
+            "hparams_search=cifar_optuna hydra.sweeper.params={datamodule.batch_size:'choice(64,0)'}",
+            "error: datamodule.batch_size=0: must be a positive whole number",
+        ),
+        # several values without -m: Hydra's three-line "Ambiguous value"
+        (
+            "seed=1,2",
+            "error: seed=1,2: a sweep over values needs -m (a list is key=[a,b], a string key='a,b')",
+        ),
+    ],
+)
+def test_a_sweep_is_checked_value_by_value_before_its_first_job(override: str, expected: str, capsys):
+    with pytest.raises(SystemExit) as stop:
+        check_overrides("train", ["experiment=smoke", *override.split()])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.strip() == expected
+
+
+def test_a_good_sweep_passes_the_check_with_one_composition_per_value(capsys):
+    """Sweeps Hydra runs are not refused (hparams_search takes `seed=1,2` without -m); the check composes the
+    sum of the values, not their product."""
+    for args in (
+        ["-m", "datamodule.batch_size=range(2,6,2)", "seed=1,2"],
+        ["hparams_search=cifar_optuna", "seed=1,2", "datamodule.batch_size=8"],
+        ["-m", "datamodule=glob(cifar*)", "+hydra.sweeper.params.x=interval(0,1)"],
+    ):
+        check_overrides("train", ["experiment=smoke", *args])  # no exit
+    assert capsys.readouterr().err == ""
+    variants = sweep_variants(
+        ["experiment=smoke", "datamodule.batch_size=2,4,8", "seed=1,2", "+x=interval(0,1)"]
+    )
+    assert variants == [
+        ["experiment=smoke", "datamodule.batch_size=2", "seed=1", "+x=0.0"],
+        ["experiment=smoke", "datamodule.batch_size=4", "seed=1", "+x=0.0"],
+        ["experiment=smoke", "datamodule.batch_size=8", "seed=1", "+x=0.0"],
+        ["experiment=smoke", "datamodule.batch_size=2", "seed=2", "+x=0.0"],
+        ["experiment=smoke", "datamodule.batch_size=2", "seed=1", "+x=1.0"],
+    ]
 
 
 def test_library_argument_errors_name_the_config_key(tmp_path: Path, tiny_cifar: Path, data_cache: Path):

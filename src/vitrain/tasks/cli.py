@@ -13,7 +13,10 @@ from pathlib import Path
 from typing import Any
 
 from hydra import compose, initialize_config_dir
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import ValueType
 from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
+from hydra.types import RunMode
 from omegaconf import OmegaConf
 
 from vitrain.errors import UserError, chain
@@ -90,6 +93,9 @@ def describe(err: Exception, config_name: str, overrides: Sequence[str]) -> str:
     if message.startswith("Could not override '"):
         key = message.split("'", 2)[1]
         return _unknown_key_message(config_name, overrides, key)
+    if message.startswith("Ambiguous value for argument '"):
+        arg = message.split("'", 2)[1]
+        return f"{arg}: a sweep over values needs -m (a list is key=[a,b], a string key='a,b')"
     if "Could not append to config" in message:
         key = message.split("'", 2)[1] if "'" in message else "it"
         return f"{key} exists already: set it without the leading +"
@@ -235,24 +241,83 @@ def launch_problem(cfg: Any) -> str | None:
     return None
 
 
+MULTIRUN_FLAGS = ("-m", "--multirun")
+# a sweep is checked value by value (one composition each): beyond this many, the jobs check the rest
+_SWEEP_CHECKS = 64
+
+
+def sweep_variants(overrides: Sequence[str]) -> list[list[str]]:
+    """The single runs that check every value of a sweep: the first value of each swept key, then each other
+    value with the rest at their first (a sum of compositions, not the product Hydra launches), so that
+    `datamodule.batch_size=64,-3` stops before job 0 trains, not after it. An interval (Optuna's) is checked
+    at its ends; a glob over a config group, and a sweep inside `hydra.*`, are left to Hydra."""
+    choices: list[list[str]] = []
+    for override in OverridesParser.create().parse_overrides(list(overrides)):
+        if not override.is_sweep_override():
+            choices.append([override.input_line])
+            continue
+        if override.is_hydra_override():  # Hydra's own node takes a sweep's text as it is
+            continue
+        if override.is_interval_sweep():
+            values = [str(override.value().start), str(override.value().end)]
+        elif override.is_discrete_sweep() and override.value_type is not ValueType.GLOB_CHOICE_SWEEP:
+            values = list(override.sweep_string_iterator())
+        else:
+            continue
+        choices.append([f"{override.get_key_element()}={value}" for value in values])
+    first = [values[0] for values in choices if values]
+    variants = [first]
+    for i, values in enumerate(choices):
+        variants.extend([*first[:i], value, *first[i + 1 :]] for value in values[1:])
+    return variants[:_SWEEP_CHECKS]
+
+
 def check_overrides(config_name: str, argv: Sequence[str] | None = None) -> None:
-    """Compose the config from the command line; on a mistake print one line and exit 2."""
+    """Compose the config from the command line; on a mistake print one line and exit 2. A sweep (`-m`, or a
+    config such as hparams_search=... that sets hydra.mode=MULTIRUN) is checked for each of its values,
+    those of `hydra.sweeper.params` included."""
     args = list(sys.argv[1:] if argv is None else argv)
-    if any(a.split("=", 1)[0] in HYDRA_FLAGS for a in args):
+    flags = {a.split("=", 1)[0] for a in args if a.startswith("-")}
+    if flags & (set(HYDRA_FLAGS) - set(MULTIRUN_FLAGS)):
         return
     overrides = [a for a in args if not a.startswith("-")]
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         try:
-            cfg = compose(config_name=config_name, overrides=overrides)
-        except (ConfigCompositionException, MissingConfigException, OverrideParseException) as err:
-            print(f"error: {describe(err, config_name, overrides)}", file=sys.stderr, flush=True)
-            sys.exit(2)
-        problem = missing_value(cfg, config_name, overrides) or bad_value(cfg) or launch_problem(cfg)
-        if problem:
-            print(f"error: {problem}", file=sys.stderr, flush=True)
-            sys.exit(2)
-        if "ckpt_path=last" in overrides:
-            _check_run_dir(config_name, overrides)
+            parsed = OverridesParser.create().parse_overrides(overrides)
+        except OverrideParseException as err:
+            _exit(describe(err, config_name, overrides))
+        plain = [o.input_line for o in parsed if not o.is_sweep_override()]
+        cfg = _composed(config_name, plain)
+        if not flags and cfg.hydra.mode != RunMode.MULTIRUN:
+            if len(plain) < len(overrides):  # a sweep without -m: Hydra's "Ambiguous value"
+                cfg = _composed(config_name, overrides)
+            _exit(_problem(cfg, config_name, overrides))
+            if "ckpt_path=last" in overrides:
+                _check_run_dir(config_name, overrides)
+            return
+        typed = {o.key_or_group for o in parsed}
+        params = OmegaConf.select(cfg, "hydra.sweeper.params") or {}
+        swept = [f"{key}={value}" for key, value in params.items() if key not in typed]
+        for variant in sweep_variants([*swept, *overrides]):
+            _exit(_problem(_composed(config_name, variant), config_name, variant))
+
+
+def _composed(config_name: str, overrides: list[str]) -> Any:
+    """The config with Hydra's node (its mode and sweeper), or exit 2 with what composition refused."""
+    try:
+        return compose(config_name=config_name, overrides=overrides, return_hydra_config=True)
+    except (ConfigCompositionException, MissingConfigException, OverrideParseException) as err:
+        _exit(describe(err, config_name, overrides))
+
+
+def _problem(cfg: Any, config_name: str, overrides: list[str]) -> str | None:
+    return missing_value(cfg, config_name, overrides) or bad_value(cfg) or launch_problem(cfg)
+
+
+def _exit(problem: str | None) -> None:
+    if problem:
+        print(f"error: {problem}", file=sys.stderr, flush=True)
+        sys.exit(2)
 
 
 def _check_run_dir(config_name: str, overrides: list[str]) -> None:
