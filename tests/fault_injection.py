@@ -5,6 +5,7 @@ A kill "after a save" first waits for the checkpoints the trainer writes in the 
 (`wait_for_writes`): the tests are about what a resume does with a checkpoint on disk. A real kill within a
 save's few seconds of writing resumes from the checkpoint before it (docs/reliability.md)."""
 
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -56,6 +57,29 @@ class SigtermAt(Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
         if trainer.global_step == self.step and trainer.is_global_zero and not trainer.received_sigterm:
             os.killpg(os.getpgid(os.getpid()), signal.SIGTERM)
+
+
+class InterruptAt(Callback):
+    """Ctrl-C as a terminal sends it: SIGINT to the whole process group (the DataLoader's workers too) once
+    global rank zero reaches `step`, `times` times. With `children_file`, write how many child processes
+    (the loader's workers) were alive before the signal and half a second after it."""
+
+    def __init__(self, step: int, times: int = 1, children_file: str | None = None) -> None:
+        self.step, self.times = step, times
+        self.children_file = Path(children_file) if children_file else None
+        self._sent = False
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
+        if trainer.global_step != self.step or not trainer.is_global_zero or self._sent:
+            return
+        self._sent = True
+        before = len(multiprocessing.active_children())
+        for _ in range(self.times):
+            os.killpg(os.getpgid(os.getpid()), signal.SIGINT)
+            time.sleep(0.2)  # the handler runs (and, the second time, raises) before the next is sent
+        if self.children_file is not None:
+            time.sleep(0.5)
+            self.children_file.write_text(f"{before} {len(multiprocessing.active_children())}")
 
 
 class SignalRankAt(Callback):

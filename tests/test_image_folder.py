@@ -138,8 +138,8 @@ def test_trains_one_process_then_eval_per_class(photos: Path, tmp_path: Path, ca
     written = json.loads((tmp_path / "eval_test" / "metrics.json").read_text())
     assert (written["split"], written["images_of_split"]) == ("test", "val")
     assert tested["test/acc1"] == pytest.approx(evaluated["val/acc1"], abs=1e-6)
-    words = " ".join(capsys.readouterr().out.split())  # Rich wraps the table's title to the table's width
-    assert "test (the val images: no test split) metrics of" in words
+    # one line, the path whole (a Table title was wrapped to the table's width, the path cut in pieces)
+    assert f"test (the val images: no test split) metrics of {last}\n" in capsys.readouterr().out
 
     other = tmp_path / "other"
     shutil.copytree(photos, other)
@@ -147,6 +147,48 @@ def test_trains_one_process_then_eval_per_class(photos: Path, tmp_path: Path, ca
         shutil.copytree(other / split / "cat", other / split / "dog")
     with pytest.raises(CheckpointError, match=r"trained on other classes \(3 classes, the data has 4\)"):
         evaluate(compose_cfg("eval", [f"ckpt_path={last}", f"datamodule.data_dir={other}"], tmp_path / "e2"))
+
+
+@pytest.mark.slow
+def test_ctrl_c_saves_last_and_reports_and_a_second_one_stops_at_once(photos: Path, tmp_path: Path):
+    """Ctrl-C (SIGINT to the process group, as a terminal sends it) stops at the next step like SIGTERM:
+    `last` saved, the report written, exit 130, resumable. The loader's workers get it too and keep serving
+    (a worker's default is to exit on it, which breaks the loader mid-epoch). A second Ctrl-C stops at once,
+    without saving, as Lightning does (exit 1)."""
+    run, children = tmp_path / "run", tmp_path / "children"
+    base = [
+        *_overrides(photos, tmp_path / "cache"),
+        "datamodule.num_workers=2",
+        "trainer.max_epochs=2",
+        f"hydra.run.dir={run}",
+    ]
+    fault = ["+callbacks.fault._target_=fault_injection.InterruptAt", "+callbacks.fault.step=3"]
+    env = {"PYTHONPATH": str(ROOT / "tests")}
+    stopped = run_cli("train.py", [*base, *fault, f"+callbacks.fault.children_file={children}"], env=env)
+    assert stopped.returncode == 130, stopped.stderr[-3000:]
+    # said once, by the training process (not again by each worker, which inherits the handler)
+    assert stopped.stderr.count("SIGINT (Ctrl-C) received: stopping at the next step boundary") == 1
+    before, after = (int(n) for n in children.read_text().split())
+    assert before >= 2 and after == before, "the loader's workers died of the Ctrl-C"
+    assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 3
+    assert (
+        "`weights_only` was not set" not in stopped.stdout + stopped.stderr
+    )  # Lightning's note on a save without it
+    report = json.loads((run / "report.json").read_text())
+    assert report["stopped"]["by"] == "SIGINT (Ctrl-C)" and report["stopped"]["step"] == 3, report["stopped"]
+    assert "by SIGINT (Ctrl-C) at step 3" in (run / "report.md").read_text()
+    resumed = run_cli("train.py", [*base, "ckpt_path=last"], env=env)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    steps = 2 * (N_TRAIN_ALL // 8)
+    assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == steps
+
+    twice = tmp_path / "twice"
+    aborted = run_cli(
+        "train.py", [*base[:-1], f"hydra.run.dir={twice}", *fault, "+callbacks.fault.times=2"], env=env
+    )
+    assert aborted.returncode == 1, aborted.stderr[-3000:]
+    assert "Ctrl-C again stops at once without saving" in aborted.stderr
+    assert not (twice / "checkpoints" / "last.ckpt").exists()
 
 
 def test_archive_is_unpacked_once_and_val_carved(photos: Path, tmp_path: Path):

@@ -1,4 +1,4 @@
-"""What Lightning leaves out of a checkpoint for an exact resume, and a checkpoint on SIGTERM."""
+"""What Lightning leaves out of a checkpoint for an exact resume, and a checkpoint on SIGTERM or Ctrl-C."""
 
 import atexit
 import logging
@@ -167,8 +167,19 @@ def gather_from_ranks(obj: Any, world_size: int) -> list[Any]:
     return gathered
 
 
+class StopRequested(SIGTERMException):
+    """The ranks agreed to stop and save `last`: `by` names the signal, `exit_code` is what the process exits
+    with once the report is written (128 + the signal, as a shell reports it)."""
+
+    def __init__(self, by: str, exit_code: int) -> None:
+        super().__init__(by)
+        self.by = by
+        self.exit_code = exit_code
+
+
 class CheckpointOnSigterm(Callback):
-    """On SIGTERM (spot reclaim, `kill`, SLURM), every rank stops at the same step and `last` is saved.
+    """On SIGTERM (spot reclaim, `kill`, SLURM) or Ctrl-C, every rank stops at the same step and `last` is
+    saved.
 
     Lightning's own handling is not safe across ranks: its handler runs a broadcast inside the signal
     handler, and after each batch every rank that has seen the signal raises at once, without asking the
@@ -187,48 +198,87 @@ class CheckpointOnSigterm(Callback):
     every rank has saved; the requeued job resumes from `last` in the same run directory (`resume=auto`).
     Lightning's own handler would save `hpc_ckpt_N.ckpt` from rank zero alone inside the signal handler
     (incomplete for FSDP, and another checkpoint than `last`) and requeue while the others train on.
+
+    Ctrl-C (SIGINT) during fit takes the same path, so an interactive run stopped by hand keeps its progress
+    and gets its report; a second Ctrl-C stops at once without saving (a KeyboardInterrupt, which Lightning
+    ends with exit code 1 and no save). Lightning has no handler of its own for it. It is installed as fit
+    starts, before the validation sanity check starts DataLoader workers: a worker (forked, so it inherits
+    the handler, and in the terminal's process group, so it gets the Ctrl-C too) ignores it instead of
+    dying, which would break the loader the training process still reads from. Not forwarded to the local
+    ranks: a terminal signals them all, and the ranks' agreement stops those it did not reach.
     """
 
-    # what the ranks agree on (MAX): nothing, stop and save, stop, save and requeue the SLURM job
-    _NONE, _STOP, _REQUEUE = 0, 1, 2
+    # what the ranks agree on (MAX): nothing, stop and save after Ctrl-C, after SIGTERM, stop, save and
+    # requeue the SLURM job
+    _NONE, _INTERRUPT, _STOP, _REQUEUE = 0, 1, 2, 3
+    _BY = {
+        _INTERRUPT: ("SIGINT (Ctrl-C)", 130),
+        _STOP: ("SIGTERM", 143),
+        _REQUEUE: ("SLURM requeue signal", 143),
+    }
 
     def __init__(self, check_every_n_steps: int = 10) -> None:
         self.check_every_n_steps = max(int(check_every_n_steps), 1)
         self._requested = self._NONE
         self._agreed = self._NONE
         self._replaced_lightning_check = False
+        self._pid = os.getpid()
+        self._fitting = False
         #: the task's words for how to resume this run (vitrain/tasks/runs.resume_hint), set when it is built
         self.resume_hint: Callable[[], str] | None = None
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._pid, self._fitting = os.getpid(), True
+        if threading.current_thread() is not threading.main_thread():
+            return
+        current = signal.getsignal(signal.SIGINT)
+        # not a handler a user's code set; an earlier fit's in this process (Lightning restores it as the
+        # handler it found) is replaced
+        if current is signal.default_int_handler or getattr(current, "stops_fit", False):
+            self._handle(signal.SIGINT, trainer, requeue_signal=None)
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._fitting = False  # Ctrl-C is a KeyboardInterrupt again (testing the best checkpoint)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if threading.current_thread() is not threading.main_thread():
             return  # signal handlers can only be set from the main thread
-
-        def note(signum: int, frame: FrameType | None) -> None:
-            if not self._requested and trainer.strategy.launcher is not None:
-                trainer.strategy.launcher.kill(signum)
-            wanted = self._REQUEUE if signum == requeue_signal else self._STOP
-            if not self._requested and trainer.is_global_zero:
-                # at once, before a slow step ends; os.write, not logging: a handler may interrupt a log call
-                name = "SLURM requeue signal" if wanted == self._REQUEUE else signal.Signals(signum).name
-                every = self.check_every_n_steps if trainer.world_size > 1 else 1
-                os.write(
-                    2,
-                    f"{name} received: stopping at the next step boundary (within {every} step(s)) "
-                    "and saving last\n".encode(),
-                )
-            self._requested = max(self._requested, wanted)
-
         requeue_signal = slurm_requeue_signal(trainer)
         for signum in (signal.SIGTERM, requeue_signal):
-            if signum is not None:
-                signal.signal(signum, note)  # replaces Lightning's handlers (restored when fit ends)
-                # restart system calls the signal interrupts instead of failing them: gloo does not retry
-                signal.siginterrupt(signum, False)
+            if signum is not None:  # replaces Lightning's handlers (restored when fit ends)
+                self._handle(signum, trainer, requeue_signal)
         if trainer.world_size > 1:
             # the agreement replaces Lightning's SIGTERM broadcast before each batch (this trainer only);
             # tests/test_faults_distributed.py fails should an upgrade stop running it
             self._replaced_lightning_check = replace_sigterm_broadcast(trainer, lambda: self._agree(trainer))
+
+    def _handle(self, signum: int, trainer: L.Trainer, requeue_signal: int | None) -> None:
+        def note(signum: int, frame: FrameType | None) -> None:
+            if os.getpid() != self._pid:
+                return  # a DataLoader worker forked with the handler: the training process decides
+            interrupt = signum == signal.SIGINT
+            if interrupt and (self._requested or not self._fitting):
+                raise KeyboardInterrupt  # a second Ctrl-C, or one outside fit: at once, nothing saved
+            if not self._requested and not interrupt and trainer.strategy.launcher is not None:
+                trainer.strategy.launcher.kill(signum)
+            wanted = (
+                self._INTERRUPT if interrupt else self._REQUEUE if signum == requeue_signal else self._STOP
+            )
+            if not self._requested and trainer.is_global_zero:
+                # at once, before a slow step ends; os.write, not logging: a handler may interrupt a log call
+                every = self.check_every_n_steps if trainer.world_size > 1 else 1
+                again = "; Ctrl-C again stops at once without saving" if interrupt else ""
+                os.write(
+                    2,
+                    f"{self._BY[wanted][0]} received: stopping at the next step boundary (within "
+                    f"{every} step(s)) and saving last{again}\n".encode(),
+                )
+            self._requested = max(self._requested, wanted)
+
+        note.stops_fit = True  # type: ignore[attr-defined]
+        signal.signal(signum, note)
+        # restart system calls the signal interrupts instead of failing them: gloo does not retry
+        signal.siginterrupt(signum, False)
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         if not self._replaced_lightning_check:
@@ -242,11 +292,12 @@ class CheckpointOnSigterm(Callback):
             torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
             self._agreed = int(flag.item())
         if self._agreed:
-            raise SIGTERMException
+            raise StopRequested(*self._BY[self._agreed])
 
     def on_exception(
         self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
     ) -> None:
+        self._fitting = False
         if not isinstance(exception, SIGTERMException) or trainer.state.fn != TrainerFn.FITTING:
             return
         # every rank exits with 143 after the stop: the ranks this process launched (none may exit before the
@@ -259,7 +310,7 @@ class CheckpointOnSigterm(Callback):
             log.warning("SIGTERM: no ModelCheckpoint configured, nothing saved")
             return
         path = Path(checkpoint.dirpath) / f"{checkpoint.CHECKPOINT_NAME_LAST}{checkpoint.FILE_EXTENSION}"
-        trainer.save_checkpoint(path)  # ends in a barrier: every rank has written its part
+        trainer.save_checkpoint(path, weights_only=False)  # a full save; ends in a barrier (every rank wrote)
         if not trainer.is_global_zero:
             return
         wait_for_writes(trainer)  # on disk before it is said to be, and before SLURM requeues the job
@@ -268,7 +319,7 @@ class CheckpointOnSigterm(Callback):
             requeue_slurm_job()
         else:
             hint = self.resume_hint() if self.resume_hint else "resume it with ckpt_path=last"
-            log.warning(f"SIGTERM: saved {path} at step {trainer.global_step}; {hint}")
+            log.warning(f"{self._BY[self._agreed][0]}: saved {path} at step {trainer.global_step}; {hint}")
 
 
 def wait_for_ranks(processes: list[subprocess.Popen], timeout: float = RANKS_EXIT_TIMEOUT_S) -> None:

@@ -181,7 +181,7 @@ class RunStats(Callback):
         self._epoch = {"train_time": 0.0, "images": 0}
         self._end_fit(trainer)
         self.stats["stopped"] = {
-            "by": "SIGTERM",
+            "by": getattr(exception, "by", "SIGTERM"),
             "interrupted": True,
             "step": trainer.global_step,
             "epoch": trainer.current_epoch,

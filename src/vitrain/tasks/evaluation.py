@@ -76,22 +76,30 @@ _ABSENT = object()
 
 
 def print_table(metrics: dict[str, float], title: str) -> None:
-    table = Table(title=title)
+    table = Table()
     table.add_column("metric")
     table.add_column("value", justify="right")
     for name, value in sorted(metrics.items()):
         table.add_row(name, f"{value:.4f}")
-    Console().print(table)
+    _print_titled(title, table)
 
 
 def print_per_class(accuracy: dict[str, float], images: dict[str, int], title: str) -> None:
-    table = Table(title=title)
+    table = Table()
     table.add_column("class")
     table.add_column("accuracy", justify="right")
     table.add_column("images", justify="right")
     for name in accuracy:
         table.add_row(name, f"{accuracy[name]:.4f}", str(images[name]))
-    Console().print(table)
+    _print_titled(title, table)
+
+
+def _print_titled(title: str, table: Table) -> None:
+    """The title on a line of its own: as a Table title Rich wraps it to the table's width, which cut the
+    checkpoint's path into 22-character pieces that could not be copied."""
+    console = Console()
+    console.print(title, soft_wrap=True, highlight=False, markup=False)
+    console.print(table)
 
 
 def evaluate(cfg: DictConfig) -> tuple[dict[str, float], RunObjects]:

@@ -101,6 +101,12 @@ def run_task(task: Task, cfg: DictConfig) -> tuple[dict[str, float], Any]:
     warnings.filterwarnings(
         "ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning
     )
+    # and its `strategy.all_gather` (the run's figures gathered from the ranks) of a torch API >= 2.14 deprecates
+    warnings.filterwarnings(
+        "ignore",
+        message=r"torch\.distributed\.nn\.functional\.all_gather is deprecated",
+        category=FutureWarning,
+    )
     if extras.get("retain_freed_memory", True):
         retain_freed_memory()
     freeze_startup_heap()
@@ -115,9 +121,9 @@ def run_task(task: Task, cfg: DictConfig) -> tuple[dict[str, float], Any]:
         failed = False
         _log_output_dir(output_dir)
         return result
-    except SIGTERMException:
-        # stopped on request after saving `last` (CheckpointOnSigterm); 128 + SIGTERM, as a shell reports it
-        sys.exit(143)
+    except SIGTERMException as stop:
+        # stopped on request after saving `last` (CheckpointOnSigterm): 128 + the signal, as a shell says it
+        sys.exit(getattr(stop, "exit_code", 143))
     except Exception as err:
         if peer_lost(err) and os.environ.get("HYDRA_FULL_ERROR") != "1":
             detail = next((ln.strip() for ln in str(err).splitlines() if ln.strip()), type(err).__name__)
