@@ -28,12 +28,15 @@ train-smoke:  ## a tiny run through the whole pipeline
 	$(PY) src/train.py experiment=smoke
 
 eval:  ## make eval CKPT=path/to/checkpoint.ckpt
+	@test -n "$(CKPT)" || { echo "error: make eval CKPT=logs/train/runs/<run>/checkpoints/last.ckpt (or an FSDP checkpoint folder, or s3://bucket/key)" >&2; exit 2; }
 	$(PY) src/eval.py ckpt_path=$(CKPT)
 
 report:  ## make report RUN=logs/train/runs/<id> (or a multiruns/<id> sweep dir): rebuild report.md/json, plots
+	@test -n "$(RUN)" || { echo "error: make report RUN=logs/train/runs/<run> (or a logs/train/multiruns/<id> sweep dir)" >&2; exit 2; }
 	PYTHONPATH=src $(PY) -m vitrain.reporting $(RUN)
 
 shards:  ## make shards SRC=<image folder or .tar(.gz)> DST=<folder or s3://bucket/prefix> [SHARDS_ARGS="--val-size 0.05"]
+	@test -n "$(SRC)" -a -n "$(DST)" || { echo "error: make shards SRC=<image folder or .tar(.gz)> DST=<folder or s3://bucket/prefix>" >&2; exit 2; }
 	PYTHONPATH=src $(PY) -m vitrain.data.shards $(SRC) $(DST) $(SHARDS_ARGS)
 
 bench:  ## the benchmark suite (~20 min on 2 CPU cores): bench/results/*.json -> docs/benchmarks.md
