@@ -1,5 +1,6 @@
 """What a new user meets on the way (issue 31): time budgets that hold, honest messages, one-line errors."""
 
+import json
 import logging
 import os
 import re
@@ -102,6 +103,28 @@ def test_sigterm_tells_the_command_that_resumes_and_reports_interrupted(
         resumed.paths.output_dir = run_dir
     objects = build(resumed)
     assert checkpoint_to_resume(resumed, objects.trainer) == str(tmp_path / "checkpoints" / "last.ckpt")
+
+
+def test_a_relaunch_after_the_end_of_training_keeps_the_report(
+    tmp_path: Path, tiny_cifar: Path, data_cache: Path, monkeypatch, caplog
+):
+    """A finished run resumed again (a relaunched sweep's finished jobs, the same VITRAIN_RUN_ID): Lightning
+    trains nothing, and the report kept its epochs, times and images/s (they were blank: the empty session's
+    figures replaced them, and the sweep summary lost them)."""
+    for var in RUN_ID_VARS:
+        monkeypatch.delenv(var, raising=False)
+    overrides = [*tiny_overrides(tiny_cifar, data_cache), "logger=none", "trainer.max_epochs=2"]
+    train(compose_cfg("train", overrides, tmp_path))
+    first = json.loads((tmp_path / "report.json").read_text())
+    assert first["epochs"] == 2 and first["time_per_epoch_s"] and first["throughput_images_per_s"]
+    with caplog.at_level(logging.INFO):
+        train(compose_cfg("train", [*overrides, "ckpt_path=last"], tmp_path))
+    again = json.loads((tmp_path / "report.json").read_text())
+    for key in ("epochs", "global_step", "time_per_epoch_s", "throughput_images_per_s", "peak_memory_gb"):
+        assert again[key] == first[key], key
+    assert again["mfu_note"] == first["mfu_note"]
+    assert again["metrics"] == first["metrics"]  # the validation history kept; tested again: the same weights
+    assert any(r.getMessage().startswith("nothing left to train") for r in caplog.records)
 
 
 def test_resume_hint_says_relaunch_only_where_a_relaunch_resumes():

@@ -10,6 +10,7 @@ its own device; the figures are gathered to global rank zero, which alone writes
 
 from __future__ import annotations
 
+import logging
 import socket
 import time
 from collections.abc import Callable
@@ -25,8 +26,12 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from vitrain.callbacks.epoch_metrics import epoch_in_progress
 from vitrain.callbacks.throughput import ImageThroughputMonitor, batch_size
 from vitrain.utils.measuring import UtilisationSampler, device_memory, metric_floats, reset_peak_memory
-from vitrain.utils.run_files import CONFIG_KEYS, STATS_FILE, select_key, write_json
+from vitrain.utils.run_files import CONFIG_KEYS, STATS_FILE, read_json, select_key, write_json
 from vitrain.utils.secrets import redact
+
+log = logging.getLogger(__name__)
+# what a session that had nothing left to train keeps of the sessions that trained
+KEPT_AFTER_THE_END = ("fit", "val_history", "gpu_utilization", "memory", "flops", "stopped")
 
 
 class RunStats(Callback):
@@ -41,6 +46,7 @@ class RunStats(Callback):
         self._epoch_t0 = 0.0
         self._epoch = {"train_time": 0.0, "images": 0}
         self._memory_reset = False
+        self._kept_earlier = False  # a relaunch after the end of training: the earlier sessions' figures
         #: the task's words for how to resume this run (vitrain/tasks/runs.resume_hint), set when it is built
         self.resume_hint: Callable[[], str] | None = None
 
@@ -206,9 +212,32 @@ class RunStats(Callback):
         self._add_throughput_info(trainer)
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if "global_step" not in self.stats["fit"] and trainer.global_step > 0:
+            self._keep_sessions_that_trained(trainer)
         self.stats["checkpoints"] = checkpoint_paths(trainer)
         if trainer.is_global_zero:
             self.save(trainer)
+
+    def _keep_sessions_that_trained(self, trainer: L.Trainer) -> None:
+        """Resumed from a checkpoint whose training had ended (a finished job of a relaunched sweep, the same
+        VITRAIN_RUN_ID again): Lightning skips the training loop, and this session's empty figures would
+        replace those of the sessions that trained (the report's epochs, times, images/s). Those stay."""
+        earlier = read_json(self.run_dir / STATS_FILE) or {}
+        if not trainer.is_global_zero or not (earlier.get("fit") or {}).get("epochs"):
+            return
+        for key in KEPT_AFTER_THE_END:
+            if key in earlier:
+                self.stats[key] = earlier[key]
+        self.stats["fit"]["relaunched_after_the_end"] = _now()
+        self._kept_earlier = True
+        log.info(
+            "nothing left to train: this run ended its training at step %d (trainer.max_epochs=%s, "
+            "max_steps=%s); its report keeps the figures of the sessions that trained. Raise "
+            "trainer.max_epochs or trainer.max_steps to train on",
+            trainer.global_step,
+            trainer.max_epochs,
+            trainer.max_steps,
+        )
 
     def on_test_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._test_t0 = self._sync(trainer)
@@ -219,7 +248,9 @@ class RunStats(Callback):
             "ckpt_path": trainer.ckpt_path,
             **metric_floats(trainer.callback_metrics, "test/"),
         }
-        self.stats["memory"] = self._gather_memory(trainer)  # the peak now covers fit and test
+        memory = self._gather_memory(trainer)  # the peak now covers fit and test
+        if not self._kept_earlier:  # a test-only session's peak is not the run's
+            self.stats["memory"] = memory
         if trainer.is_global_zero:
             self.save(trainer)
 
