@@ -261,8 +261,8 @@ def unwatch_launched_ranks(launcher: Any) -> list[subprocess.Popen]:
 
     The observer (a thread the launcher starts, with no public way to stop it) polls them every 5 s and, once
     one has exited with a non-zero code, SIGKILLs this process and the other ranks. After an agreed SIGTERM
-    stop every rank exits with 143, so a rank that ended first had this one killed in the middle of its own
-    save or report. The observer watches the launcher's own `procs` list: emptied, its next look finds
+    stop every rank exits with 143 (130 after Ctrl-C), so a rank that ended first had this one killed in the
+    middle of its own save or report. The observer watches the launcher's own `procs` list: emptied, its next look finds
     nothing to watch and it ends without a kill (the launcher's `kill` then forwards no signal either)."""
     procs = getattr(launcher, "procs", None)
     if not isinstance(procs, list):

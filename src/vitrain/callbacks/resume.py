@@ -300,8 +300,9 @@ class CheckpointOnSigterm(Callback):
         self._fitting = False
         if not isinstance(exception, SIGTERMException) or trainer.state.fn != TrainerFn.FITTING:
             return
-        # every rank exits with 143 after the stop: the ranks this process launched (none may exit before the
-        # save's barrier) are waited for at its exit instead of having Lightning's observer kill it
+        # every rank exits with 143 (130 after Ctrl-C) after the stop: the ranks this process launched (none
+        # may exit before the save's barrier) are waited for at its exit instead of having Lightning's
+        # observer kill it
         launched = unwatch_launched_ranks(trainer.strategy.launcher)
         if launched:
             atexit.register(wait_for_ranks, launched)

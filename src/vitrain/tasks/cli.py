@@ -264,8 +264,9 @@ def sweep_variants(overrides: Sequence[str]) -> list[list[str]]:
             values = list(override.sweep_string_iterator())
         else:
             continue
-        choices.append([f"{override.get_key_element()}={value}" for value in values])
-    first = [values[0] for values in choices if values]
+        if values:  # an empty range launches no job
+            choices.append([f"{override.get_key_element()}={value}" for value in values])
+    first = [values[0] for values in choices]
     variants = [first]
     for i, values in enumerate(choices):
         variants.extend([*first[:i], value, *first[i + 1 :]] for value in values[1:])
