@@ -8,6 +8,7 @@ import hashlib
 import json
 import pickle
 import socket
+import tarfile
 import threading
 from pathlib import Path
 
@@ -172,6 +173,26 @@ def test_corrupted_archive(tmp_path: Path):
     archive.write_bytes(b"this is not a tar file")
     with pytest.raises(DataError, match=r"cannot unpack"):
         load_cifar10(archive, tmp_path / "cache")
+
+
+def test_an_unpack_stopped_by_ctrl_c_leaves_no_half_copy(tmp_path: Path, monkeypatch):
+    """Ctrl-C during the first run's unpack (minutes for ImageNet): the half-unpacked hidden folder went with
+    it (it stayed, taking the disk, when the error was not the archive's); the next run unpacks afresh."""
+    src = make_class_folders(tmp_path / "src", n_per_class_train=2, n_per_class_test=1, ext="jpg")
+    archive = make_targz(src, tmp_path / "a.tar.gz", arcname="a")
+    real = tarfile.TarFile.extractall
+
+    def interrupted(self, path, *args, **kwargs):
+        for member in self.getmembers()[:5]:
+            self.extract(member, path, filter="data")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tarfile.TarFile, "extractall", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        load_cifar10(archive, tmp_path / "cache")
+    assert list((tmp_path / "cache" / "cifar10" / "unpacked").iterdir()) == []
+    monkeypatch.setattr(tarfile.TarFile, "extractall", real)
+    assert len(load_cifar10(archive, tmp_path / "cache").train_y) == 20
 
 
 def test_corrupted_or_wrong_size_image(tmp_path: Path):

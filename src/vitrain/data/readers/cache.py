@@ -44,6 +44,9 @@ def unpack_archive(archive: Path, unpack_root: Path) -> Path:
             f"cannot unpack {archive} ({type(e).__name__}: {str(e).splitlines()[0].rstrip(':')}): "
             "the archive is truncated or corrupted, copy or download it again"
         ) from e
+    except BaseException:  # Ctrl-C during a long unpack: no hidden half copy left taking the disk
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     try:
         tmp.rename(target)
     except OSError:  # another process finished the same unpack first
