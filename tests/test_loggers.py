@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from helpers import compose_cfg, mlflow_get, mlflow_runs, tiny_overrides
 from vitrain.loggers import LoggerError
@@ -282,6 +283,17 @@ def test_a_resumed_run_continues_its_mlflow_run(
     elsewhere = [*overrides, "trainer.max_epochs=3", f"ckpt_path={first / 'checkpoints' / 'last.ckpt'}"]
     train(compose_cfg("train", elsewhere, tmp_path / "second"))
     assert len(mlflow_runs(mlflow_server, experiment)) == 2
+
+    # stopped on request (SIGTERM, Ctrl-C), `last` saved: KILLED, not FAILED
+    stopped = [
+        *overrides,
+        "+callbacks.sigterm_at._target_=test_user_path.SigtermSelfAt",
+        "+callbacks.sigterm_at.step=3",
+    ]
+    with pytest.raises(SIGTERMException):
+        train(compose_cfg("train", stopped, tmp_path / "third"))
+    statuses = sorted(run["info"]["status"] for run in mlflow_runs(mlflow_server, experiment))
+    assert statuses == ["FINISHED", "FINISHED", "KILLED"], statuses
     assert not files_containing(tmp_path, password), (
         "the tracking server's password reached a file of the run"
     )

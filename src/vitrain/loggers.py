@@ -38,6 +38,7 @@ from lightning.pytorch.loggers import MLFlowLogger as _LightningMLFlowLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.loggers.logger import rank_zero_experiment
 from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from vitrain.compat import (
     mlflow_params,
@@ -366,6 +367,10 @@ class MLFlowLogger(_LightningMLFlowLogger):
         mlflow.flush_async_logging()
         if self.log_best_checkpoint and status == "success" and self._best_callback is not None:
             self.upload_best_checkpoint(self._best_callback.best_model_path)
+        if status == "failed" and isinstance(sys.exc_info()[1], SIGTERMException):
+            # Lightning finalizes in its handler of the exception: a stop on request (SIGTERM, Ctrl-C, SLURM's
+            # signal) that saved `last` is MLflow's KILLED, not a failure; its resume sets it RUNNING again
+            status = "KILLED"
         super().finalize(status)
         # Lightning's `experiment` calls `mlflow.set_tracking_uri`, which also writes MLFLOW_TRACKING_URI into
         # the environment: the next job of a multirun process would log to this job's store
