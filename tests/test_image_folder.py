@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import re
 import shutil
 import tarfile
@@ -26,7 +27,7 @@ from data_factory import make_noise_folder
 from helpers import ROOT, TINY_VIT, DecodedRecorder, Recorder, compose_cfg, fails_in_process, run_cli
 from vitrain.data.datamodules import image_folder
 from vitrain.data.datamodules.image_folder import ImageFolderDataModule
-from vitrain.data.gpu_decode import EncodedBatch
+from vitrain.data.gpu_decode import EncodedBatch, GpuDecoder
 from vitrain.errors import DataError
 from vitrain.tasks.training import train
 
@@ -189,6 +190,38 @@ def test_ctrl_c_saves_last_and_reports_and_a_second_one_stops_at_once(photos: Pa
     assert aborted.returncode == 1, aborted.stderr[-3000:]
     assert "Ctrl-C again stops at once without saving" in aborted.stderr
     assert not (twice / "checkpoints" / "last.ckpt").exists()
+
+
+def test_albums_and_other_formats_are_read_and_the_rest_is_counted(photos: Path, tmp_path: Path, caplog):
+    """Photos as people keep them: in sub-folders (albums) of a class folder, as BMP, GIF and TIFF, among
+    files that are not images. The images are all read (before: the sub-folders' and the BMP/GIF/TIFF ones
+    left out, silently); the rest is counted in a warning by suffix; hidden files and folders are not read."""
+    root = tmp_path / "mine"
+    shutil.copytree(photos, root)
+    cat = root / "train" / CLASSES[0]
+    (cat / "2019" / "summer").mkdir(parents=True)
+    picture = Image.open(next(cat.glob("*.jpg"))).convert("RGB")
+    picture.save(cat / "2019" / "summer" / "beach.jpg")
+    for fmt in ("BMP", "GIF", "TIFF"):
+        picture.save(cat / f"scan.{fmt.lower()}", fmt)
+    (cat / "IMG_0001.heic").write_bytes(b"not decodable here")
+    (cat / "notes.txt").write_text("taken with my phone")
+    (cat / ".DS_Store").write_bytes(b"\0")
+    (cat / ".thumbnails").mkdir()
+    picture.save(cat / ".thumbnails" / "t.jpg")
+    with caplog.at_level(logging.WARNING):
+        dm = ImageFolderDataModule(str(root), str(tmp_path / "cache"), batch_size=4, in_memory=False)
+        dm.setup("fit")
+    assert len(dm.train_set) == N_TRAIN_ALL + 4
+    read = {Path(f).name for f, _ in dm.train_set.files}
+    assert {"beach.jpg", "scan.bmp", "scan.gif", "scan.tiff"} <= read and "t.jpg" not in read
+    [warning] = [r.getMessage() for r in caplog.records if "left out" in r.getMessage()]
+    assert "left out 2 file(s) that are not" in warning and "(.heic: 1, .txt: 1)" in warning, warning
+    for name in ("scan.bmp", "scan.tiff", "scan.gif"):  # decoded as the CPU path does, and by the GPU decoder
+        i = next(i for i, (f, _) in enumerate(dm.train_set.files) if f.endswith(name))
+        assert dm.train_set[i][0].shape == (3, 224, 224)
+        blob = torch.frombuffer(bytearray((cat / name).read_bytes()), dtype=torch.uint8)
+        assert GpuDecoder(20, (0.5,) * 3, (0.5,) * 3, device="cpu").decode([blob])[0].shape[0] == 3
 
 
 def test_archive_is_unpacked_once_and_val_carved(photos: Path, tmp_path: Path):

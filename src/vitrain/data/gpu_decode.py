@@ -34,9 +34,10 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torchvision.io import ImageReadMode, decode_image, decode_jpeg
+from torchvision.io import ImageReadMode, decode_jpeg
 
 from vitrain.data.augment import BatchTransform, RandomAugment, to_device, to_model_input
+from vitrain.data.transforms import decode_tensor
 from vitrain.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -339,10 +340,14 @@ class GpuDecoder:
                 for i, img in zip(jpeg, decoded, strict=True):
                     out[i] = img
             for i, blob in enumerate(blobs):
-                if out[i] is None:
+                if out[i] is None:  # PNG, WebP, GIF by torchvision; BMP, TIFF by PIL (as the CPU path does)
                     try:
-                        out[i] = to_device(decode_image(blob, mode=ImageReadMode.RGB), self.device)
-                    except RuntimeError as err:
+                        out[i] = to_device(decode_tensor(blob.numpy().tobytes()), self.device)
+                    except (
+                        RuntimeError,
+                        OSError,
+                        ValueError,
+                    ) as err:  # PIL's UnidentifiedImageError: OSError
                         raise UndecodableImage(i, _reason(err)) from None
         return out  # type: ignore[return-value]
 

@@ -1,11 +1,11 @@
 """Your own images: a `train/<class>/` tree with `val/<class>/` and/or `test/<class>/` (the ImageNet layout),
 or a .tar/.tar.gz of one, read from disk per sample.
 
-DataLoader worker processes open, decode (JPEG, PNG, WebP; any mode converted to RGB) and transform each
-image with timm's transforms from the model's data config, each image's random draws seeded from (seed,
-epoch, index). Splits, samplers, the per-process batch, exact evaluation and the resumable training loader
-(a resumed epoch continues from the trainer's restored counters: bitwise the uninterrupted run, with any
-number of workers) come from the shared base, vitrain/data/datamodules/base.py.
+DataLoader worker processes open, decode (JPEG, PNG, WebP, BMP, GIF, TIFF; any mode converted to RGB) and
+transform each image with timm's transforms from the model's data config, each image's random draws seeded
+from (seed, epoch, index). Splits, samplers, the per-process batch, exact evaluation and the resumable
+training loader (a resumed epoch continues from the trainer's restored counters: bitwise the uninterrupted
+run, with any number of workers) come from the shared base, vitrain/data/datamodules/base.py.
 
 Unreadable files are found before training, by PIL reading each file's header and structure without
 decoding every pixel (`verify_images`); `bad_images: stop` then names them in one error, `skip` leaves them

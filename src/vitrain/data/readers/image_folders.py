@@ -4,7 +4,9 @@ files. Read by the image-folder datamodule and by the shard writer (vitrain/data
 
 from __future__ import annotations
 
+import logging
 import os
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,8 +14,12 @@ import torch
 
 from vitrain.errors import DataError
 
+log = logging.getLogger(__name__)
+
 SPLITS = ("train", "val", "test")
-IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp")
+# what the decoders read (vitrain.data.transforms.decode_tensor: torchvision's, PIL's for BMP and TIFF);
+# torchvision's ImageFolder takes the same formats
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 
 
 @dataclass(frozen=True)
@@ -52,18 +58,39 @@ def scan(root: Path) -> Source:
                 "every split needs the same class folders"
             )
         files: list[tuple[str, int]] = []
+        others: list[Path] = []
         for label, cls in enumerate(classes):
-            images = sorted(
-                p for p in (d / cls).iterdir()
-                if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES and not p.name.startswith(".")
-            )  # fmt: skip
+            images, rest = class_files(d / cls)
             if not images:
                 raise DataError(
                     f"{d / cls} holds no {'/'.join(IMAGE_SUFFIXES)} images: add some or remove the folder"
                 )
             files.extend((str(p), label) for p in images)
+            others += rest
+        if others:
+            kinds = Counter(p.suffix.lower() or "no suffix" for p in others)
+            log.warning(
+                "%s: left out %d file(s) that are not %s images (%s), e.g. %s: convert the images among them "
+                "to add them",
+                d, len(others), "/".join(IMAGE_SUFFIXES), ", ".join(f"{k}: {n}" for k, n in kinds.most_common()),
+                others[0],
+            )  # fmt: skip
         splits[split] = files
     return Source(classes, splits)
+
+
+def class_files(folder: Path) -> tuple[list[Path], list[Path]]:
+    """The images in a class folder and its sub-folders (torchvision's ImageFolder reads those too: photos
+    sorted into albums), in path order; and the other files, left out (hidden files and folders: neither)."""
+    images: list[Path] = []
+    others: list[Path] = []
+    for top, dirs, names in os.walk(folder, followlinks=True):
+        dirs[:] = [name for name in dirs if not name.startswith(".")]
+        for name in names:
+            if not name.startswith("."):
+                path = Path(top) / name
+                (images if path.suffix.lower() in IMAGE_SUFFIXES else others).append(path)
+    return sorted(images), sorted(others)
 
 
 def carve_val(files: list[tuple[str, int]], val_size: int | float, seed: int) -> tuple[list, list]:
