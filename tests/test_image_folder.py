@@ -16,6 +16,7 @@ import shutil
 import tarfile
 import threading
 import time
+import zipfile
 from pathlib import Path
 
 import lightning as L
@@ -222,6 +223,31 @@ def test_albums_and_other_formats_are_read_and_the_rest_is_counted(photos: Path,
         assert dm.train_set[i][0].shape == (3, 224, 224)
         blob = torch.frombuffer(bytearray((cat / name).read_bytes()), dtype=torch.uint8)
         assert GpuDecoder(20, (0.5,) * 3, (0.5,) * 3, device="cpu").decode([blob])[0].shape[0] == 3
+
+
+def test_a_zip_of_photos_is_unpacked_once(photos: Path, tmp_path: Path):
+    """A .zip (what a photo export or Kaggle gives), with a member that points outside the folder: unpacked
+    once into the cache, nothing written outside it; a damaged .zip is one line."""
+    archive = tmp_path / "mine.zip"
+    with zipfile.ZipFile(archive, "w") as zf:
+        for f in sorted(photos.rglob("*")):
+            if f.is_file():
+                zf.write(f, f"mine/{f.relative_to(photos)}")
+        zf.writestr("../../escaped.txt", "outside")
+    cache = tmp_path / "cache"
+    dm = ImageFolderDataModule(str(archive), str(cache), batch_size=4, in_memory=False)
+    assert dm.classes == list(CLASSES)
+    dm.setup("fit")
+    assert len(dm.train_set) == N_TRAIN_ALL and len(dm.val_set) == N_VAL_ALL
+    [unpacked] = list((cache / "unpacked").iterdir())
+    assert not list(tmp_path.rglob("escaped.txt")) or all(
+        p.is_relative_to(unpacked) for p in tmp_path.rglob("escaped.txt")
+    )
+    ImageFolderDataModule(str(archive), str(cache), batch_size=4, in_memory=False).setup("fit")
+    assert list((cache / "unpacked").iterdir()) == [unpacked]  # once
+    archive.write_bytes(archive.read_bytes()[:2000])
+    with pytest.raises(DataError, match=r"cannot unpack .*mine.zip .*truncated or corrupted"):
+        ImageFolderDataModule(str(archive), str(tmp_path / "cache2"), batch_size=4).setup("fit")
 
 
 def test_archive_is_unpacked_once_and_val_carved(photos: Path, tmp_path: Path):

@@ -3,7 +3,7 @@
     python -m vitrain.data.shards SRC DST        (make shards SRC=... DST=...)
 
 SRC is a `train/<class>/` tree with `val/<class>/` and/or `test/<class>/` (the ImageNet layout) or a
-.tar/.tar.gz of one; DST a folder or `s3://bucket/prefix`. Each split becomes a litdata dataset
+.tar/.tar.gz/.zip of one; DST a folder or `s3://bucket/prefix`. Each split becomes a litdata dataset
 (`DST/<split>/index.json` + `chunk-*.bin`) holding the files' encoded bytes as they are (JPEG, PNG, WebP:
 no re-encoding, no decoded pixels) with the label and the sample's index; `DST/vitrain-shards.json` names
 the classes, the splits and the format version. A validation split is carved from train when SRC has none.
@@ -117,7 +117,7 @@ def write_shards(
             f"{source_path} does not exist: give an image folder (train/<class>/...) or an archive of one"
         )
     cache = Path(cache_dir or os.environ.get("VITRAIN_CACHE") or "~/.cache/vitrain").expanduser()
-    if source_path.is_file() and source_path.name.endswith(ARCHIVE_SUFFIXES):
+    if source_path.is_file() and source_path.name.lower().endswith(ARCHIVE_SUFFIXES):
         source_path = unpack_archive(source_path, cache / "unpacked")
     source = scan(find_source(source_path))
     splits = dict(source.splits)
@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m vitrain.data.shards", description=__doc__.split("\n\n")[0]
     )
-    parser.add_argument("src", help="train/<class>/ (+ val/ or test/) folder, or a .tar/.tar.gz of one")
+    parser.add_argument("src", help="train/<class>/ (+ val/ or test/) folder, or a .tar/.tar.gz/.zip of one")
     parser.add_argument("dst", help="output folder or s3://bucket/prefix")
     parser.add_argument(
         "--val-size",

@@ -1,5 +1,5 @@
 """Your own images: a `train/<class>/` tree with `val/<class>/` and/or `test/<class>/` (the ImageNet layout),
-or a .tar/.tar.gz of one, read from disk per sample.
+or a .tar/.tar.gz/.zip of one, read from disk per sample.
 
 DataLoader worker processes open, decode (JPEG, PNG, WebP, BMP, GIF, TIFF; any mode converted to RGB) and
 transform each image with timm's transforms from the model's data config, each image's random draws seeded
@@ -50,7 +50,7 @@ from vitrain.data.gpu_decode import (
 )
 from vitrain.data.loaders import TensorImageDataset
 from vitrain.data.readers import decode as in_memory
-from vitrain.data.readers.cache import unpack_archive
+from vitrain.data.readers.cache import is_archive, unpack_archive
 from vitrain.data.readers.image_folders import Source, carve_val, find_source, find_unreadable, scan
 from vitrain.data.sampling import sample_seed, seeded_sample
 from vitrain.data.transforms import check_color_jitter, decode_for
@@ -168,8 +168,10 @@ class ImageFolderDataModule(ImageDataModule):
                 f"datamodule.data_dir={path} does not exist: give a train/<class>/ folder or an archive"
             )
         if path.is_file():
-            if not path.name.lower().endswith((".tar", ".tar.gz", ".tgz")):
-                raise DataError(f"datamodule.data_dir={path} is a file but not a .tar/.tar.gz/.tgz archive")
+            if not is_archive(path):
+                raise DataError(
+                    f"datamodule.data_dir={path} is a file but not a .tar/.tar.gz/.tgz/.zip archive"
+                )
             path = unpack_archive(path, Path(str(hp.cache_dir)).expanduser() / "unpacked")
         return find_source(path)
 

@@ -11,6 +11,7 @@ import logging
 import shutil
 import tarfile
 import tempfile
+import zipfile
 import zlib
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from vitrain.errors import DataError
 
 log = logging.getLogger(__name__)
 
-ARCHIVE_SUFFIXES = (".tar.gz", ".tgz", ".tar")
+ARCHIVE_SUFFIXES = (".tar.gz", ".tgz", ".tar", ".zip")
 # bump when the decoded file's content changes, so old caches are not mistaken for new ones
 CACHE_FORMAT = 1
 
@@ -36,9 +37,13 @@ def unpack_archive(archive: Path, unpack_root: Path) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=unpack_root))
     log.info("unpacking %s into %s (first run only)", archive, target)
     try:
-        with tarfile.open(archive) as tf:
-            tf.extractall(tmp, filter="data")
-    except (tarfile.TarError, EOFError, zlib.error, OSError) as e:
+        if archive.name.lower().endswith(".zip"):  # zipfile drops absolute paths and `..` from member names
+            with zipfile.ZipFile(archive) as zf:
+                zf.extractall(tmp)
+        else:
+            with tarfile.open(archive) as tf:
+                tf.extractall(tmp, filter="data")
+    except (tarfile.TarError, zipfile.BadZipFile, EOFError, zlib.error, OSError) as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise DataError(
             f"cannot unpack {archive} ({type(e).__name__}: {str(e).splitlines()[0].rstrip(':')}): "

@@ -36,7 +36,7 @@ class CifarSpec:
     def layout_hint(self) -> str:
         return (
             f"point datamodule.data_dir at a {self.batches_dir} folder, a train/<class>/ + test/<class>/ "
-            "folder tree or a .tar.gz of either, or set datamodule.download=true"
+            "folder tree or a .tar.gz/.zip of either, or set datamodule.download=true"
         )
 
 
