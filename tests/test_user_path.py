@@ -5,6 +5,7 @@ import logging
 import os
 import re
 import shlex
+import shutil
 import signal
 import time
 import warnings
@@ -125,6 +126,47 @@ def test_a_relaunch_after_the_end_of_training_keeps_the_report(
     assert again["mfu_note"] == first["mfu_note"]
     assert again["metrics"] == first["metrics"]  # the validation history kept; tested again: the same weights
     assert any(r.getMessage().startswith("nothing left to train") for r in caplog.records)
+
+
+def test_a_resume_that_splits_the_batches_otherwise_does_not_claim_to_be_exact(
+    tmp_path: Path, tiny_cifar: Path, data_cache: Path, monkeypatch, caplog
+):
+    """Stopped mid-epoch, resumed with another global batch (the rest of the epoch is not the images it had
+    left) or by another number of processes (not bitwise): the resume says so instead of "bitwise as if never
+    stopped"; resumed as saved, it still says bitwise."""
+    for var in RUN_ID_VARS:
+        monkeypatch.delenv(var, raising=False)
+    overrides = [*tiny_overrides(tiny_cifar, data_cache), "logger=none", "trainer.num_sanity_val_steps=0"]
+    stop = ["+callbacks.sigterm_at._target_=test_user_path.SigtermSelfAt", "+callbacks.sigterm_at.step=5"]
+    stopped = tmp_path / "stopped"
+    with pytest.raises(SIGTERMException):
+        train(compose_cfg("train", [*overrides, *stop], stopped))
+    saved = torch.load(stopped / "checkpoints" / "last.ckpt", weights_only=True)
+    assert saved["CIFAR10DataModule"] == {"batch_size": 8, "world_size": 1}
+
+    def resumed(name: str, *extra: str, edit=None) -> str:
+        run = tmp_path / name
+        shutil.copytree(stopped, run)
+        if edit is not None:
+            checkpoint = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
+            edit(checkpoint)
+            torch.save(checkpoint, run / "checkpoints" / "last.ckpt")
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            train(compose_cfg("train", [*overrides, *extra, "ckpt_path=last"], run))
+        return next(r.getMessage() for r in caplog.records if r.getMessage().startswith("resuming at"))
+
+    assert "bitwise as if never stopped" in resumed("same")
+    message = resumed("bigger", "datamodule.batch_size=16")
+    assert "not bitwise" in message and "the rest of that epoch is not the images it had left" in message
+    assert "resume with datamodule.batch_size=8" in message
+
+    def by_two_processes(checkpoint: dict) -> None:
+        checkpoint["CIFAR10DataModule"]["world_size"] = 2
+        checkpoint["rng_states_per_rank"] = checkpoint["rng_states_per_rank"] * 2
+
+    message = resumed("fewer", edit=by_two_processes)
+    assert "not bitwise" in message and "saved by 2 process(es), this run has 1" in message, message
 
 
 def test_resume_hint_says_relaunch_only_where_a_relaunch_resumes():

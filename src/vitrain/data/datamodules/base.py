@@ -307,20 +307,55 @@ class ImageDataModule(LightningDataModule):
 
     # --- data -------------------------------------------------------------------------------------
 
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the data: how the training batches were split (`resume_caveat`)."""
+        return {"batch_size": int(self.hparams.batch_size), "world_size": self._world()[0]}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._saved_split = dict(state_dict)
+
     def resume_caveat(self) -> str | None:
         """Why a resumed run may not continue bitwise like the uninterrupted one (None: it does); callbacks/
         resume.py logs it when a run resumes. vitrain's own data is exact: the order is a function of (seed,
         epoch), a per-sample transform's draws of (seed, epoch, index), an in-memory batch's on-device
         augmentation of (seed, epoch, rank, batch), and that of worker batches draws from the global
-        generators the checkpoint restores."""
+        generators the checkpoint restores; as long as the batches are split as they were (`split_change`)."""
         own = [name for name in SAMPLE_HOOKS if defined_outside_vitrain(type(self), name)]
-        if not own:
+        caveats = [self.split_change()]
+        if own:
+            caveats.append(
+                f"{type(self).__name__} defines {', '.join(own)} itself: the data order resumes exactly, its "
+                "augmentation only if each random draw comes from Python's `random` or numpy's or torch's "
+                "global generator (seeded per sample); a generator of its own (numpy.random.default_rng, "
+                "random.Random) draws other augmentations after a resume (docs/reliability.md)"
+            )
+        return "; ".join(c for c in caveats if c) or None
+
+    def split_change(self) -> str | None:
+        """How this run splits the training batches otherwise than the checkpoint it resumes (None: as it).
+
+        Another process count with the same global batch: the rest of a stopped epoch is still the images
+        it had left, once each (each rank's share of the epoch's order, `TrainSampler`, starts past the same
+        images), but each rank's augmentation stream and the gradients' summation order differ. Another
+        global batch in the middle of an epoch: the restored loop counts the batches done in the old size,
+        so the rest of that epoch skips or repeats images."""
+        saved = getattr(self, "_saved_split", None)
+        now = self.state_dict()
+        if not saved or saved == now:
             return None
+        g, w = saved.get("batch_size"), saved.get("world_size")
+        if g != now["batch_size"] and self._resume_offset():
+            return (
+                f"the checkpoint stopped in the middle of an epoch with datamodule.batch_size={g}, this run has "
+                f"{now['batch_size']}: the rest of that epoch is not the images it had left (some skipped or "
+                f"seen twice); resume with datamodule.batch_size={g} for the epoch to end exactly"
+            )
+        if g != now["batch_size"]:
+            return f"another global batch size than the checkpoint's ({now['batch_size']}, saved with {g})"
         return (
-            f"{type(self).__name__} defines {', '.join(own)} itself: the data order resumes exactly, its "
-            "augmentation only if each random draw comes from Python's `random` or numpy's or torch's global "
-            "generator (seeded per sample); a generator of its own (numpy.random.default_rng, random.Random) "
-            "draws other augmentations after a resume (docs/reliability.md)"
+            f"the checkpoint was saved by {w} process(es), this run has {now['world_size']}: the rest of the "
+            "epoch is the images it had left, once each, but each process's augmentation draws and the "
+            "gradients' summation order differ"
         )
 
     def split_sizes(self) -> dict[str, int | None]:
