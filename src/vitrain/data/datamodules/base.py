@@ -307,6 +307,9 @@ class ImageDataModule(LightningDataModule):
 
     # --- data -------------------------------------------------------------------------------------
 
+    #: a mid-epoch resume on another number of processes: what the rest of the epoch is (`split_change`)
+    REST_OF_EPOCH_ON_OTHER_WORLD = "the rest of the epoch is the images it had left, once each"
+
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps of the data: how the training batches were split (`resume_caveat`)."""
         return {"batch_size": int(self.hparams.batch_size), "world_size": self._world()[0]}
@@ -353,9 +356,9 @@ class ImageDataModule(LightningDataModule):
         if g != now["batch_size"]:
             return f"another global batch size than the checkpoint's ({now['batch_size']}, saved with {g})"
         return (
-            f"the checkpoint was saved by {w} process(es), this run has {now['world_size']}: the rest of the "
-            "epoch is the images it had left, once each, but each process's augmentation draws and the "
-            "gradients' summation order differ"
+            f"the checkpoint was saved by {w} process(es), this run has {now['world_size']}: "
+            f"{self.REST_OF_EPOCH_ON_OTHER_WORLD}, but each process's augmentation draws and the gradients' "
+            "summation order differ"
         )
 
     def split_sizes(self) -> dict[str, int | None]:

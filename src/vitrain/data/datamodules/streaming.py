@@ -248,6 +248,9 @@ class ResumableStreamingLoader(StreamingDataLoader):
 class StreamingDataModule(ImageDataModule):
     """Shards from `make shards`, local or `s3://`; see configs/datamodule/streaming.yaml."""
 
+    # litdata deals an epoch's chunks to ranks and workers by their count: each skips its own share
+    REST_OF_EPOCH_ON_OTHER_WORLD = "litdata deals the rest of the epoch to the processes anew (images of it may be skipped or seen twice)"
+
     def __init__(
         self,
         *args: Any,
