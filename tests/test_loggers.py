@@ -113,7 +113,12 @@ def files_containing(root: Path, needle: str) -> list[Path]:
 
 
 def test_wandb_offline_run_holds_the_scalars_and_the_redacted_config(
-    tmp_path: Path, tiny_cifar: Path, data_cache: Path, wandb_offline: None, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
+    tiny_cifar: Path,
+    data_cache: Path,
+    wandb_offline: None,
+    monkeypatch: pytest.MonkeyPatch,
+    capfd: pytest.CaptureFixture,
 ):
     monkeypatch.setenv("HF_TOKEN", SECRET)
     overrides = [
@@ -142,6 +147,8 @@ def test_wandb_offline_run_holds_the_scalars_and_the_redacted_config(
     assert config["datamodule"]["batch_size"] == 8 and config["model"]["net"]["embed_dim"] == 32
     assert config["extras"]["hub_token"] == "***" and config["extras"]["note"] == "token-***"
     assert not files_containing(tmp_path, SECRET), "the secret reached a file of the run"
+    # Lightning's `anonymous=None` made W&B warn at every run that the setting has no effect
+    assert "anonymous setting" not in capfd.readouterr().err
 
 
 def test_wandb_without_a_login_fails_in_one_line(

@@ -210,6 +210,17 @@ def set_wandb_run_id(logger: WandbLogger, run_id: str) -> None:
     logger._id = run_id
 
 
+def drop_wandb_anonymous(logger: WandbLogger) -> None:
+    """Lightning hands `wandb.init` `anonymous=None` when the option is off, and W&B (0.19 on) warns at every
+    run that "The anonymous setting has no effect" for any value but its own unset: left out, as unset."""
+    if (
+        logger._experiment is None
+        and "anonymous" in logger._wandb_init
+        and not logger._wandb_init["anonymous"]
+    ):
+        del logger._wandb_init["anonymous"]
+
+
 def wandb_offline(logger: WandbLogger) -> bool:
     """Whether the logger will start its run offline: `WandbLogger(offline=True)` or `WANDB_MODE=offline`
     (Lightning turns its flag into the variable only when the run starts)."""

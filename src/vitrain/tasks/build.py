@@ -14,13 +14,14 @@ import lightning as L
 import torch
 from hydra.errors import InstantiationException
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.loggers import Logger
+from lightning.pytorch.loggers import Logger, WandbLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from omegaconf import DictConfig, open_dict
 
 from vitrain.callbacks.resume import CheckpointOnSigterm
 from vitrain.callbacks.run_stats import RunStats
 from vitrain.callbacks.time_limit import TimeLimit
+from vitrain.compat import drop_wandb_anonymous
 from vitrain.errors import DataError, UserError, argument_error
 from vitrain.loggers import MetricRecord
 from vitrain.models.timm_net import check_pretrained_available
@@ -70,6 +71,9 @@ def build(cfg: DictConfig) -> RunObjects:
         if isinstance(callback, RunStats | CheckpointOnSigterm):  # an interrupted run says how to resume it
             callback.resume_hint = partial(resume_hint, run_config, cfg.paths.output_dir, launched_as)
     loggers = instantiate_dict(cfg.get("logger"))
+    for logger in loggers:
+        if isinstance(logger, WandbLogger):
+            drop_wandb_anonymous(logger)
     time_budget_wins(cfg.trainer)
     warn_shared_checkpoint_dir(cfg)
     # the run's own metric record (metrics.jsonl), beside any logger or none: what the report reads
