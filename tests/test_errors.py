@@ -1,5 +1,7 @@
 """Bad input ends in one clear line on stderr and a non-zero exit, not a traceback."""
 
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -7,13 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import fails_in_process, run_cli, tiny_overrides
+from helpers import PYTHON, RANK_VARS, ROOT, fails_in_process, run_cli, tiny_overrides
 from vitrain.checkpoints import state_dict_mismatch
 from vitrain.distributed.ranks import check_launch_env
 from vitrain.errors import ModelError, UserError
 from vitrain.models.timm_net import create_net
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _last_line(stderr: str) -> str:
@@ -252,3 +252,33 @@ def test_an_error_chain_that_loops_is_walked_once():
     assert caught.__context__.__cause__ is caught  # the loop
     assert [type(e) for e in chain(caught)] == [UserError, RuntimeError]
     assert user_error(caught) is inner and not peer_lost(caught)
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_the_data_is_prepared_is_one_line(real_cifar10_cache, tmp_path: Path):
+    """Ctrl-C during a first run's unpack or decode (minutes for a large data set), as a terminal sends it to
+    the process group: one line and exit 130, not a traceback of wherever it landed (its decode workers'
+    included); no half-unpacked folder and no empty run dir are left."""
+    _, archive = real_cifar10_cache
+    cache, run = tmp_path / "cache", tmp_path / "run"  # a fresh cache: this run unpacks and decodes
+    command = [
+        *(PYTHON, str(ROOT / "src" / "train.py"), "experiment=smoke"),
+        *(f"datamodule.data_dir={archive}", f"datamodule.cache_dir={cache}", f"hydra.run.dir={run}"),
+    ]
+    env = {k: v for k, v in os.environ.items() if k not in RANK_VARS}
+    env.update(PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
+    process = subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    seen = []
+    for line in process.stdout:
+        seen.append(line)
+        if "(first run only)" in line:  # unpacking (or decoding) has begun
+            os.killpg(process.pid, signal.SIGINT)
+            break
+    out = "".join(seen) + process.communicate(timeout=120)[0]
+    assert process.returncode == 130, out[-3000:]
+    assert out.rstrip().endswith("interrupted (Ctrl-C)") and "Traceback" not in out, out[-3000:]
+    assert not [p for p in cache.rglob("*") if p.name.startswith(".")], "a half-written file or folder stayed"
+    assert not run.exists()

@@ -124,6 +124,12 @@ def run_task(task: Task, cfg: DictConfig) -> tuple[dict[str, float], Any]:
     except SIGTERMException as stop:
         # stopped on request after saving `last` (CheckpointOnSigterm): 128 + the signal, as a shell says it
         sys.exit(getattr(stop, "exit_code", 143))
+    except KeyboardInterrupt:
+        # Ctrl-C outside Lightning's loops (unpacking, decoding, the report; inside fit it stops and saves): one
+        # line, not a traceback of wherever it landed; a run dir holding nothing yet goes
+        print("interrupted (Ctrl-C)", file=sys.stderr, flush=True)
+        remove_unstarted_run_dir(output_dir)
+        sys.exit(130)
     except Exception as err:
         if peer_lost(err) and os.environ.get("HYDRA_FULL_ERROR") != "1":
             detail = next((ln.strip() for ln in str(err).splitlines() if ln.strip()), type(err).__name__)

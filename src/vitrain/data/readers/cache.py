@@ -34,8 +34,9 @@ def unpack_archive(archive: Path, unpack_root: Path) -> Path:
     if target.is_dir():
         return target
     unpack_root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=unpack_root))
+    # logged before the folder is made: a Ctrl-C in the log call (a slow terminal) leaves nothing behind
     log.info("unpacking %s into %s (first run only)", archive, target)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=unpack_root))
     try:
         if archive.name.lower().endswith(".zip"):  # zipfile drops absolute paths and `..` from member names
             with zipfile.ZipFile(archive) as zf:
