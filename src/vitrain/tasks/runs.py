@@ -133,7 +133,24 @@ def run_dir(runs_root: str, ckpt_path: str | None = None, task_overrides: Sequen
     name = stable_run_id()
     if name is None and ckpt_path == "last":
         return str(newest_resumable_run(Path(runs_root), list(task_overrides)))
-    return f"{runs_root}/{name or run_id()}"
+    if name is None:
+        return str(claim_run_dir(Path(runs_root), run_id()))
+    return f"{runs_root}/{name}"
+
+
+def claim_run_dir(runs_root: Path, stamp: str) -> Path:
+    """`<runs_root>/<stamp>`, made now, or `<stamp>_2`, `_3`... when a run started in the same second has it
+    (`python src/train.py seed=1 & python src/train.py seed=2`): both wrote into one directory, each
+    replacing the other's checkpoints and report. `mkdir` is the claim: of two processes, one gets each."""
+    runs_root.mkdir(parents=True, exist_ok=True)
+    for n in range(1, 1000):
+        path = runs_root / (stamp if n == 1 else f"{stamp}_{n}")
+        try:
+            path.mkdir()
+        except FileExistsError:
+            continue
+        return path
+    raise FileExistsError(f"{runs_root}/{stamp}_*: a thousand runs started in the same second")
 
 
 def _override_key(arg: str) -> str:
