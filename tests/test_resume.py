@@ -292,7 +292,8 @@ def test_ckpt_path_last_finds_the_newest_run_of_the_same_overrides(tmp_path: Pat
 
 def test_runs_started_in_the_same_second_get_directories_of_their_own(tmp_path: Path, monkeypatch):
     """`python src/train.py seed=1 & python src/train.py seed=2`: one run dir for both before (named by the
-    second they started), each replacing the other's checkpoints and report. The second is `<stamp>_2`."""
+    second they started), each replacing the other's checkpoints and report. The second is `<stamp>_2`; the
+    same for two sweeps (`-m`)."""
     from vitrain.tasks import runs
 
     for var in ("VITRAIN_RUN_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "MASTER_ADDR"):
@@ -302,6 +303,14 @@ def test_runs_started_in_the_same_second_get_directories_of_their_own(tmp_path: 
     second = runs.run_dir(str(tmp_path), None, ["experiment=smoke", "seed=2"])
     assert (first, second) == (f"{tmp_path}/2026-11-30_12-00-00", f"{tmp_path}/2026-11-30_12-00-00_2")
     assert Path(first).is_dir() and Path(second).is_dir()
+    # sweeps alike; a named one (a relaunch continues it) keeps its name
+    sweeps = tmp_path / "multiruns"
+    assert [runs.sweep_dir(str(sweeps)) for _ in range(2)] == [
+        f"{sweeps}/2026-11-30_12-00-00",
+        f"{sweeps}/2026-11-30_12-00-00_2",
+    ]
+    monkeypatch.setenv("VITRAIN_RUN_ID", "mine")
+    assert runs.sweep_dir(str(sweeps)) == runs.sweep_dir(str(sweeps)) == f"{sweeps}/mine"
 
 
 def test_slurm_run_dir_names_are_readable_and_survive_a_requeue():

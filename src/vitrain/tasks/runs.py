@@ -138,6 +138,13 @@ def run_dir(runs_root: str, ckpt_path: str | None = None, task_overrides: Sequen
     return f"{runs_root}/{name}"
 
 
+def sweep_dir(sweeps_root: str) -> str:
+    """`hydra.sweep.dir`: `<sweeps_root>/<run id>`; a sweep named by its start time gets a directory of its own
+    as a run does (`claim_run_dir`). Resolved once: Hydra hands the resolved value to every job's config."""
+    name = stable_run_id()
+    return f"{sweeps_root}/{name}" if name else str(claim_run_dir(Path(sweeps_root), run_id()))
+
+
 def claim_run_dir(runs_root: Path, stamp: str) -> Path:
     """`<runs_root>/<stamp>`, made now, or `<stamp>_2`, `_3`... when a run started in the same second has it
     (`python src/train.py seed=1 & python src/train.py seed=2`): both wrote into one directory, each
@@ -172,6 +179,8 @@ def register_resolvers() -> None:
         OmegaConf.register_new_resolver("run_id", run_id, use_cache=True)
     if not OmegaConf.has_resolver("run_dir"):
         OmegaConf.register_new_resolver("run_dir", run_dir, use_cache=True)
+    if not OmegaConf.has_resolver("sweep_dir"):
+        OmegaConf.register_new_resolver("sweep_dir", sweep_dir, use_cache=True)
     if not OmegaConf.has_resolver("hydra_output_subdir"):
         OmegaConf.register_new_resolver("hydra_output_subdir", hydra_output_subdir)
 
