@@ -34,7 +34,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torchvision.io import ImageReadMode, decode_jpeg
+from torchvision.io import ImageReadMode, decode_image, decode_jpeg
 
 from vitrain.data.augment import BatchTransform, RandomAugment, to_device, to_model_input
 from vitrain.data.transforms import decode_tensor
@@ -342,13 +342,13 @@ class GpuDecoder:
             for i, blob in enumerate(blobs):
                 if out[i] is None:  # PNG, WebP, GIF by torchvision; BMP, TIFF by PIL (as the CPU path does)
                     try:
-                        out[i] = to_device(decode_tensor(blob.numpy().tobytes()), self.device)
-                    except (
-                        RuntimeError,
-                        OSError,
-                        ValueError,
-                    ) as err:  # PIL's UnidentifiedImageError: OSError
-                        raise UndecodableImage(i, _reason(err)) from None
+                        image = decode_image(blob, mode=ImageReadMode.RGB)  # no copy of the bytes
+                    except RuntimeError:
+                        try:
+                            image = decode_tensor(blob.numpy().tobytes())
+                        except (RuntimeError, OSError, ValueError) as err:  # PIL's UnidentifiedImageError
+                            raise UndecodableImage(i, _reason(err)) from None
+                    out[i] = to_device(image[0] if image.ndim == 4 else image, self.device)  # a GIF: frame 0
         return out  # type: ignore[return-value]
 
     def _undecodable(self, blobs: list[Tensor], jpeg: list[int], err: RuntimeError) -> Exception:
