@@ -274,18 +274,7 @@ def test_report_of_a_run_killed_before_its_stats_is_truthful(tmp_path: Path):
             "datamodule.num_workers=-2",
             "error: datamodule.num_workers=-2: must be a whole number >= 0 or null (its share of the cores)",
         ),
-    ],
-)
-def test_bad_values_stop_in_one_line_before_the_heavy_imports(override: str, expected: str, capsys):
-    with pytest.raises(SystemExit) as stop:
-        check_overrides("train", ["experiment=smoke", *override.split()])
-    assert stop.value.code == 2
-    assert capsys.readouterr().err.strip() == expected
-
-
-@pytest.mark.parametrize(
-    ("override", "expected"),
-    [
+        # a sweep: every value checked before its first job
         # Hydra's "Could not override ... To append to your config use +..." over six lines before
         (
             "-m datamodule.batchsize=64,128",
@@ -314,7 +303,7 @@ def test_bad_values_stop_in_one_line_before_the_heavy_imports(override: str, exp
         ),
     ],
 )
-def test_a_sweep_is_checked_value_by_value_before_its_first_job(override: str, expected: str, capsys):
+def test_bad_values_stop_in_one_line_before_the_heavy_imports(override: str, expected: str, capsys):
     with pytest.raises(SystemExit) as stop:
         check_overrides("train", ["experiment=smoke", *override.split()])
     assert stop.value.code == 2
