@@ -1,6 +1,6 @@
 """A run's directory and what it resumes from: the whole resume trail, in one module.
 
-**Run ids and run directories** (the `run_id`, `run_dir` and `hydra_output_subdir` resolvers Hydra reads).
+**Run ids and run directories** (the `run_dir`, `sweep_dir` and `hydra_output_subdir` resolvers Hydra reads).
 The run directory's name, identical on every process and node of one run, and again when it is relaunched.
 
 Hydra resolves `hydra.run.dir` separately in every process it starts in; a plain `${now:...}` differs
@@ -174,9 +174,7 @@ def hydra_output_subdir(subdir: str = ".hydra") -> str | None:
 
 
 def register_resolvers() -> None:
-    if not OmegaConf.has_resolver("run_id"):
-        # cached, so the run dir and the sweep dir agree and a timestamp is taken once
-        OmegaConf.register_new_resolver("run_id", run_id, use_cache=True)
+    # cached: resolved once, a timestamp taken (and a time-named directory claimed) once
     if not OmegaConf.has_resolver("run_dir"):
         OmegaConf.register_new_resolver("run_dir", run_dir, use_cache=True)
     if not OmegaConf.has_resolver("sweep_dir"):
