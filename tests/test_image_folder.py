@@ -223,6 +223,12 @@ def test_albums_and_other_formats_are_read_and_the_rest_is_counted(photos: Path,
         assert dm.train_set[i][0].shape == (3, 224, 224)
         blob = torch.frombuffer(bytearray((cat / name).read_bytes()), dtype=torch.uint8)
         assert GpuDecoder(20, (0.5,) * 3, (0.5,) * 3, device="cpu").decode([blob])[0].shape[0] == 3
+    # a 16-bit PNG: torchvision decodes it to uint16 (0-65535), which the GPU decoder passed on as pixels
+    deep = io.BytesIO()
+    Image.fromarray((torch.arange(400).reshape(20, 20) * 160).numpy().astype("uint16")).save(deep, "PNG")
+    blob = torch.frombuffer(bytearray(deep.getvalue()), dtype=torch.uint8)
+    [image] = GpuDecoder(20, (0.5,) * 3, (0.5,) * 3, device="cpu").decode([blob])
+    assert image.dtype == torch.uint8 and image.shape == (3, 20, 20) and image.max() > 200
 
 
 def test_a_zip_of_photos_is_unpacked_once(photos: Path, tmp_path: Path):

@@ -340,10 +340,12 @@ class GpuDecoder:
                 for i, img in zip(jpeg, decoded, strict=True):
                     out[i] = img
             for i, blob in enumerate(blobs):
-                if out[i] is None:  # PNG, WebP, GIF by torchvision; BMP, TIFF by PIL (as the CPU path does)
+                if out[i] is None:  # PNG, WebP, GIF by torchvision; the rest as the CPU path decodes it
                     try:
                         image = decode_image(blob, mode=ImageReadMode.RGB)  # no copy of the bytes
                     except RuntimeError:
+                        image = None
+                    if image is None or image.dtype != torch.uint8:  # BMP, TIFF; a 16-bit PNG (uint16)
                         try:
                             image = decode_tensor(blob.numpy().tobytes())
                         except (RuntimeError, OSError, ValueError) as err:  # PIL's UnidentifiedImageError
