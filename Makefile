@@ -2,7 +2,7 @@
 PY ?= .venv/bin/python
 RUN ?=
 
-.PHONY: install test test-fast lint format train train-smoke eval report clean bench bench-gpu bench-smoke bench-recipes gpu-check shards
+.PHONY: install test test-fast lint format train train-smoke eval predict report clean bench bench-gpu bench-smoke bench-recipes gpu-check shards
 
 install:  ## create .venv and install everything (the README's first command)
 	python3 -m venv .venv && .venv/bin/pip install uv==0.13.9 && .venv/bin/uv pip install --python .venv/bin/python -r requirements.txt
@@ -31,6 +31,10 @@ eval:  ## make eval CKPT=path/to/checkpoint.ckpt
 	@test -n "$(CKPT)" || { echo "error: make eval CKPT=logs/train/runs/<run>/checkpoints/last.ckpt (or an FSDP checkpoint folder, or s3://bucket/key)" >&2; exit 2; }
 	$(PY) src/eval.py ckpt_path=$(CKPT)
 
+predict:  ## make predict CKPT=path/to/checkpoint.ckpt IMAGES=<folder or image file>: predictions.csv in logs/predict/runs/<id>/
+	@test -n "$(CKPT)" -a -n "$(IMAGES)" || { echo "error: make predict CKPT=logs/train/runs/<run>/checkpoints/last.ckpt IMAGES=<folder of images or an image file>" >&2; exit 2; }
+	$(PY) src/predict.py ckpt_path=$(CKPT) inputs=$(IMAGES)
+
 report:  ## make report RUN=logs/train/runs/<id> (or a multiruns/<id> sweep dir): rebuild report.md/json, plots
 	@test -n "$(RUN)" || { echo "error: make report RUN=logs/train/runs/<run> (or a logs/train/multiruns/<id> sweep dir)" >&2; exit 2; }
 	PYTHONPATH=src $(PY) -m vitrain.reporting $(RUN)
@@ -55,4 +59,4 @@ gpu-check:  ## every GPU path on this machine's GPUs in a few minutes, PASS/FAIL
 	$(PY) bench/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean:
-	rm -rf logs/train logs/eval .pytest_cache .ruff_cache
+	rm -rf logs/train logs/eval logs/predict .pytest_cache .ruff_cache

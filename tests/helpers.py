@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
@@ -86,9 +87,10 @@ def fails_in_process(config_name: str, overrides: Sequence[str], output_dir: Pat
 
     from vitrain.tasks.evaluation import evaluate
     from vitrain.tasks.harness import run_task
+    from vitrain.tasks.prediction import predict
     from vitrain.tasks.training import train
 
-    task = {"train": train, "eval": evaluate}[config_name]
+    task = {"train": train, "eval": evaluate, "predict": predict}[config_name]
     cfg = compose_cfg(config_name, overrides, output_dir)
     rank, err = rank_zero_only.rank, io.StringIO()
     try:
@@ -229,3 +231,32 @@ def mlflow_runs(server: str, experiment_name: str) -> list[dict[str, Any]]:
         mlflow_get(server, "runs/get", run_id=r.info.run_id)["run"]
         for r in client.search_runs([experiment.experiment_id])
     ]
+
+
+def predicted(ckpt: Path, inputs: Path | str, output_dir: Path, *extra: str) -> list[dict[str, str]]:
+    """src/predict.py's task in this process (fp32, as the tests train): the rows of its predictions.csv."""
+    import csv
+
+    from vitrain.tasks.prediction import predict
+
+    overrides = [
+        f"ckpt_path={ckpt}",
+        f"inputs={inputs}",
+        "trainer.precision=32-true",
+        "extras.print_config=false",
+    ]
+    predict(compose_cfg("predict", [*overrides, *extra], output_dir))
+    with open(output_dir / "predictions.csv", newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def assert_predicted_as_evaluated(rows: list[dict[str, str]], model, datamodule, images, files) -> None:
+    """Each row is `files`' image classified as evaluation sees it: the uint8 `images` (the evaluation
+    split's, in `files`' order) through the datamodule's device transform and the model, by hand."""
+    model.eval()
+    with torch.no_grad():
+        probabilities = model.eval_logits(datamodule.device_transform()(images, train=False)).softmax(-1)
+    top = probabilities.max(-1)
+    assert [row["file"] for row in rows] == [str(f) for f in files]
+    assert [row["class"] for row in rows] == [datamodule.classes[i] for i in top.indices.tolist()]
+    assert [float(row["probability"]) for row in rows] == pytest.approx(top.values.tolist(), abs=2e-6)

@@ -25,7 +25,17 @@ import torch
 from PIL import Image
 
 from data_factory import make_noise_folder
-from helpers import ROOT, TINY_VIT, DecodedRecorder, Recorder, compose_cfg, fails_in_process, run_cli
+from helpers import (
+    ROOT,
+    TINY_VIT,
+    DecodedRecorder,
+    Recorder,
+    assert_predicted_as_evaluated,
+    compose_cfg,
+    fails_in_process,
+    predicted,
+    run_cli,
+)
 from vitrain.data.datamodules import image_folder
 from vitrain.data.datamodules.image_folder import ImageFolderDataModule
 from vitrain.data.gpu_decode import EncodedBatch, GpuDecoder
@@ -142,6 +152,15 @@ def test_trains_one_process_then_eval_per_class(photos: Path, tmp_path: Path, ca
     assert tested["test/acc1"] == pytest.approx(evaluated["val/acc1"], abs=1e-6)
     # one line, the path whole (a Table title was wrapped to the table's width, the path cut in pieces)
     assert f"test (the val images: no test split) metrics of {last}\n" in capsys.readouterr().out
+
+    # src/predict.py on the val/ photos: each classified as evaluation saw it (decoded, resized and cropped by
+    # the workers' evaluation transform, normalised on the device), whatever its size and format
+    rows = predicted(last, photos / "val", tmp_path / "predict")
+    files = [path for path, _ in dm.val_set.files]
+    images = torch.stack([dm.val_set[i][0] for i in range(len(files))])
+    assert_predicted_as_evaluated(rows, objects.model, dm, images, files)
+    hits = sum(Path(row["file"]).parent.name == row["class"] for row in rows)
+    assert hits / len(rows) == pytest.approx(evaluated["val/acc1"], abs=1e-6)
 
     other = tmp_path / "other"
     shutil.copytree(photos, other)

@@ -17,7 +17,7 @@ import lightning as L
 import pytest
 import torch
 
-from helpers import ROOT, compose_cfg, fails_in_process, run_cli
+from helpers import ROOT, assert_predicted_as_evaluated, compose_cfg, fails_in_process, predicted, run_cli
 from test_image_folder import (  # noqa: F401 - `photos` is a fixture
     CLASSES,
     N_TRAIN_ALL,
@@ -92,6 +92,12 @@ def test_auto_trains_in_memory_with_exact_eval(
     overrides = [f"ckpt_path={last}", "split=val", "trainer.precision=32-true"]
     evaluated, _ = evaluate(compose_cfg("eval", overrides, tmp_path / "eval"))
     assert evaluated["val/acc1"] == pytest.approx(by_hand, abs=1e-6)
+    # src/predict.py on the val/ photos: each decoded as the held images were (the checkpoint says the run
+    # held them in memory; its data is not read), then resized and normalised on the device as they were
+    assert torch.load(last, weights_only=True)["ImageFolderDataModule"]["in_memory"] is True
+    gone = f"datamodule.data_dir={tmp_path / 'moved'}"  # the training data need not be there
+    rows = predicted(last, photos / "val", tmp_path / "predict", gone)
+    assert_predicted_as_evaluated(rows, model, dm, dm.val_set.x, val_files)
 
 
 def test_budget_decides_before_decoding(photos: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):

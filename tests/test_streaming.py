@@ -20,11 +20,21 @@ from PIL import Image
 from torchvision.io import encode_jpeg
 
 from data_factory import pattern_image
-from helpers import ROOT, TINY_VIT, DecodedRecorder, Recorder, compose_cfg, run_cli
+from helpers import (
+    ROOT,
+    TINY_VIT,
+    DecodedRecorder,
+    Recorder,
+    assert_predicted_as_evaluated,
+    compose_cfg,
+    predicted,
+    run_cli,
+)
 from vitrain.data.datamodules import streaming
 from vitrain.data.datamodules.streaming import StreamingDataModule, litdata_env
 from vitrain.data.shards import FORMAT_VERSION, METADATA_FILE, write_shards
 from vitrain.data.shards import main as shards_main
+from vitrain.data.transforms import decode_for
 from vitrain.errors import DataError
 from vitrain.tasks.training import train
 
@@ -285,7 +295,9 @@ def test_eval_reads_every_sample_once_on_two_ranks(local_shards: Path, tmp_path:
 # --- training ------------------------------------------------------------------------------------------
 
 
-def test_train_from_local_shards_one_process(local_shards: Path, tmp_path: Path):
+def test_train_from_local_shards_one_process(local_shards: Path, photos: Path, tmp_path: Path):
+    """Trains from the shards; src/predict.py then classifies the val/ photos with the checkpoint, each
+    decoded, resized and cropped as the shards' evaluation images are, the shards themselves not read."""
     metrics, objects = train(
         compose_cfg(
             "train", [*_overrides(str(local_shards), tmp_path), "+trainer.limit_train_batches=3"], tmp_path
@@ -295,6 +307,14 @@ def test_train_from_local_shards_one_process(local_shards: Path, tmp_path: Path)
     assert 0 <= metrics["val/acc1"] <= 1 and "test/acc1" in metrics
     # the photos have train/ and val/ only: the shards have no test split, tested on val, as the report says
     assert objects.datamodule.test_is_val and "(test = the val images" in (tmp_path / "report.md").read_text()
+
+    last, gone = tmp_path / "checkpoints" / "last.ckpt", f"datamodule.data_dir={tmp_path / 'moved'}"
+    rows = predicted(last, photos / "val", tmp_path / "predict", gone)
+    files = sorted((photos / "val").rglob("*.jpg"))
+    dm = objects.datamodule
+    transform = dm.worker_transform(train=False)  # what the shards' val/test samples go through
+    images = torch.stack([transform(decode_for(transform, f.read_bytes())) for f in files])
+    assert_predicted_as_evaluated(rows, objects.model, dm, images, files)
 
 
 @pytest.mark.slow

@@ -15,6 +15,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
 from vitrain.data.sampling import batch_seed
+from vitrain.errors import DataError
 
 
 class Seeded(NamedTuple):
@@ -125,3 +126,23 @@ class TensorImageDataset(Dataset):
 def passthrough_collate(batch: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
     """`__getitems__` already returns a collated batch (module-level so worker processes can pickle it)."""
     return batch
+
+
+class FileImages(Dataset):
+    """Image files to classify (src/predict.py), in the order given: `(image, position)` samples, each image
+    as `decode` makes it (path -> uint8 [3,H,W]: the datamodule's `eval_decoder`, the evaluation images' form
+    before the device's resize and normalisation)."""
+
+    def __init__(self, paths: list[str], decode: Callable[[str], Tensor]) -> None:
+        self.paths, self.decode = paths, decode
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, i: int) -> tuple[Tensor, int]:
+        try:
+            return self.decode(self.paths[i]), i
+        except DataError:
+            raise
+        except Exception as e:  # the decoders raise many types; the prediction task checked the files first
+            raise DataError(f"cannot decode {self.paths[i]} ({type(e).__name__}: {e})") from None

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -239,6 +240,11 @@ def on_tensors(transform: Any) -> TensorPipeline | None:
             ops.append(_OnPil(steps[i:]))
             break
     return TensorPipeline(ops)
+
+
+def decode_file(transform: Any, path: str) -> Tensor:
+    """An image file through an evaluation `transform` (no random draw: nothing to seed)."""
+    return transform(decode_for(transform, Path(path).read_bytes()))
 
 
 def decode_for(transform: Any, data: bytes) -> Any:

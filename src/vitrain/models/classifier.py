@@ -141,6 +141,8 @@ class ImageClassifier(L.LightningModule):
         self.class_names: list[str] | None = None
         # accuracy per class, tracked only when eval.py asks for it (vitrain/tasks/evaluation.py)
         self.per_class_acc: MulticlassAccuracy | None = None
+        # how many classes src/predict.py keeps for each image (`predict_step`)
+        self.predict_top_k = 5
 
     def describe_run(self, run_config: dict[str, Any] | None, class_names: list[str]) -> None:
         """What every checkpoint of this run stores beside the weights: the composed config (eval.py rebuilds
@@ -287,17 +289,21 @@ class ImageClassifier(L.LightningModule):
         for name, value in figures.items():
             self.log(f"train/{name}", value, sync_dist=True, reduce_fx="max")
 
+    def eval_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The logits that evaluation and prediction score: with `tta_flip`, the mean of each image's and its
+        mirror image's. Eager: a compiled network would compile again for no-grad mode and for each
+        evaluation batch size (~20-30 s each for ViT-B/32 on an H100), more than most evaluations take."""
+        with torch.compiler.set_stance("force_eager"):
+            logits = self(x)
+            if self.hparams.tta_flip:
+                logits = (logits + self(x.flip(-1))) / 2
+        return logits
+
     def _eval_step(
         self, batch: tuple[torch.Tensor, torch.Tensor], metrics: MetricCollection, loss: MeanMetric
     ):
         x, y = batch
-        # evaluation runs eagerly: a compiled network would compile again for no-grad mode and for each
-        # evaluation batch size (~20-30 s each for ViT-B/32 on an H100), more than most evaluations take
-        with torch.compiler.set_stance("force_eager"):
-            logits = self(x)
-            if self.hparams.tta_flip:
-                # test-time augmentation: the mean of the logits of each image and its mirror image
-                logits = (logits + self(x.flip(-1))) / 2
+        logits = self.eval_logits(x)
         # per-sample losses: their mean over the epoch weighs every image alike, and no Python weight is
         # turned into a GPU tensor each batch (a host-to-device copy: a sync)
         loss.update(F.cross_entropy(logits, y, reduction="none"))
@@ -316,6 +322,16 @@ class ImageClassifier(L.LightningModule):
         self._eval_step(batch, self.test_metrics, self.test_loss)
         self.log("test/loss", self.test_loss, on_step=False, on_epoch=True)
         self.log_dict(self.test_metrics, on_step=False, on_epoch=True)
+
+    def predict_step(
+        self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(positions, probabilities, classes) of the `predict_top_k` most probable classes of each image, most
+        probable first (src/predict.py): the top k only, so a thousand-class model's outputs stay small."""
+        x, positions = batch
+        probabilities = self.eval_logits(x).float().softmax(-1)
+        top = probabilities.topk(min(self.predict_top_k, probabilities.shape[-1]), dim=-1)
+        return positions.cpu(), top.values.cpu(), top.indices.cpu()
 
     def configure_optimizers(self) -> dict[str, Any]:
         options = self.hparams.optimizer

@@ -168,6 +168,14 @@ VALUE_CHECKS: dict[str, tuple[str, Callable[[Any], bool]]] = {
         "false, true or a shard group size >= 1",
         lambda v: isinstance(v, bool) or (_whole(v) and v >= 0),
     ),
+    # predict.py's own keys (configs/predict.yaml)
+    "top_k": ("a positive whole number", lambda v: _whole(v) and v > 0),
+    "batch_size": ("a positive whole number", lambda v: _whole(v) and v > 0),
+    "num_workers": (
+        "a whole number >= 0 or null (the cores less one)",
+        lambda v: v is None or (_whole(v) and v >= 0),
+    ),
+    "bad_images": ("stop or skip", lambda v: v in ("stop", "skip")),
     "trainer.devices": (
         "a positive whole number, a list of device ids, -1 or auto",
         lambda v: not _number(v) or v != 0,
@@ -206,15 +214,24 @@ CKPT_PATH_TAKES = (
 )
 
 
+# what predict.py's `inputs` takes
+INPUTS_TAKE = (
+    "a folder of images (searched with its sub-folders), an image file, or a list: inputs=[a.jpg,photos/]"
+)
+
+
 def missing_value(cfg: Any, config_name: str, overrides: Sequence[str]) -> str | None:
-    """eval.py's checkpoint left out: OmegaConf's MissingMandatoryValue traceback otherwise; `ckpt_path=` is
-    what `make eval` without CKPT gives; `ckpt_path=last` names a training run to resume, not a checkpoint."""
-    if config_name != "eval":
+    """eval.py's and predict.py's checkpoint (and predict.py's images) left out: OmegaConf's
+    MissingMandatoryValue traceback otherwise; `ckpt_path=` is what `make eval` without CKPT gives;
+    `ckpt_path=last` names a training run to resume, not a checkpoint."""
+    if config_name not in ("eval", "predict"):
         return None
     if OmegaConf.is_missing(cfg, "ckpt_path") or cfg.ckpt_path in (None, ""):
         return f"ckpt_path is required: {CKPT_PATH_TAKES}"
     if "ckpt_path=last" in overrides:
-        return f"eval.py takes a checkpoint, not ckpt_path=last (a training run's resume): {CKPT_PATH_TAKES}"
+        return f"{config_name}.py takes a checkpoint, not ckpt_path=last (a training run's resume): {CKPT_PATH_TAKES}"
+    if config_name == "predict" and (OmegaConf.is_missing(cfg, "inputs") or cfg.inputs in (None, "")):
+        return f"inputs is required: {INPUTS_TAKE}"
     return None
 
 

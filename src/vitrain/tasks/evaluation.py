@@ -81,7 +81,7 @@ def print_table(metrics: dict[str, float], title: str) -> None:
     table.add_column("value", justify="right")
     for name, value in sorted(metrics.items()):
         table.add_row(name, f"{value:.4f}")
-    _print_titled(title, table)
+    print_titled(title, table)
 
 
 def print_per_class(accuracy: dict[str, float], images: dict[str, int], title: str) -> None:
@@ -91,10 +91,10 @@ def print_per_class(accuracy: dict[str, float], images: dict[str, int], title: s
     table.add_column("images", justify="right")
     for name in accuracy:
         table.add_row(name, f"{accuracy[name]:.4f}", str(images[name]))
-    _print_titled(title, table)
+    print_titled(title, table)
 
 
-def _print_titled(title: str, table: Table) -> None:
+def print_titled(title: str, table: Table) -> None:
     """The title on a line of its own: as a Table title Rich wraps it to the table's width, which cut the
     checkpoint's path into 22-character pieces that could not be copied."""
     console = Console()
@@ -102,31 +102,29 @@ def _print_titled(title: str, table: Table) -> None:
     console.print(table)
 
 
-def evaluate(cfg: DictConfig) -> tuple[dict[str, float], RunObjects]:
-    """Evaluate `cfg.ckpt_path` on `cfg.split` (test or val); writes metrics.json in the run dir."""
-    if cfg.split not in ("test", "val"):
-        raise CheckpointError(f"split={cfg.split} is not one of test, val")
+def read_checkpoint(cfg: DictConfig, task_keys: dict[str, Any]) -> tuple[Path, dict[str, Any], DictConfig]:
+    """(local path, contents, model and datamodule config with the overrides) of `cfg.ckpt_path`; the config
+    tree printed (extras.print_config) is what runs: `task_keys`, the checkpoint's model and data, the
+    trainer."""
     path = resolve_checkpoint(str(cfg.ckpt_path), cfg.paths.cache_dir)
     checkpoint = checkpoints.load(path)
     run_cfg = saved_config(checkpoint, path)
     if (cfg.get("extras") or {}).get("print_config"):
-        # what is evaluated: the checkpoint's model and data with the overrides, not eval.yaml's defaults
-        shown = OmegaConf.create(
-            {"ckpt_path": str(cfg.ckpt_path), "split": cfg.split, **OmegaConf.to_container(run_cfg)}
-        )
+        shown = OmegaConf.create({**task_keys, **OmegaConf.to_container(run_cfg)})
         shown.trainer = OmegaConf.to_container(cfg.trainer, resolve=True)
         print_run_config(shown, Path(cfg.paths.output_dir) / "config_tree.log")
-    if cfg.get("seed") is not None:
-        L.seed_everything(cfg.seed, workers=True)
+    return path, checkpoint, run_cfg
 
-    # the data first: a checkpoint trained on other classes is refused before its weights are read
-    datamodule: L.LightningDataModule = hydra.utils.instantiate(run_cfg.datamodule)
-    classes = list(datamodule.classes)
-    check_classes(checkpoint.get("class_names"), classes, str(cfg.ckpt_path))
+
+def checkpoint_model(
+    checkpoint: dict[str, Any], path: Path, run_cfg: DictConfig, classes: list[str], shown_as: str
+) -> L.LightningModule:
+    """The checkpoint's model with its weights, for data of `classes` (`shown_as`: the checkpoint as the
+    user gave it)."""
     model: L.LightningModule = hydra.utils.instantiate(run_cfg.model)
     if int(model.net.num_classes) != len(classes):
         raise CheckpointError(
-            f"{cfg.ckpt_path} has a {model.net.num_classes}-class head, the data has {len(classes)} classes: "
+            f"{shown_as} has a {model.net.num_classes}-class head, the data has {len(classes)} classes: "
             "evaluate it on the data it was trained on"
         )
     try:
@@ -136,6 +134,22 @@ def evaluate(cfg: DictConfig) -> tuple[dict[str, float], RunObjects]:
         if detail is None:
             raise
         raise CheckpointError(f"{path} does not fit model {run_cfg.model.net.model_name}: {detail}") from err
+    return model
+
+
+def evaluate(cfg: DictConfig) -> tuple[dict[str, float], RunObjects]:
+    """Evaluate `cfg.ckpt_path` on `cfg.split` (test or val); writes metrics.json in the run dir."""
+    if cfg.split not in ("test", "val"):
+        raise CheckpointError(f"split={cfg.split} is not one of test, val")
+    path, checkpoint, run_cfg = read_checkpoint(cfg, {"ckpt_path": str(cfg.ckpt_path), "split": cfg.split})
+    if cfg.get("seed") is not None:
+        L.seed_everything(cfg.seed, workers=True)
+
+    # the data first: a checkpoint trained on other classes is refused before its weights are read
+    datamodule: L.LightningDataModule = hydra.utils.instantiate(run_cfg.datamodule)
+    classes = list(datamodule.classes)
+    check_classes(checkpoint.get("class_names"), classes, str(cfg.ckpt_path))
+    model = checkpoint_model(checkpoint, path, run_cfg, classes, str(cfg.ckpt_path))
     datamodule.set_input_spec(**model.input_spec)
     per_class_acc = model.track_per_class_accuracy()
 

@@ -24,9 +24,15 @@ from torch.utils.data import DataLoader, Dataset
 from vitrain.data.augment import BatchTransform, flip_probability
 from vitrain.data.decode_ahead import DecodedAhead, decode_ahead
 from vitrain.data.gpu_decode import EncodedBatch, GpuDecoder, crop_batch, decode_batch
-from vitrain.data.loaders import ResumableLoader, Seeded, TensorImageDataset, passthrough_collate
+from vitrain.data.loaders import (
+    FileImages,
+    ResumableLoader,
+    Seeded,
+    TensorImageDataset,
+    passthrough_collate,
+)
 from vitrain.data.sampling import make_sampler, partial_pass_note, per_process_batch
-from vitrain.data.transforms import on_tensors, timm_transform
+from vitrain.data.transforms import decode_file, on_tensors, timm_transform
 from vitrain.errors import DataError
 from vitrain.utils.config import plain
 
@@ -202,6 +208,8 @@ class ImageDataModule(LightningDataModule):
         self.test_is_val = False
         # `decode_device=cuda` (image folders from disk, streaming shards): decodes encoded training batches
         self._gpu_decoder: GpuDecoder | None = None
+        #: image files to classify, batch size and loader workers (src/predict.py: `predict_files`)
+        self._predict: tuple[FileImages, int, int] | None = None
 
     # --- classes ----------------------------------------------------------------------------------
 
@@ -249,6 +257,13 @@ class ImageDataModule(LightningDataModule):
     @property
     def std(self) -> tuple[float, ...]:
         return floats(self.hparams.std) or self._spec.get("std") or self.default_std
+
+    def resample(self) -> int:
+        """PIL's filter for images resized once, before they are held in memory: the model's interpolation
+        (timm's data config), else bilinear."""
+        from timm.data.transforms import str_to_pil_interp
+
+        return str_to_pil_interp(self._spec.get("interpolation") or "bilinear")
 
     def device_transform(self) -> BatchTransform | None:
         """Augmentation applied to whole batches on the device, for in-memory uint8 data (None: the
@@ -389,6 +404,8 @@ class ImageDataModule(LightningDataModule):
         return batch, per_process_batch(hp.eval_batch_size, world_size, "eval_batch_size")
 
     def setup(self, stage: str | None = None) -> None:
+        if stage == "predict":  # files of the user's (`predict_files`): the data's splits are not read
+            return
         hp, world = self.hparams, self._world()[0]
         self._batch, self._eval_batch = self.split_batches(world)
         if self.train_set is None:
@@ -540,6 +557,29 @@ class ImageDataModule(LightningDataModule):
     def test_dataloader(self) -> DataLoader:
         self._note_partial_pass("test", self.test_set)
         return self._loader(self.test_set, train=False)
+
+    # --- prediction (src/predict.py) --------------------------------------------------------------------
+
+    def eval_decoder(self) -> Callable[[str], torch.Tensor]:
+        """An image file in the form the evaluation splits hand their images to the device (uint8 [3,H,W]),
+        for src/predict.py: a photo is then resized and normalised by `device_transform` as the test images
+        were. Here: the loader workers' evaluation transform (timm's resize and center crop)."""
+        return partial(decode_file, self.worker_transform(train=False))
+
+    def follow_checkpoint(self, state: dict[str, Any]) -> None:
+        """Take what the training run's `state_dict` recorded about how it held its images (none here)."""
+
+    def predict_files(self, paths: Sequence[str], batch_size: int, num_workers: int) -> None:
+        """The files `predict_dataloader` hands out (decoded by `eval_decoder`), in this order."""
+        self._predict = (FileImages(list(paths), self.eval_decoder()), batch_size, num_workers)
+
+    def predict_dataloader(self) -> DataLoader:
+        if self._predict is None:
+            raise RuntimeError("call predict_files() before asking for the predict dataloader")
+        dataset, batch_size, workers = self._predict
+        return DataLoader(
+            dataset, batch_size=batch_size, num_workers=workers, pin_memory=self.pin_memory(), shuffle=False
+        )
 
     def _note_partial_pass(self, split: str, dataset: Dataset | None) -> None:
         """Warn, on rank zero, when the trainer's limit scores a prefix of a class-sorted split

@@ -28,7 +28,8 @@ from __future__ import annotations
 import copy
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -278,6 +279,23 @@ class ImageFolderDataModule(ImageDataModule):
                 log.info("image folder: %s", plan.reason)
         return self._plan
 
+    def state_dict(self) -> dict[str, Any]:
+        # and whether the images were held in memory (decided in setup): src/predict.py then decodes a photo as
+        # these were
+        return {**super().state_dict(), "in_memory": None if self._plan is None else self._plan.in_memory}
+
+    def follow_checkpoint(self, state: dict[str, Any]) -> None:
+        if state.get("in_memory") is not None and self._plan is None:
+            held = bool(state["in_memory"])
+            self._plan = in_memory.MemoryPlan(held, "in memory" if held else "from disk")
+
+    def eval_decoder(self) -> Callable[[str], Tensor]:
+        """In memory: decoded as the held images were (shorter side to `memory_size`, center crop), then
+        resized on the device as they were; from disk: the workers' evaluation transform."""
+        if not self.memory_plan().in_memory:
+            return super().eval_decoder()
+        return partial(in_memory.decode_square, size=self.memory_size, resample=self.resample())
+
     def _batch_padding(self) -> int:
         # CIFAR-10's 4 px at 32 px: an eighth of the side
         hp = self.hparams
@@ -311,10 +329,8 @@ class ImageFolderDataModule(ImageDataModule):
         return device_augmentation(self, self._batch_padding(), hp.hflip, hp.auto_augment, hp.re_prob)
 
     def memory_splits(self, splits: dict[str, list[tuple[str, int]]]) -> Splits:
-        from timm.data.transforms import str_to_pil_interp
-
         self.device_transform()  # a bad auto_augment or re_prob is refused before decoding
-        resample = str_to_pil_interp(self._spec.get("interpolation") or "bilinear")
+        resample = self.resample()
         workers = max(1, len(os.sched_getaffinity(0)))
 
         def load() -> dict:

@@ -1,0 +1,167 @@
+"""The prediction task: classify image files with a trained checkpoint, each photo preprocessed as the
+checkpoint's evaluation images were (its datamodule's `eval_decoder` and `device_transform`); one CSV row per
+file."""
+
+from __future__ import annotations
+
+import csv
+import io
+import logging
+import os
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+
+import hydra
+import lightning as L
+import torch
+from omegaconf import DictConfig, OmegaConf
+from rich.table import Table
+
+from vitrain.checkpoints import CheckpointError
+from vitrain.data.readers.image_folders import IMAGE_SUFFIXES, class_files, find_unreadable
+from vitrain.errors import DataError, UserError
+from vitrain.tasks.build import RunObjects, build_trainer
+from vitrain.tasks.evaluation import checkpoint_model, print_titled, read_checkpoint
+from vitrain.utils.atomic import write_atomic
+
+log = logging.getLogger(__name__)
+
+# loader workers when `num_workers` is null: the cores less one for the main process, at most this many
+MAX_AUTO_WORKERS = 8
+
+
+def image_paths(inputs: str | Sequence[str]) -> list[str]:
+    """The image files named by `inputs` (folders searched with their sub-folders, hidden ones left out), in
+    the order given, each folder's in path order, each file once. Other files in a folder are counted in a
+    warning; a named file that is not an image is refused."""
+    names = [inputs] if isinstance(inputs, str) else list(inputs)
+    if not names:
+        raise DataError("inputs=[] names no files: give a folder of images or image files")
+    found: list[str] = []
+    others: list[Path] = []
+    for name in names:
+        path = Path(str(name)).expanduser()
+        if path.is_dir():
+            images, rest = class_files(path)
+            found += map(str, images)
+            others += rest
+        elif path.is_file():
+            if path.suffix.lower() not in IMAGE_SUFFIXES:
+                raise DataError(f"inputs: {path} is not a {'/'.join(IMAGE_SUFFIXES)} image")
+            found.append(str(path))
+        else:
+            raise DataError(f"inputs: {path} does not exist")
+    if others:
+        kinds = Counter(p.suffix.lower() or "no suffix" for p in others)
+        log.warning(
+            "left out %d file(s) that are not %s images (%s), e.g. %s",
+            len(others), "/".join(IMAGE_SUFFIXES), ", ".join(f"{k}: {n}" for k, n in kinds.most_common()),
+            others[0],
+        )  # fmt: skip
+    found = list(dict.fromkeys(found))
+    if not found:
+        raise DataError(f"inputs={inputs}: no {'/'.join(IMAGE_SUFFIXES)} images found")
+    return found
+
+
+def readable(paths: list[str], bad_images: str) -> list[str]:
+    """The files PIL can read; a bad one stops the run (named) or is skipped (`bad_images=skip`, logged)."""
+    if bad_images not in ("stop", "skip"):
+        raise DataError(f"bad_images={bad_images!r}: choose stop or skip")
+    bad = find_unreadable(paths, max(1, len(os.sched_getaffinity(0))))
+    if not bad:
+        return paths
+    if bad_images == "stop":
+        path, why = bad[0]
+        more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
+        raise DataError(
+            f"{path} is not a readable image ({why}){more}: remove or replace it, or set bad_images=skip"
+        )
+    for path, why in bad:
+        log.warning("skipping %s: not a readable image (%s)", path, why)
+    dropped = {p for p, _ in bad}
+    kept = [p for p in paths if p not in dropped]
+    if not kept:
+        raise DataError(f"none of the {len(paths)} files is a readable image")
+    return kept
+
+
+def _positive(cfg: DictConfig, key: str) -> int:
+    value = cfg.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise UserError(f"{key}={value}: must be a positive whole number")
+    return value
+
+
+def predict(cfg: DictConfig) -> tuple[dict[str, float], RunObjects]:
+    """Classify `cfg.inputs` with `cfg.ckpt_path`; writes the CSV (`cfg.output`, else predictions.csv in the
+    run dir) and prints how many images went to each class."""
+    top_k, batch_size = _positive(cfg, "top_k"), _positive(cfg, "batch_size")
+    inputs = OmegaConf.to_container(cfg.inputs) if OmegaConf.is_config(cfg.inputs) else cfg.inputs
+    paths = readable(image_paths(inputs), cfg.bad_images)
+    path, checkpoint, run_cfg = read_checkpoint(cfg, {"ckpt_path": str(cfg.ckpt_path), "inputs": inputs})
+    classes = checkpoint.get("class_names")
+    if not classes:
+        raise CheckpointError(f"{path} names no classes: it was not written by src/train.py")
+    model = checkpoint_model(checkpoint, path, run_cfg, list(classes), str(cfg.ckpt_path))
+    model.predict_top_k = top_k
+    # the datamodule for its preprocessing only: its data is not read
+    datamodule: L.LightningDataModule = hydra.utils.instantiate(run_cfg.datamodule)
+    datamodule.set_input_spec(**model.input_spec)
+    trained = checkpoint.get(type(datamodule).__qualname__)
+    if isinstance(trained, dict):
+        datamodule.follow_checkpoint(trained)
+    workers = cfg.get("num_workers")
+    if workers is None:
+        workers = max(0, min(MAX_AUTO_WORKERS, len(os.sched_getaffinity(0)) - 1, len(paths) // batch_size))
+    datamodule.predict_files(paths, batch_size, workers)
+
+    trainer = build_trainer(cfg, [], loggers=False, float8=bool(model.hparams.get("float8")))
+    if trainer.world_size > 1:
+        raise UserError(
+            f"predict.py runs in one process (this trainer has {trainer.world_size}): set trainer.devices=1 and "
+            "trainer.num_nodes=1"
+        )
+    batches = trainer.predict(model, datamodule=datamodule, return_predictions=True)
+    positions, probabilities, indices = (torch.cat(parts) for parts in zip(*batches, strict=True))
+    order = positions.argsort()
+    probabilities, indices = probabilities[order], indices[order]
+    out = Path(str(cfg.output)) if cfg.get("output") else Path(cfg.paths.output_dir) / "predictions.csv"
+    write_predictions(out, paths, list(classes), probabilities.tolist(), indices.tolist())
+    counts = Counter(classes[row[0]] for row in indices.tolist())
+    print_counts(counts, f"{len(paths)} images classified by {cfg.ckpt_path}")
+    log.info(f"Predictions written to {out}")
+    objects = RunObjects(cfg, datamodule, model, [], [], trainer, checkpoint_path=path)
+    return {"images": float(len(paths))}, objects
+
+
+def write_predictions(
+    out: Path,
+    paths: list[str],
+    classes: list[str],
+    probabilities: list[list[float]],
+    indices: list[list[int]],
+) -> None:
+    """One row per file: `file, class, probability` of the most probable class, then `class_2,
+    probability_2`, ... for the next ones; written whole or not at all (`write_atomic`)."""
+    header = ["file", "class", "probability"]
+    for rank in range(2, len(indices[0]) + 1):
+        header += [f"class_{rank}", f"probability_{rank}"]
+    text = io.StringIO()
+    writer = csv.writer(text)
+    writer.writerow(header)
+    for file, probs, idx in zip(paths, probabilities, indices, strict=True):
+        writer.writerow(
+            [file, *(x for i, p in zip(idx, probs, strict=True) for x in (classes[i], f"{p:.6f}"))]
+        )
+    write_atomic(out, text.getvalue())
+
+
+def print_counts(counts: Counter, title: str) -> None:
+    table = Table()
+    table.add_column("class")
+    table.add_column("images", justify="right")
+    for name, n in counts.most_common():
+        table.add_row(name, str(n))
+    print_titled(title, table)

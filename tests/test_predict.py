@@ -1,0 +1,135 @@
+"""`src/predict.py`: image files classified with a trained checkpoint, each as evaluation sees the data's own
+images; one CSV row per file; bad input in one line. The image-folder paths (from disk, in memory) are
+checked beside their training runs in tests/test_image_folder.py and tests/test_in_memory.py."""
+
+from __future__ import annotations
+
+import csv
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from helpers import assert_predicted_as_evaluated, compose_cfg, fails_in_process, predicted, run_cli
+from vitrain.tasks.evaluation import evaluate
+
+
+def test_cifar_checkpoint_classifies_files_as_it_evaluates(
+    tiny_checkpoint: Path, tiny_cifar: Path, tmp_path: Path
+):
+    """The CIFAR-10 checkpoint on the test/ PNGs: each row is the image's top classes as evaluation scores
+    them (held at 32 px, resized and normalised on the device), most probable first, in path order; their
+    accuracy is eval.py's. A photo of another size is brought to CIFAR's 32 px as the data's images are."""
+    last = tiny_checkpoint / "checkpoints" / "last.ckpt"
+    evaluated, objects = evaluate(
+        compose_cfg("eval", [f"ckpt_path={last}", "trainer.precision=32-true"], tmp_path / "eval")
+    )
+    files = sorted((tiny_cifar / "test").rglob("*.png"))
+    rows = predicted(last, tiny_cifar / "test", tmp_path / "predict", "top_k=3")
+    dm = objects.datamodule
+    assert_predicted_as_evaluated(rows, objects.model, dm, dm.test_set.x, files)
+    hits = sum(Path(row["file"]).parent.name == row["class"] for row in rows)
+    assert hits / len(rows) == pytest.approx(evaluated["test/acc1"], abs=1e-6)
+    assert list(rows[0]) == [
+        "file",
+        "class",
+        "probability",
+        "class_2",
+        "probability_2",
+        "class_3",
+        "probability_3",
+    ]
+    for row in rows:
+        probabilities = [float(row[k]) for k in ("probability", "probability_2", "probability_3")]
+        assert probabilities == sorted(probabilities, reverse=True) and sum(probabilities) <= 1 + 1e-5
+        assert len({row["class"], row["class_2"], row["class_3"]}) == 3
+
+    # a 100x70 photo: its center square resized to 32 px, as a held image is made (`decode_square`), not
+    # resized and cropped as a photo from an image folder would be
+    photo = tmp_path / "photo.png"
+    noise = torch.randint(0, 256, (70, 100, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    Image.fromarray(noise.numpy()).save(photo)
+    (row,) = predicted(last, photo, tmp_path / "photo")
+    square = Image.open(photo).convert("RGB").resize((32, 32), dm.resample(), box=(15, 0, 85, 70))
+    image = torch.from_numpy(np.array(square)).permute(2, 0, 1)[None]
+    assert_predicted_as_evaluated([row], objects.model, dm, image, [photo])
+
+
+def test_a_folder_of_photos_from_the_command_line(tiny_checkpoint: Path, tiny_cifar: Path, tmp_path: Path):
+    """`python src/predict.py ckpt_path=... inputs=<folder>`: albums (sub-folders) are read, other files
+    counted; a file that is no image stops the run in one line naming it (no run dir left), or is skipped
+    with `bad_images=skip`; the CSV goes where `output` says."""
+    last = tiny_checkpoint / "checkpoints" / "last.ckpt"
+    photos = tmp_path / "photos"
+    album = photos / "album" / "2024"
+    album.mkdir(parents=True)
+    cats = sorted((tiny_cifar / "test" / "cat").glob("*.png"))
+    shutil.copy(cats[0], photos / "a.png")
+    for cat in cats[1:3]:
+        shutil.copy(cat, album / cat.name)
+    (photos / "notes.txt").write_text("not a photo")
+    (photos / "broken.jpg").write_bytes(b"\xff\xd8 not a jpeg")
+
+    run = tmp_path / "run"
+    done = run_cli("predict.py", [f"ckpt_path={last}", f"inputs={photos}", f"hydra.run.dir={run}"])
+    assert done.returncode == 2, done.stderr[-3000:]
+    error = done.stderr.strip().splitlines()[-1]
+    assert error.startswith(f"error: {photos / 'broken.jpg'} is not a readable image (")
+    assert error.endswith("): remove or replace it, or set bad_images=skip")
+    assert not run.exists()
+
+    out = tmp_path / "elsewhere" / "cats.csv"
+    args = [f"ckpt_path={last}", f"inputs={photos}", "bad_images=skip", "top_k=2", f"output={out}"]
+    done = run_cli("predict.py", [*args, f"hydra.run.dir={run}"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    with open(out, newline="") as f:
+        rows = list(csv.DictReader(f))
+    expected = [photos / "a.png", *(album / c.name for c in cats[1:3])]
+    assert [row["file"] for row in rows] == [str(p) for p in expected]
+    assert list(rows[0]) == ["file", "class", "probability", "class_2", "probability_2"]
+    log = (run / "predict.log").read_text()
+    assert f"skipping {photos / 'broken.jpg'}: not a readable image" in log
+    assert "left out 1 file(s) that are not .jpg/" in log and "(.txt: 1)" in log
+    assert "3 images classified by" in done.stdout and f"Predictions written to {out}" in log
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["inputs=photos"], "error: ckpt_path is required: a .ckpt file"),
+        (["ckpt_path=x.ckpt"], "error: inputs is required: a folder of images"),
+        (["ckpt_path=last", "inputs=photos"], "error: predict.py takes a checkpoint, not ckpt_path=last"),
+        (["ckpt_path=x.ckpt", "inputs=photos", "top_k=0"], "error: top_k=0: must be a positive whole number"),
+        (
+            ["ckpt_path=x.ckpt", "inputs=photos", "bad_images=ignore"],
+            "error: bad_images=ignore: must be stop or skip",
+        ),
+    ],
+)
+def test_missing_and_bad_values_stop_before_the_imports(overrides: list[str], message: str, tmp_path: Path):
+    done = run_cli("predict.py", [*overrides, f"hydra.run.dir={tmp_path / 'run'}"])
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [done.stderr.strip()], done.stderr
+    assert done.stderr.startswith(message), done.stderr
+
+
+def test_what_the_run_finds_wrong_is_one_line(tiny_checkpoint: Path, tiny_cifar: Path, tmp_path: Path):
+    """Inputs that are not there or hold no image, and more than one process, end in one line, exit 2."""
+    last = tiny_checkpoint / "checkpoints" / "last.ckpt"
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "notes.txt").write_text("x")
+    one = next((tiny_cifar / "test" / "cat").glob("*.png"))
+    cases = [
+        ([f"inputs={tmp_path / 'absent'}"], f"error: inputs: {tmp_path / 'absent'} does not exist"),
+        ([f"inputs={tmp_path / 'empty'}"], f"error: inputs={tmp_path / 'empty'}: no .jpg/"),
+        ([f"inputs={tmp_path / 'notes.txt'}"], f"error: inputs: {tmp_path / 'notes.txt'} is not a .jpg/"),
+        (
+            [f"inputs={one}", "trainer.accelerator=cpu", "trainer.devices=2"],
+            "error: predict.py runs in one process (this trainer has 2): set trainer.devices=1",
+        ),
+    ]
+    for overrides, message in cases:
+        code, err = fails_in_process("predict", [f"ckpt_path={last}", *overrides], tmp_path / "run")
+        assert code == 2 and err.startswith(message), (overrides, err)
