@@ -3,7 +3,7 @@
 import hydra
 from omegaconf import DictConfig
 
-from vitrain.tasks.cli import check_overrides
+from vitrain.tasks.cli import check_overrides, ctrl_c_in_one_line
 from vitrain.tasks.runs import register_resolvers
 
 register_resolvers()
@@ -19,11 +19,12 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
-    check_overrides("train")
-    # torch, Lightning and timm load after the config check (a mistyped override fails in a second, not after
-    # ~10 s of imports) and before Hydra sets up logging: imported later, Lightning would not install its own
-    # log handler and its records would reach Hydra's handlers as well
-    from vitrain.tasks.harness import run_task
-    from vitrain.tasks.training import best_value, train
+    with ctrl_c_in_one_line():  # the config check and the imports too
+        check_overrides("train")
+        # torch, Lightning and timm load after the config check (a mistyped override fails in a second, not after
+        # ~10 s of imports) and before Hydra sets up logging: imported later, Lightning would not install its own
+        # log handler and its records would reach Hydra's handlers as well
+        from vitrain.tasks.harness import run_task
+        from vitrain.tasks.training import best_value, train
 
-    main()
+        main()

@@ -61,16 +61,31 @@ class SigtermAt(Callback):
 
 class InterruptAt(Callback):
     """Ctrl-C as a terminal sends it: SIGINT to the whole process group (the DataLoader's workers too) once
-    global rank zero reaches `step`, `times` times. With `children_file`, write how many child processes
+    global rank zero reaches training `step` (or test batch `test_batch`), `times` times. With `children_file`, write how many child processes
     (the loader's workers) were alive before the signal and half a second after it."""
 
-    def __init__(self, step: int, times: int = 1, children_file: str | None = None) -> None:
-        self.step, self.times = step, times
+    def __init__(
+        self,
+        step: int | None = None,
+        times: int = 1,
+        children_file: str | None = None,
+        test_batch: int | None = None,
+    ) -> None:
+        self.step, self.times, self.test_batch = step, times, test_batch
         self.children_file = Path(children_file) if children_file else None
         self._sent = False
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
-        if trainer.global_step != self.step or not trainer.is_global_zero or self._sent:
+        if trainer.global_step == self.step:
+            self._interrupt(trainer)
+
+    def on_test_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
+        """With `test_batch`: in the test after fit, once that test batch (its index) is done."""
+        if args[-1] == self.test_batch:
+            self._interrupt(trainer)
+
+    def _interrupt(self, trainer: L.Trainer) -> None:
+        if not trainer.is_global_zero or self._sent:
             return
         self._sent = True
         before = len(multiprocessing.active_children())

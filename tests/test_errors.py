@@ -254,6 +254,42 @@ def test_an_error_chain_that_loops_is_walked_once():
     assert user_error(caught) is inner and not peer_lost(caught)
 
 
+# an import hook that sends this process SIGINT as `torch` starts to load: a Ctrl-C in the first seconds
+CTRL_C_AT_TORCH = """
+import os, signal, sys
+
+class CtrlCAtTorch:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch":
+            sys.meta_path.remove(self)
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+
+sys.meta_path.insert(0, CtrlCAtTorch())
+"""
+
+
+@pytest.mark.parametrize("script", ["train.py", "eval.py", "predict.py"])
+def test_ctrl_c_while_torch_loads_is_one_line(script: str, tmp_path: Path):
+    """Ctrl-C while an entry point imports torch, Lightning and timm (~10 s on a small machine, before the
+    task runs): one line and exit 130, not the traceback of whichever import it landed in; no run dir."""
+    (tmp_path / "hook").mkdir()
+    (tmp_path / "hook" / "sitecustomize.py").write_text(CTRL_C_AT_TORCH)
+    run = tmp_path / "run"
+    args = {"train.py": ["experiment=smoke"], "eval.py": ["ckpt_path=x.ckpt"]}.get(
+        script, ["ckpt_path=x.ckpt", "inputs=photos"]
+    )
+    env = {k: v for k, v in os.environ.items() if k not in RANK_VARS}
+    env["PYTHONPATH"] = str(tmp_path / "hook")
+    done = subprocess.run(
+        [PYTHON, str(ROOT / "src" / script), *args, f"hydra.run.dir={run}"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 130, done.stderr[-3000:]
+    assert done.stderr == "interrupted (Ctrl-C)\n" and done.stdout == "", done.stderr[-3000:]
+    assert not run.exists()
+
+
 @pytest.mark.slow
 def test_ctrl_c_while_the_data_is_prepared_is_one_line(real_cifar10_cache, tmp_path: Path):
     """Ctrl-C during a first run's unpack or decode (minutes for a large data set), as a terminal sends it to

@@ -175,7 +175,8 @@ def test_ctrl_c_saves_last_and_reports_and_a_second_one_stops_at_once(photos: Pa
     """Ctrl-C (SIGINT to the process group, as a terminal sends it) stops at the next step like SIGTERM:
     `last` saved, the report written, exit 130, resumable. The loader's workers get it too and keep serving
     (a worker's default is to exit on it, which breaks the loader mid-epoch). A second Ctrl-C stops at once,
-    without saving, as Lightning does (exit 1)."""
+    without saving, as Lightning does (exit 1). Ctrl-C in the test after fit stops the test (exit 130) and the
+    report is written, saying how to test the checkpoint (before: Lightning's exit 1 and no report)."""
     run, children = tmp_path / "run", tmp_path / "children"
     base = [
         *_overrides(photos, tmp_path / "cache"),
@@ -210,6 +211,23 @@ def test_ctrl_c_saves_last_and_reports_and_a_second_one_stops_at_once(photos: Pa
     assert aborted.returncode == 1, aborted.stderr[-3000:]
     assert "Ctrl-C again stops at once without saving" in aborted.stderr
     assert not (twice / "checkpoints" / "last.ckpt").exists()
+
+    # in the test after fit: the test stops, the report of the training is written and says how to test
+    tested = tmp_path / "tested"
+    one_epoch = [o for o in base if o not in ("trainer.max_epochs=2", f"hydra.run.dir={run}")]
+    fault = ["+callbacks.fault._target_=fault_injection.InterruptAt", "+callbacks.fault.test_batch=0"]
+    stopped = run_cli("train.py", [*one_epoch, f"hydra.run.dir={tested}", *fault], env=env)
+    assert stopped.returncode == 130, stopped.stderr[-3000:]
+    assert "SIGINT (Ctrl-C) received: stopping the test; the training is saved" in stopped.stderr
+    assert "Traceback" not in stopped.stderr and "Detected KeyboardInterrupt" not in stopped.stdout
+    best = next((tested / "checkpoints").glob("epoch*.ckpt"))
+    report = json.loads((tested / "report.json").read_text())
+    assert report["test_stopped"] == {"stopped_by": "SIGINT (Ctrl-C)", "ckpt_path": str(best)}, report
+    assert not report["stopped"] and report["metrics"]["test"] == {}
+    assert (
+        "No test metrics: the test was stopped by SIGINT (Ctrl-C); test the checkpoint with "
+        f"`python src/eval.py ckpt_path={best}`."
+    ) in (tested / "report.md").read_text()
 
 
 def test_albums_and_other_formats_are_read_and_the_rest_is_counted(photos: Path, tmp_path: Path, caplog):

@@ -200,7 +200,8 @@ class CheckpointOnSigterm(Callback):
     (incomplete for FSDP, and another checkpoint than `last`) and requeue while the others train on.
 
     Ctrl-C (SIGINT) during fit takes the same path, so an interactive run stopped by hand keeps its progress
-    and gets its report; a second Ctrl-C stops at once without saving (a KeyboardInterrupt, which Lightning
+    and gets its report (during the test after fit, the test stops at once and the report is written: the
+    training is saved); a second Ctrl-C stops at once without saving (a KeyboardInterrupt, which Lightning
     ends with exit code 1 and no save). Lightning has no handler of its own for it. It is installed as fit
     starts, before the validation sanity check starts DataLoader workers: a worker (forked, so it inherits
     the handler, and in the terminal's process group, so it gets the Ctrl-C too) ignores it instead of
@@ -223,7 +224,7 @@ class CheckpointOnSigterm(Callback):
         self._agreed = self._NONE
         self._replaced_lightning_check = False
         self._pid = os.getpid()
-        self._fitting = False
+        self._fitting = self._testing = False
         #: the task's words for how to resume this run (vitrain/tasks/runs.resume_hint), set when it is built
         self.resume_hint: Callable[[], str] | None = None
 
@@ -238,7 +239,13 @@ class CheckpointOnSigterm(Callback):
             self._handle(signal.SIGINT, trainer, requeue_signal=None)
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._fitting = False  # Ctrl-C is a KeyboardInterrupt again (testing the best checkpoint)
+        self._fitting = False
+
+    def on_test_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._testing, self._requested = True, self._NONE
+
+    def on_test_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._testing = False
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -257,8 +264,14 @@ class CheckpointOnSigterm(Callback):
             if os.getpid() != self._pid:
                 return  # a DataLoader worker forked with the handler: the training process decides
             interrupt = signum == signal.SIGINT
+            if interrupt and self._testing and not self._requested:
+                # the test after fit: the training is over and saved; the test stops at once and the task
+                # writes the report before it exits
+                self._requested = self._INTERRUPT
+                os.write(2, b"SIGINT (Ctrl-C) received: stopping the test; the training is saved\n")
+                raise StopRequested(*self._BY[self._INTERRUPT])
             if interrupt and (self._requested or not self._fitting):
-                raise KeyboardInterrupt  # a second Ctrl-C, or one outside fit: at once, nothing saved
+                raise KeyboardInterrupt  # a second Ctrl-C, or one outside fit and test: at once, nothing saved
             if not self._requested and not interrupt and trainer.strategy.launcher is not None:
                 trainer.strategy.launcher.kill(signum)
             wanted = (
@@ -297,7 +310,7 @@ class CheckpointOnSigterm(Callback):
     def on_exception(
         self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
     ) -> None:
-        self._fitting = False
+        self._fitting = self._testing = False
         if not isinstance(exception, SIGTERMException) or trainer.state.fn != TrainerFn.FITTING:
             return
         # every rank exits with 143 (130 after Ctrl-C) after the stop: the ranks this process launched (none

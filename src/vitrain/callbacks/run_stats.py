@@ -173,7 +173,14 @@ class RunStats(Callback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
     ) -> None:
         """A run stopped by SIGTERM (every rank stops at the same step): what it did, marked interrupted,
-        for the report the training task writes before it exits."""
+        for the report the training task writes before it exits. A test after fit stopped (Ctrl-C): which
+        checkpoint it was testing, and by what."""
+        if isinstance(exception, SIGTERMException) and trainer.state.fn == "test":
+            by = getattr(exception, "by", "SIGTERM")
+            self.stats["test"] = {"stopped_by": by, "ckpt_path": trainer.ckpt_path}
+            if trainer.is_global_zero:
+                self.save()
+            return
         if (
             not isinstance(exception, SIGTERMException)
             or trainer.state.fn != "fit"

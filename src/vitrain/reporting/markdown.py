@@ -151,7 +151,14 @@ def render_markdown(report: dict[str, Any]) -> str:
     ]
     lines += table(["metric", "best", "at step", "final"], rows) if rows else ["No validation metrics."]
     lines.append("")
-    if not metrics["test"]:
+    stopped_test = report.get("test_stopped")
+    if not metrics["test"] and stopped_test:
+        ckpt = stopped_test.get("ckpt_path") or "<checkpoint>"
+        lines.append(
+            f"No test metrics: the test was stopped by {stopped_test['stopped_by']}; test the checkpoint with "
+            f"`python src/eval.py ckpt_path={ckpt}`."
+        )
+    elif not metrics["test"]:
         lines.append("No test metrics.")
     else:
         if (report.get("data") or {}).get("test_is_val"):

@@ -163,6 +163,10 @@ def build_report(run_dir: Path, scalars: Scalars | None = None) -> dict[str, Any
         },
         "s3": stats.get("s3"),
         "test_wall_time_s": (stats.get("test") or {}).get("wall_time_s"),
+        # the test after fit stopped by hand: by what, and the checkpoint it was testing
+        "test_stopped": {k: stats["test"].get(k) for k in ("stopped_by", "ckpt_path")}
+        if (stats.get("test") or {}).get("stopped_by")
+        else None,
         "sources": {"metric_record": bool(scalars), "run_stats": bool(stats), "hydra": bool(hydra)},
     }
     return redact(report)

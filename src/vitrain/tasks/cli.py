@@ -8,7 +8,8 @@ suggest the closest existing one and exit 2.
 import difflib
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -288,6 +289,18 @@ def sweep_variants(overrides: Sequence[str]) -> list[list[str]]:
     for i, values in enumerate(choices):
         variants.extend([*first[:i], value, *first[i + 1 :]] for value in values[1:])
     return variants[:_SWEEP_CHECKS]
+
+
+@contextmanager
+def ctrl_c_in_one_line() -> Iterator[None]:
+    """Ctrl-C before the task runs (the config check, the ~10 s of importing torch, Lightning and timm): one
+    line and exit 130, as the task says it once it runs (vitrain/tasks/harness.py), not the traceback of
+    whichever import it landed in."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        print("interrupted (Ctrl-C)", file=sys.stderr, flush=True)
+        sys.exit(130)
 
 
 def check_overrides(config_name: str, argv: Sequence[str] | None = None) -> None:

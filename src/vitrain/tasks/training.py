@@ -63,7 +63,11 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], RunObjects]:
     metrics = metric_floats(objects.trainer.callback_metrics)
     objects.best_model_path = best_checkpoint(objects.trainer)
     if cfg.get("test"):
-        metrics.update(test(objects))
+        try:
+            metrics.update(test(objects))
+        except SIGTERMException:  # the test stopped by hand (Ctrl-C): the report of the training, then exit
+            finish_run(objects)
+            raise
     finish_run(objects)  # rank zero: report.md/json and plots in the run dir
     finish_runs()  # W&B's run is process-wide: the next job of a sweep needs its own
     return metrics, objects
