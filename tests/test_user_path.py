@@ -291,6 +291,12 @@ def test_report_of_a_run_killed_before_its_stats_is_truthful(tmp_path: Path):
             "hparams_search=cifar_optuna model.optimizer.lr=tag(log,interval(-1,0.1))",
             "error: model.optimizer.lr=-1.0: must be a positive number",
         ),
+        # a whole number from a float interval: Optuna samples 16.0 ... 256.0 from it
+        (
+            "hparams_search=cifar_optuna datamodule.batch_size=interval(16,256)",
+            "error: datamodule.batch_size=16.0: must be a positive whole number (interval(16, 256) samples "
+            "floats; int(interval(16, 256)) samples whole numbers)",
+        ),
         # the sweeper's own search space (hydra.sweeper.params), as a hparams_search config holds it
         (
             "hparams_search=cifar_optuna hydra.sweeper.params={datamodule.batch_size:'choice(64,0)'}",
@@ -317,6 +323,7 @@ def test_a_good_sweep_passes_the_check_with_one_composition_per_value(capsys):
         ["-m", "datamodule.batch_size=range(2,6,2)", "seed=1,2"],
         ["hparams_search=cifar_optuna", "seed=1,2", "datamodule.batch_size=8"],
         ["-m", "datamodule=glob(cifar*)", "+hydra.sweeper.params.x=interval(0,1)"],
+        ["hparams_search=cifar_optuna", "datamodule.batch_size=int(interval(16,256))"],
     ):
         check_overrides("train", ["experiment=smoke", *args])  # no exit
     assert capsys.readouterr().err == ""

@@ -303,6 +303,25 @@ def ctrl_c_in_one_line() -> Iterator[None]:
         sys.exit(130)
 
 
+def float_intervals(overrides: Sequence[str]) -> dict[str, str]:
+    """key -> `interval(a, b)` for the sweeps over an interval of floats (Optuna samples floats from it)."""
+    out = {}
+    for override in OverridesParser.create().parse_overrides(list(overrides)):
+        if override.is_interval_sweep() and not override.is_hydra_override():
+            value = override.value()
+            if not (isinstance(value.start, int) and isinstance(value.end, int)):
+                out[override.key_or_group] = f"interval({value.start:g}, {value.end:g})"
+    return out
+
+
+def interval_hint(problem: str | None, intervals: dict[str, str]) -> str | None:
+    """A whole number refused at an end of a float interval: say how to sample whole numbers."""
+    for key, interval in intervals.items():
+        if problem and problem.startswith(f"{key}=") and "whole number" in problem:
+            return f"{problem} ({interval} samples floats; int({interval}) samples whole numbers)"
+    return problem
+
+
 def check_overrides(config_name: str, argv: Sequence[str] | None = None) -> None:
     """Compose the config from the command line; on a mistake print one line and exit 2. A sweep (`-m`, or a
     config such as hparams_search=... that sets hydra.mode=MULTIRUN) is checked for each of its values,
@@ -329,8 +348,9 @@ def check_overrides(config_name: str, argv: Sequence[str] | None = None) -> None
         typed = {o.key_or_group for o in parsed}
         params = OmegaConf.select(cfg, "hydra.sweeper.params") or {}
         swept = [f"{key}={value}" for key, value in params.items() if key not in typed]
+        intervals = float_intervals([*swept, *overrides])
         for variant in sweep_variants([*swept, *overrides]):
-            _exit(_problem(_composed(config_name, variant), config_name, variant))
+            _exit(interval_hint(_problem(_composed(config_name, variant), config_name, variant), intervals))
 
 
 def _composed(config_name: str, overrides: list[str]) -> Any:
