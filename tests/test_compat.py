@@ -78,6 +78,29 @@ def test_plugin_compute_dtype():
     assert compat.plugin_compute_dtype(Precision()) is torch.float32
 
 
+def test_epochs_from_one_bar():
+    """Rich's bar takes its epoch text from `_get_train_description`: ours numbers from 1 to max_epochs."""
+    from lightning.pytorch.callbacks import RichProgressBar
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    assert parameters(RichProgressBar._get_train_description) == ["self", "current_epoch"], (
+        f"{UPGRADE} RichProgressBar._get_train_description"
+    )
+    seen = []
+
+    class Bar(compat.EpochsFromOneBar):
+        def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            super().on_train_epoch_end(trainer, pl_module)
+            seen.append(self.progress.tasks[self.train_progress_bar_id].description.strip())
+
+    trainer = L.Trainer(
+        accelerator="cpu", max_epochs=2, limit_train_batches=2, limit_val_batches=1, logger=False,
+        enable_checkpointing=False, enable_model_summary=False, callbacks=[Bar(leave=True)],
+    )  # fmt: skip
+    trainer.fit(BoringModel())
+    assert seen == ["Epoch 1/2", "Epoch 2/2"], f"{UPGRADE} the bar's epoch text: {seen}"
+
+
 def test_throughput_monitor_internals():
     assert parameters(ThroughputMonitor._update) == ["self", "trainer", "pl_module", "batch", "iter_num"], (
         f"{UPGRADE} ThroughputMonitor._update's signature"

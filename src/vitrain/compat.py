@@ -20,7 +20,7 @@ import torch
 from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.fabric.utilities.logger import _convert_params, _flatten_dict
 from lightning.fabric.utilities.throughput import Throughput
-from lightning.pytorch.callbacks import ThroughputMonitor, WeightAveraging
+from lightning.pytorch.callbacks import RichProgressBar, ThroughputMonitor, WeightAveraging
 from lightning.pytorch.callbacks.throughput_monitor import _plugin_to_compute_dtype
 from lightning.pytorch.loggers import MLFlowLogger, WandbLogger
 from lightning.pytorch.strategies import ModelParallelStrategy
@@ -32,6 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 __all__ = [
     "HYDRA_LAUNCHER_MODULES",
     "META_FILENAME",
+    "EpochsFromOneBar",
     "TorchDispatchMode",
     "UnsyncedThroughputMonitor",
     "attached_trainer",
@@ -93,6 +94,19 @@ def plugin_compute_dtype(plugin: Any) -> torch.dtype:
     """The dtype a precision plugin computes in; Lightning has no public accessor (its TODO: "integrate
     this into the precision plugins")."""
     return _plugin_to_compute_dtype(plugin)
+
+
+class EpochsFromOneBar(RichProgressBar):
+    """Rich's bar numbering the epochs from 1 to max_epochs, as the progress lines and the report do: the
+    bar said `Epoch 0/9` for the first of ten, and the epoch line below it `epoch 1/10`. The bar's text has no
+    option or public hook; its private `_get_train_description` is replaced."""
+
+    def _get_train_description(self, current_epoch: int) -> str:
+        text = f"Epoch {current_epoch + 1}"
+        if self.trainer.max_epochs is not None and self.trainer.max_epochs > 0:
+            text += f"/{self.trainer.max_epochs}"
+        # as Lightning's: padded to the validation bar's text, which it shares a column with
+        return f"{text:{len(self.validation_description)}}"
 
 
 class UnsyncedThroughputMonitor(ThroughputMonitor):

@@ -14,11 +14,12 @@ import warnings
 from typing import Any
 
 import lightning as L
-from lightning.pytorch.callbacks import Callback, RichModelSummary, RichProgressBar, Timer
+from lightning.pytorch.callbacks import Callback, RichModelSummary, Timer
 from lightning.pytorch.utilities import rank_zero_only
 
 from vitrain.callbacks.epoch_metrics import epoch_in_progress
 from vitrain.callbacks.throughput import batch_size
+from vitrain.compat import EpochsFromOneBar
 
 log = logging.getLogger("vitrain.progress")
 
@@ -113,8 +114,9 @@ class ProgressLog(Callback):
         log.info(" | ".join(parts))
 
 
-class ProgressBar(RichProgressBar):
-    """Rich's bar without `v_num` (the logger's version: `_0` and meaningless in a run directory of its own)."""
+class ProgressBar(EpochsFromOneBar):
+    """Rich's bar with epochs numbered from 1 (`EpochsFromOneBar`), without `v_num` (the logger's version:
+    `_0` and meaningless in a run directory of its own)."""
 
     def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
         items = super().get_metrics(trainer, pl_module)

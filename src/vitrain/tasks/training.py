@@ -62,13 +62,15 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], RunObjects]:
         fit(objects, carried=tuning.decision(search))
     metrics = metric_floats(objects.trainer.callback_metrics)
     objects.best_model_path = best_checkpoint(objects.trainer)
+    stopped: SIGTERMException | None = None
     if cfg.get("test"):
         try:
             metrics.update(test(objects))
-        except SIGTERMException:  # the test stopped by hand (Ctrl-C): the report of the training, then exit
-            finish_run(objects)
-            raise
+        except SIGTERMException as stop:  # the test stopped by hand (Ctrl-C): the report, then the exit
+            stopped = stop
     finish_run(objects)  # rank zero: report.md/json and plots in the run dir
+    if stopped is not None:
+        raise stopped
     finish_runs()  # W&B's run is process-wide: the next job of a sweep needs its own
     return metrics, objects
 
