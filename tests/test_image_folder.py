@@ -131,6 +131,10 @@ def test_trains_one_process_then_eval_per_class(photos: Path, tmp_path: Path, ca
         and f"{N_VAL_ALL} test images (test = the val images: the data has no test split)" in report
     )
     assert "Test metrics on the validation images (the data has no test split)" in report
+    # CLASSES[0] has the CMYK JPEG too
+    assert (
+        f"| train images per class | 21 (`{CLASSES[1]}`) to 22 (`{CLASSES[0]}`), median 21; 1.0x |" in report
+    )
     last = tmp_path / "checkpoints" / "last.ckpt"
     ckpt = torch.load(last, weights_only=True)
     assert ckpt["class_names"] == list(CLASSES)
@@ -228,6 +232,28 @@ def test_ctrl_c_saves_last_and_reports_and_a_second_one_stops_at_once(photos: Pa
         "No test metrics: the test was stopped by SIGINT (Ctrl-C); test the checkpoint with "
         f"`python src/eval.py ckpt_path={best}`."
     ) in (tested / "report.md").read_text()
+
+
+def test_imbalanced_classes_are_said(photos: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture):
+    """A class with a tenth of another's training images: one warning at set-up, naming both (accuracy then
+    mostly measures the large classes); the counts per class are in the run's data facts (report.md)."""
+    root = tmp_path / "mine"
+    shutil.copytree(photos, root)
+    for extra in sorted((root / "train" / CLASSES[2]).iterdir())[2:]:
+        extra.unlink()
+    with caplog.at_level(logging.WARNING):
+        dm = ImageFolderDataModule(str(root), str(tmp_path / "cache"), batch_size=2, in_memory=False)
+        dm.setup("fit")
+    counts = dm.data_facts()["train_class_images"]
+    assert counts == {CLASSES[0]: 22, CLASSES[1]: 21, CLASSES[2]: 2}
+    [warning] = [r.getMessage() for r in caplog.records if "imbalanced" in r.getMessage()]
+    assert f"{CLASSES[0]} has 22 images, {CLASSES[2]} 2 (11x)" in warning, warning
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        ImageFolderDataModule(str(photos), str(tmp_path / "cache"), batch_size=2, in_memory=False).setup(
+            "fit"
+        )
+    assert not [r for r in caplog.records if "imbalanced" in r.getMessage()]
 
 
 def test_albums_and_other_formats_are_read_and_the_rest_is_counted(photos: Path, tmp_path: Path, caplog):

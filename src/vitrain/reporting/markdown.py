@@ -34,6 +34,20 @@ def _data(data: dict[str, Any] | None) -> str:
     return f"{data.get('datamodule')}, {fmt(data.get('num_classes'))} classes; {images} images{same}"
 
 
+def _class_images(data: dict[str, Any] | None) -> str:
+    """`20 (dog) to 500 (cat), median 200; 25x` for the training images per class; `30 each` when equal."""
+    counts = (data or {}).get("train_class_images")
+    if not counts:
+        return "not recorded"
+    small, large = min(counts, key=counts.get), max(counts, key=counts.get)
+    if counts[small] == counts[large]:
+        return f"{counts[small]} each"
+    ordered = sorted(counts.values())
+    median = ordered[len(ordered) // 2]
+    ratio = f"; {counts[large] / counts[small]:.1f}x" if counts[small] else ""
+    return f"{counts[small]} (`{small}`) to {counts[large]} (`{large}`), median {median}{ratio}"
+
+
 def _skipped(data: dict[str, Any] | None) -> str:
     """The count of unreadable files left out, with the first few named; 0 when none."""
     if not data or data.get("skipped_files") is None:
@@ -118,6 +132,7 @@ def render_markdown(report: dict[str, Any]) -> str:
                     f" (accumulate {fmt(bs.get('accumulate_grad_batches'))})",
                 ],
                 ["data", _data(report.get("data"))],
+                ["train images per class", _class_images(report.get("data"))],
                 ["skipped files", _skipped(report.get("data"))],
                 ["epochs", _epochs(report)],
                 [

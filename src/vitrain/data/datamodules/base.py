@@ -130,6 +130,33 @@ def floats(values: Sequence[float] | None) -> tuple[float, ...] | None:
     return None if values is None else tuple(float(v) for v in values)
 
 
+def _labels(dataset: Dataset | None) -> Any:
+    """A dataset's labels where they are at hand: in-memory tensors, the image-folder datasets' (path, label)
+    pairs; None for others (streamed shards)."""
+    if isinstance(dataset, TensorImageDataset):
+        return dataset.y
+    files = getattr(dataset, "files", None)
+    return [label for _, label in files] if files is not None else None
+
+
+#: the largest class this many times the smallest in train/: said at set-up and in the report
+IMBALANCE_WARNING = 10
+
+
+def warn_imbalance(counts: dict[str, int] | None, rank: int) -> None:
+    """One warning (rank zero) when the training classes are very unequal: accuracy then mostly measures
+    the large classes, and an engineer reading val/acc1 should know."""
+    if not counts or rank != 0:
+        return
+    small, large = min(counts, key=counts.get), max(counts, key=counts.get)
+    if counts[small] and counts[large] >= IMBALANCE_WARNING * counts[small]:
+        log.warning(
+            "the training classes are imbalanced: %s has %d images, %s %d (%.0fx); accuracy mostly reflects "
+            "the large classes: src/eval.py prints the accuracy of each class",
+            large, counts[large], small, counts[small], counts[large] / counts[small],
+        )  # fmt: skip
+
+
 class ImageDataModule(LightningDataModule):
     """Base of every datamodule. Subclasses implement `find_classes` (cheap: called before the model is built,
     which takes its head size from it) and `load_splits`, and may override the defaults below."""
@@ -392,7 +419,18 @@ class ImageDataModule(LightningDataModule):
             "skipped_files": len(self.skipped),
             "skipped_examples": [{"path": p, "why": why} for p, why in self.skipped[:examples]],
             "test_is_val": self.test_is_val,
+            "train_class_images": self.class_images("train"),
         }
+
+    def class_images(self, split: str = "train") -> dict[str, int] | None:
+        """Images of each class in `split` (class -> count, label order), where the labels are at hand (in
+        memory, file lists); None for streamed shards or before `setup`."""
+        dataset = {"train": self.train_set, "val": self.val_set, "test": self.test_set}[split]
+        labels = _labels(dataset) if dataset is not None else None
+        if labels is None:
+            return None
+        counts = torch.bincount(torch.as_tensor(labels, dtype=torch.long), minlength=len(self.classes))
+        return dict(zip(self.classes, counts.tolist(), strict=True))
 
     def split_batches(self, world_size: int) -> tuple[int, int]:
         """(train, eval) batch per process; a size that does not divide by `world_size` is a DataError.
@@ -409,6 +447,7 @@ class ImageDataModule(LightningDataModule):
         hp, world = self.hparams, self._world()[0]
         self._batch, self._eval_batch = self.split_batches(world)
         if self.train_set is None:
+            self.classes  # noqa: B018 - found before the splits load (in memory: from the same decode)
             splits = self.load_splits()
             self.train_set, self.val_set, self.test_set = splits.train, splits.val, splits.test
             for key in ("train_subset", "test_subset"):
@@ -422,6 +461,7 @@ class ImageDataModule(LightningDataModule):
                     len(self.test_set), generator=torch.Generator().manual_seed(hp.split_seed)
                 )
                 self.test_set = self.keep(self.test_set, perm[: hp.test_subset].sort().values.tolist())
+        warn_imbalance(self.class_images("train"), self._world()[1])
         smallest = min(len(self.val_set), len(self.test_set))
         if smallest < world:
             raise DataError(
@@ -587,11 +627,7 @@ class ImageDataModule(LightningDataModule):
         trainer = self.trainer
         if trainer is None or dataset is None or trainer.global_rank != 0:
             return
-        if isinstance(dataset, TensorImageDataset):
-            labels: Any = dataset.y
-        else:  # the image-folder datasets hold (path, label) pairs; others (streaming): unknown
-            files = getattr(dataset, "files", None)
-            labels = [label for _, label in files] if files is not None else None
+        labels = _labels(dataset)
         limit = getattr(trainer, f"limit_{split}_batches", None)
         note = partial_pass_note(split, labels, limit, self._eval_batch, trainer.world_size)
         if note:
