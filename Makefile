@@ -2,7 +2,7 @@
 PY ?= .venv/bin/python
 RUN ?=
 
-.PHONY: install test test-fast lint format train train-smoke eval predict report clean bench bench-gpu bench-smoke bench-recipes gpu-check shards
+.PHONY: install test test-fast lint format train train-smoke eval predict export report clean bench bench-gpu bench-smoke bench-recipes gpu-check shards
 
 install:  ## create .venv and install everything (the README's first command)
 	python3 -m venv .venv && .venv/bin/pip install uv==0.13.9 && .venv/bin/uv pip install --python .venv/bin/python -r requirements.txt
@@ -35,6 +35,10 @@ predict:  ## make predict CKPT=path/to/checkpoint.ckpt IMAGES=<folder or image f
 	@test -n "$(CKPT)" -a -n "$(IMAGES)" || { echo "error: make predict CKPT=logs/train/runs/<run>/checkpoints/last.ckpt IMAGES=<folder of images or an image file>" >&2; exit 2; }
 	$(PY) src/predict.py ckpt_path=$(CKPT) inputs=$(IMAGES)
 
+export:  ## make export CKPT=path/to/checkpoint.ckpt [OUT=folder]: a timm model folder (timm.create_model("local-dir:<folder>"))
+	@test -n "$(CKPT)" || { echo "error: make export CKPT=logs/train/runs/<run>/checkpoints/last.ckpt [OUT=<new folder>]" >&2; exit 2; }
+	$(PY) src/export.py ckpt_path=$(CKPT) $(if $(OUT),output=$(OUT))
+
 report:  ## make report RUN=logs/train/runs/<id> (or a multiruns/<id> sweep dir): rebuild report.md/json, plots
 	@test -n "$(RUN)" || { echo "error: make report RUN=logs/train/runs/<run> (or a logs/train/multiruns/<id> sweep dir)" >&2; exit 2; }
 	PYTHONPATH=src $(PY) -m vitrain.reporting $(RUN)
@@ -59,4 +63,4 @@ gpu-check:  ## every GPU path on this machine's GPUs in a few minutes, PASS/FAIL
 	$(PY) bench/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean:
-	rm -rf logs/train logs/eval logs/predict .pytest_cache .ruff_cache
+	rm -rf logs/train logs/eval logs/predict logs/export .pytest_cache .ruff_cache

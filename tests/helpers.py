@@ -86,11 +86,12 @@ def fails_in_process(config_name: str, overrides: Sequence[str], output_dir: Pat
     from lightning.pytorch.utilities import rank_zero_only
 
     from vitrain.tasks.evaluation import evaluate
+    from vitrain.tasks.export import export_model
     from vitrain.tasks.harness import run_task
     from vitrain.tasks.prediction import predict
     from vitrain.tasks.training import train
 
-    task = {"train": train, "eval": evaluate, "predict": predict}[config_name]
+    task = {"train": train, "eval": evaluate, "predict": predict, "export": export_model}[config_name]
     cfg = compose_cfg(config_name, overrides, output_dir)
     rank, err = rank_zero_only.rank, io.StringIO()
     try:

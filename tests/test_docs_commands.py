@@ -1,4 +1,4 @@
-"""Every `src/train.py` / `src/eval.py` / `src/predict.py` command in README.md and docs/*.md composes as written.
+"""Every `src/train.py`, `eval.py`, `predict.py`, `export.py` command in README.md and docs/*.md composes as written.
 
 The commands are taken from the fenced shell blocks (line continuations joined, comments dropped) and
 composed with Hydra's compose API, as `check_overrides` does before a run: an unknown key, a config option
@@ -39,7 +39,7 @@ def documented_commands() -> list[tuple[str, str, list[str]]]:
                     command += line.rstrip()[:-1] + " "
                     continue
                 command, line = "", command + line
-                match = re.search(r"(?:^|\s)(?:\S*/)?src/(train|eval|predict)\.py(\s|$)", line)
+                match = re.search(r"(?:^|\s)(?:\S*/)?src/(train|eval|predict|export)\.py(\s|$)", line)
                 if match is None or line.lstrip().startswith("#"):
                     continue
                 if not re.search(
@@ -82,7 +82,7 @@ COMMANDS = documented_commands()
 
 def test_the_docs_have_commands():
     scripts = {script for _, script, _ in COMMANDS}
-    assert len(COMMANDS) > 40 and scripts == {"train", "eval", "predict"}, COMMANDS
+    assert len(COMMANDS) > 40 and scripts == {"train", "eval", "predict", "export"}, COMMANDS
 
 
 @pytest.fixture(scope="module")

@@ -222,10 +222,10 @@ INPUTS_TAKE = (
 
 
 def missing_value(cfg: Any, config_name: str, overrides: Sequence[str]) -> str | None:
-    """eval.py's and predict.py's checkpoint (and predict.py's images) left out: OmegaConf's
+    """eval.py's, predict.py's and export.py's checkpoint (and predict.py's images) left out: OmegaConf's
     MissingMandatoryValue traceback otherwise; `ckpt_path=` is what `make eval` without CKPT gives;
     `ckpt_path=last` names a training run to resume, not a checkpoint."""
-    if config_name not in ("eval", "predict"):
+    if config_name not in ("eval", "predict", "export"):
         return None
     if OmegaConf.is_missing(cfg, "ckpt_path") or cfg.ckpt_path in (None, ""):
         return f"ckpt_path is required: {CKPT_PATH_TAKES}"

@@ -105,13 +105,14 @@ def print_titled(title: str, table: Table) -> None:
 def read_checkpoint(cfg: DictConfig, task_keys: dict[str, Any]) -> tuple[Path, dict[str, Any], DictConfig]:
     """(local path, contents, model and datamodule config with the overrides) of `cfg.ckpt_path`; the config
     tree printed (extras.print_config) is what runs: `task_keys`, the checkpoint's model and data, the
-    trainer."""
+    trainer (if any)."""
     path = resolve_checkpoint(str(cfg.ckpt_path), cfg.paths.cache_dir)
     checkpoint = checkpoints.load(path)
     run_cfg = saved_config(checkpoint, path)
     if (cfg.get("extras") or {}).get("print_config"):
         shown = OmegaConf.create({**task_keys, **OmegaConf.to_container(run_cfg)})
-        shown.trainer = OmegaConf.to_container(cfg.trainer, resolve=True)
+        if "trainer" in cfg:  # src/export.py runs none
+            shown.trainer = OmegaConf.to_container(cfg.trainer, resolve=True)
         print_run_config(shown, Path(cfg.paths.output_dir) / "config_tree.log")
     return path, checkpoint, run_cfg
 
@@ -135,6 +136,17 @@ def checkpoint_model(
             raise
         raise CheckpointError(f"{path} does not fit model {run_cfg.model.net.model_name}: {detail}") from err
     return model
+
+
+def preprocessing_of(checkpoint: dict[str, Any], run_cfg: DictConfig, model: L.LightningModule) -> Any:
+    """The checkpoint's datamodule for its evaluation preprocessing only (src/predict.py, src/export.py):
+    the model's input spec, and how the training run held its images; its data is not read."""
+    datamodule = hydra.utils.instantiate(run_cfg.datamodule)
+    datamodule.set_input_spec(**model.input_spec)
+    trained = checkpoint.get(type(datamodule).__qualname__)
+    if isinstance(trained, dict):
+        datamodule.follow_checkpoint(trained)
+    return datamodule
 
 
 def evaluate(cfg: DictConfig) -> tuple[dict[str, float], RunObjects]:

@@ -152,7 +152,15 @@ def run_task(task: Task, cfg: DictConfig) -> tuple[dict[str, float], Any]:
 
 
 # what Hydra and the task write into a run dir before anything runs
-_START_FILES = {".hydra", "config_tree.log", "train.log", "eval.log", "predict.log", "debug.log"}
+_START_FILES = {
+    ".hydra",
+    "config_tree.log",
+    "train.log",
+    "eval.log",
+    "predict.log",
+    "export.log",
+    "debug.log",
+}
 
 
 @rank_zero_only

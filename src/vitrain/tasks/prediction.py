@@ -12,8 +12,6 @@ from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
-import hydra
-import lightning as L
 import torch
 from omegaconf import DictConfig, OmegaConf
 from rich.table import Table
@@ -22,7 +20,7 @@ from vitrain.checkpoints import CheckpointError
 from vitrain.data.readers.image_folders import IMAGE_SUFFIXES, class_files, find_unreadable
 from vitrain.errors import DataError, UserError
 from vitrain.tasks.build import RunObjects, build_trainer
-from vitrain.tasks.evaluation import checkpoint_model, print_titled, read_checkpoint
+from vitrain.tasks.evaluation import checkpoint_model, preprocessing_of, print_titled, read_checkpoint
 from vitrain.utils.atomic import write_atomic
 
 log = logging.getLogger(__name__)
@@ -106,12 +104,7 @@ def predict(cfg: DictConfig) -> tuple[dict[str, float], RunObjects]:
         raise CheckpointError(f"{path} names no classes: it was not written by src/train.py")
     model = checkpoint_model(checkpoint, path, run_cfg, list(classes), str(cfg.ckpt_path))
     model.predict_top_k = top_k
-    # the datamodule for its preprocessing only: its data is not read
-    datamodule: L.LightningDataModule = hydra.utils.instantiate(run_cfg.datamodule)
-    datamodule.set_input_spec(**model.input_spec)
-    trained = checkpoint.get(type(datamodule).__qualname__)
-    if isinstance(trained, dict):
-        datamodule.follow_checkpoint(trained)
+    datamodule = preprocessing_of(checkpoint, run_cfg, model)
     workers = cfg.get("num_workers")
     if workers is None:
         workers = max(0, min(MAX_AUTO_WORKERS, len(os.sched_getaffinity(0)) - 1, len(paths) // batch_size))

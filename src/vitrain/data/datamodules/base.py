@@ -31,6 +31,7 @@ from vitrain.data.loaders import (
     TensorImageDataset,
     passthrough_collate,
 )
+from vitrain.data.readers.decode import decode_square
 from vitrain.data.sampling import make_sampler, partial_pass_note, per_process_batch
 from vitrain.data.transforms import decode_file, on_tensors, timm_transform
 from vitrain.errors import DataError
@@ -600,11 +601,46 @@ class ImageDataModule(LightningDataModule):
 
     # --- prediction (src/predict.py) --------------------------------------------------------------------
 
+    def held_size(self) -> int | None:
+        """Side of the square uint8 images this data holds in memory, which the device resizes to the model's
+        input; None: decoded from files or shards at the model's input size (timm's evaluation transform)."""
+        return None
+
     def eval_decoder(self) -> Callable[[str], torch.Tensor]:
         """An image file in the form the evaluation splits hand their images to the device (uint8 [3,H,W]),
         for src/predict.py: a photo is then resized and normalised by `device_transform` as the test images
-        were. Here: the loader workers' evaluation transform (timm's resize and center crop)."""
-        return partial(decode_file, self.worker_transform(train=False))
+        were. Held in memory: decoded as the held images were (shorter side to `held_size`, center crop);
+        else the loader workers' evaluation transform (timm's resize and center crop)."""
+        size = self.held_size()
+        if size is None:
+            return partial(decode_file, self.worker_transform(train=False))
+        return partial(decode_square, size=size, resample=self.resample())
+
+    def timm_data_config(self) -> tuple[dict[str, Any], str | None]:
+        """timm's data config of the evaluation preprocessing (`timm.data.create_transform(**config)`), for a
+        model exported to timm (src/export.py), and what it cannot say (None: nothing). From files or shards
+        it is the transform evaluation runs; held in memory, a photo's shorter side resized to the input size
+        and a center crop, which is evaluation's when the images are held at the input size."""
+        from timm.data import DEFAULT_CROP_PCT
+
+        size, held = self.img_size, self.held_size()
+        config = {
+            "input_size": (3, size, size),
+            "interpolation": self._spec.get("interpolation") or "bilinear",
+            "mean": tuple(self.mean),
+            "std": tuple(self.std),
+            "crop_pct": 1.0 if held is not None else (self._spec.get("crop_pct") or DEFAULT_CROP_PCT),
+            "crop_mode": "center",
+        }
+        caveat = None
+        if held is not None and held != size:
+            caveat = (
+                f"the model learnt from images held at {held}x{held} px and resized to {size} px on the device; "
+                f"timm's transform from the exported config resizes a photo straight to {size} px"
+                f"{' (sharper than the training images)' if held < size else ''}: src/predict.py preprocesses "
+                "as the training did"
+            )
+        return config, caveat
 
     def follow_checkpoint(self, state: dict[str, Any]) -> None:
         """Take what the training run's `state_dict` recorded about how it held its images (none here)."""

@@ -4,15 +4,9 @@ does splits, sampling, loaders and the transform). Finding, decoding and caching
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from functools import partial
-
-from torch import Tensor
-
 from vitrain.data.datamodules.in_memory import InMemoryDataModule
 from vitrain.data.readers.cifar import load_cifar
 from vitrain.data.readers.cifar_spec import CIFAR10, CIFAR10_CLASSES, CIFAR100, CifarSpec, Decoded
-from vitrain.data.readers.decode import decode_square
 
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR10_STD = (0.2470, 0.2435, 0.2616)
@@ -34,9 +28,9 @@ class CIFAR10DataModule(InMemoryDataModule):
         hp = self.hparams
         return load_cifar(hp.data_dir, hp.cache_dir, self.dataset, download=hp.download)
 
-    def eval_decoder(self) -> Callable[[str], Tensor]:
-        """A photo as CIFAR holds its images: shorter side to 32 px, center crop (a 32x32 file as it is)."""
-        return partial(decode_square, size=NATIVE_SIZE, resample=self.resample())
+    def held_size(self) -> int:
+        """CIFAR's images are 32x32: a photo is brought to that (shorter side, center crop) for prediction."""
+        return NATIVE_SIZE
 
 
 class CIFAR100DataModule(CIFAR10DataModule):

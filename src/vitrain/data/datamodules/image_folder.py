@@ -28,8 +28,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
-from collections.abc import Callable, Sequence
-from functools import partial
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -289,12 +288,8 @@ class ImageFolderDataModule(ImageDataModule):
             held = bool(state["in_memory"])
             self._plan = in_memory.MemoryPlan(held, "in memory" if held else "from disk")
 
-    def eval_decoder(self) -> Callable[[str], Tensor]:
-        """In memory: decoded as the held images were (shorter side to `memory_size`, center crop), then
-        resized on the device as they were; from disk: the workers' evaluation transform."""
-        if not self.memory_plan().in_memory:
-            return super().eval_decoder()
-        return partial(in_memory.decode_square, size=self.memory_size, resample=self.resample())
+    def held_size(self) -> int | None:
+        return self.memory_size if self.memory_plan().in_memory else None
 
     def _batch_padding(self) -> int:
         # CIFAR-10's 4 px at 32 px: an eighth of the side
