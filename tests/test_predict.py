@@ -133,3 +133,36 @@ def test_what_the_run_finds_wrong_is_one_line(tiny_checkpoint: Path, tiny_cifar:
     for overrides, message in cases:
         code, err = fails_in_process("predict", [f"ckpt_path={last}", *overrides], tmp_path / "run")
         assert code == 2 and err.startswith(message), (overrides, err)
+
+
+def test_many_classes_print_the_ends_not_a_thousand_rows(capsys: pytest.CaptureFixture):
+    """ImageNet's 1000 classes: eval.py prints the 15 worst and 15 best classes (metrics.json has all),
+    predict.py the 30 most predicted and a count of the rest (the CSV has every file); a few classes: all."""
+    from collections import Counter
+
+    from vitrain.tasks.evaluation import print_per_class
+    from vitrain.tasks.prediction import print_counts
+
+    names = [f"n{i:04d}" for i in range(1000)]
+    accuracy = {name: (i % 100) / 100 for i, name in enumerate(names)}
+    print_per_class(accuracy, dict.fromkeys(names, 50), "test accuracy per class")
+    out = capsys.readouterr().out
+    assert (
+        "test accuracy per class: the 15 worst and the 15 best of 1000 (metrics.json has every class)" in out
+    )
+    shown = [line.split("│")[1].strip() for line in out.splitlines() if line.startswith("│")]
+    worst = [*names[0:1000:100], *names[1:500:100]]  # accuracy 0.00 (ten), then 0.01 by name
+    best = [*names[598:1000:100], *names[99:1000:100]]  # 0.98 (the last five by name), then 0.99 (ten)
+    assert shown == [*worst, "...", *best]
+    print_counts(Counter({name: i + 1 for i, name in enumerate(names[:50])}), "50 classes")
+    out = capsys.readouterr().out
+    rows = [line.split("│")[1:3] for line in out.splitlines() if line.startswith("│")]
+    assert len(rows) == 31 and rows[0][0].strip() == "n0049" and rows[-1][0].strip() == "... 20 more classes"
+    assert int(rows[-1][1]) == sum(range(1, 21))
+    print_per_class({"a": 0.5, "b": 1.0}, {"a": 2, "b": 2}, "two")
+    assert [
+        ln.split("│")[1].strip() for ln in capsys.readouterr().out.splitlines() if ln.startswith("│")
+    ] == [
+        "a",
+        "b",
+    ]

@@ -84,13 +84,28 @@ def print_table(metrics: dict[str, float], title: str) -> None:
     print_titled(title, table)
 
 
+#: classes shown on the console at most: more (ImageNet's 1000) show the worst and best half of this each
+CLASSES_SHOWN = 30
+
+
 def print_per_class(accuracy: dict[str, float], images: dict[str, int], title: str) -> None:
+    """Every class in label order; of many classes the worst and the best (metrics.json has all)."""
     table = Table()
     table.add_column("class")
     table.add_column("accuracy", justify="right")
     table.add_column("images", justify="right")
-    for name in accuracy:
-        table.add_row(name, f"{accuracy[name]:.4f}", str(images[name]))
+
+    def row(name: str) -> tuple[str, str, str]:
+        return name, f"{accuracy[name]:.4f}", str(images[name])
+
+    rows = [row(name) for name in accuracy]
+    if len(rows) > CLASSES_SHOWN:
+        ranked = sorted(accuracy, key=lambda name: (accuracy[name], name))
+        half = CLASSES_SHOWN // 2
+        title += f": the {half} worst and the {half} best of {len(rows)} (metrics.json has every class)"
+        rows = [*map(row, ranked[:half]), ("...", "", ""), *map(row, ranked[-half:])]
+    for cells in rows:
+        table.add_row(*cells)
     print_titled(title, table)
 
 

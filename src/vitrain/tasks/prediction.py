@@ -20,7 +20,13 @@ from vitrain.checkpoints import CheckpointError
 from vitrain.data.readers.image_folders import IMAGE_SUFFIXES, class_files, find_unreadable
 from vitrain.errors import DataError, UserError
 from vitrain.tasks.build import RunObjects, build_trainer
-from vitrain.tasks.evaluation import checkpoint_model, preprocessing_of, print_titled, read_checkpoint
+from vitrain.tasks.evaluation import (
+    CLASSES_SHOWN,
+    checkpoint_model,
+    preprocessing_of,
+    print_titled,
+    read_checkpoint,
+)
 from vitrain.utils.atomic import write_atomic
 
 log = logging.getLogger(__name__)
@@ -152,9 +158,13 @@ def write_predictions(
 
 
 def print_counts(counts: Counter, title: str) -> None:
+    """Images per predicted class, most first; of many classes the first CLASSES_SHOWN (the CSV has all)."""
     table = Table()
     table.add_column("class")
     table.add_column("images", justify="right")
-    for name, n in counts.most_common():
+    for name, n in counts.most_common(CLASSES_SHOWN):
         table.add_row(name, str(n))
+    if len(counts) > CLASSES_SHOWN:
+        rest = counts.most_common()[CLASSES_SHOWN:]
+        table.add_row(f"... {len(rest)} more classes", str(sum(n for _, n in rest)))
     print_titled(title, table)
