@@ -21,6 +21,7 @@ from pathlib import Path
 
 import lightning as L
 import pytest
+import timm
 import torch
 from PIL import Image
 
@@ -40,6 +41,7 @@ from vitrain.data.datamodules import image_folder
 from vitrain.data.datamodules.image_folder import ImageFolderDataModule
 from vitrain.data.gpu_decode import EncodedBatch, GpuDecoder
 from vitrain.errors import DataError
+from vitrain.tasks.export import export_model
 from vitrain.tasks.training import train
 
 CLASSES = ("bird", "cat", "ship")  # a subset of CIFAR-10's, in label order
@@ -165,6 +167,27 @@ def test_trains_one_process_then_eval_per_class(photos: Path, tmp_path: Path, ca
     assert_predicted_as_evaluated(rows, objects.model, dm, images, files)
     hits = sum(Path(row["file"]).parent.name == row["class"] for row in rows)
     assert hits / len(rows) == pytest.approx(evaluated["val/acc1"], abs=1e-6)
+    # src/export.py: timm's transform from the exported config is the workers' evaluation transform (timm's
+    # own, run here on tensors: pixels within 2 levels), so timm alone classifies the photos as predict.py
+    _, folder = export_model(
+        compose_cfg("export", [f"ckpt_path={last}", "extras.print_config=false"], tmp_path / "x")
+    )
+    rebuilt = timm.create_model(f"local-dir:{folder}", pretrained=True).eval()
+    config = timm.data.resolve_data_config({}, model=rebuilt)
+    assert (config["input_size"], config["crop_pct"], config["interpolation"]) == (
+        (3, dm.img_size, dm.img_size),
+        dm._spec["crop_pct"],
+        dm._spec["interpolation"],
+    )
+    transform = timm.data.create_transform(**config)
+    with torch.no_grad():
+        probabilities = rebuilt(
+            torch.stack([transform(Image.open(f).convert("RGB")) for f in files])
+        ).softmax(-1)
+    assert [CLASSES[i] for i in probabilities.argmax(-1)] == [row["class"] for row in rows]
+    assert probabilities.max(-1).values.tolist() == pytest.approx(
+        [float(r["probability"]) for r in rows], abs=0.01
+    )
 
     other = tmp_path / "other"
     shutil.copytree(photos, other)
