@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from PIL import Image
 
 from helpers import PYTHON, RANK_VARS, ROOT, fails_in_process, run_cli, tiny_overrides
 from vitrain.checkpoints import state_dict_mismatch
@@ -105,6 +106,24 @@ def test_pretrained_download_offline_says_how_to_go_on(tmp_path: Path, tiny_cifa
 def test_eval_checkpoint_that_does_not_exist(tmp_path: Path):
     done = fails_in_process("eval", [f"ckpt_path={tmp_path}/missing.ckpt"], tmp_path / "run")
     _assert_one_line_exit_2(done, "missing.ckpt does not exist")
+
+
+def test_a_run_dir_given_for_a_checkpoint_names_its_checkpoints(tmp_path: Path):
+    """`ckpt_path=logs/train/runs/<run>` (or its checkpoints/ folder) instead of a checkpoint: the one line says
+    which checkpoints are there to give."""
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    for name in ("epoch003-acc0.8100.ckpt", "last.ckpt"):
+        (tmp_path / "run" / "checkpoints" / name).write_bytes(b"")
+    photo = tmp_path / "photo.png"
+    Image.new("RGB", (8, 8)).save(photo)
+    for given in (tmp_path / "run", tmp_path / "run" / "checkpoints"):
+        done = fails_in_process("predict", [f"ckpt_path={given}", f"inputs={photo}"], tmp_path / "out")
+        _assert_one_line_exit_2(
+            done,
+            f"{given} is a folder but not a sharded checkpoint (no .metadata file): give one of its checkpoints, "
+            f"e.g. ckpt_path={tmp_path / 'run' / 'checkpoints' / 'last.ckpt'} (the others there: "
+            "epoch003-acc0.8100.ckpt)",
+        )
 
 
 def test_eval_without_a_checkpoint_or_with_one_that_is_none(tmp_path: Path, capsys):

@@ -179,6 +179,23 @@ def wait_for_writes(trainer: L.Trainer) -> None:
         io_plugin.wait()
 
 
+def checkpoints_in(folder: Path) -> str:
+    """`: give one of its checkpoints, e.g. ckpt_path=<folder>/checkpoints/last.ckpt (others: ...)` for a run
+    directory or its checkpoints/ folder given where a checkpoint is asked for; '' when it holds none."""
+    for where in (folder, folder / "checkpoints"):
+        found = sorted(p for p in where.glob("*.ckpt")) if where.is_dir() else []
+        if found:
+            first = next((p for p in found if p.name == "last.ckpt"), found[-1])
+            others = [p.name for p in found if p != first]
+            rest = (
+                f" (the others there: {', '.join(others[:5])}{', ...' if len(others) > 5 else ''})"
+                if others
+                else ""
+            )
+            return f": give one of its checkpoints, e.g. ckpt_path={first}{rest}"
+    return ""
+
+
 def load(path: Path) -> dict[str, Any]:
     """The whole checkpoint as one dict on CPU; a sharded folder is consolidated in memory.
 
@@ -188,7 +205,9 @@ def load(path: Path) -> dict[str, Any]:
     try:
         if path.is_dir():
             if not (path / ".metadata").is_file():
-                raise CheckpointError(f"{path} is a folder but not a sharded checkpoint (no .metadata file)")
+                raise CheckpointError(
+                    f"{path} is a folder but not a sharded checkpoint (no .metadata file){checkpoints_in(path)}"
+                )
             return _load_sharded(path)
         return torch.load(path, map_location="cpu", weights_only=True)
     except CheckpointError:
