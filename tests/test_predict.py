@@ -5,6 +5,7 @@ checked beside their training runs in tests/test_image_folder.py and tests/test_
 from __future__ import annotations
 
 import csv
+import json
 import shutil
 from pathlib import Path
 
@@ -33,15 +34,18 @@ def test_cifar_checkpoint_classifies_files_as_it_evaluates(
     assert_predicted_as_evaluated(rows, objects.model, dm, dm.test_set.x, files)
     hits = sum(Path(row["file"]).parent.name == row["class"] for row in rows)
     assert hits / len(rows) == pytest.approx(evaluated["test/acc1"], abs=1e-6)
-    assert list(rows[0]) == [
-        "file",
-        "class",
-        "probability",
-        "class_2",
-        "probability_2",
-        "class_3",
-        "probability_3",
-    ]
+    # test/ is a folder of class folders: each file is labelled by its folder, and scored as eval.py scores
+    header = ["file", "class", "probability", "class_2", "probability_2", "class_3", "probability_3", "label"]
+    assert list(rows[0]) == header and all(Path(r["file"]).parent.name == r["label"] for r in rows)
+    scored = json.loads((tmp_path / "predict" / "metrics.json").read_text())
+    assert (
+        scored["acc1"] == pytest.approx(evaluated["test/acc1"], abs=1e-6) and "acc5" not in scored
+    )  # top_k=3
+    assert scored["per_class_acc"] == pytest.approx(objects.per_class_acc, abs=1e-6)
+    assert scored["per_class_images"] == objects.per_class_images
+    predicted(last, tiny_cifar / "test", tmp_path / "top5")  # top_k=5, the default: top-5 accuracy too
+    scored = json.loads((tmp_path / "top5" / "metrics.json").read_text())
+    assert scored["acc5"] == pytest.approx(evaluated["test/acc5"], abs=1e-6)
     for row in rows:
         probabilities = [float(row[k]) for k in ("probability", "probability_2", "probability_3")]
         assert probabilities == sorted(probabilities, reverse=True) and sum(probabilities) <= 1 + 1e-5

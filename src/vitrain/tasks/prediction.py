@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 import logging
 import os
 from collections import Counter
@@ -24,6 +25,8 @@ from vitrain.tasks.evaluation import (
     CLASSES_SHOWN,
     checkpoint_model,
     preprocessing_of,
+    print_per_class,
+    print_table,
     print_titled,
     read_checkpoint,
 )
@@ -126,13 +129,60 @@ def predict(cfg: DictConfig) -> tuple[dict[str, float], RunObjects]:
     positions, probabilities, indices = (torch.cat(parts) for parts in zip(*batches, strict=True))
     order = positions.argsort()
     probabilities, indices = probabilities[order], indices[order]
+    labels = folder_labels(inputs, paths, list(classes))
     out = Path(str(cfg.output)) if cfg.get("output") else Path(cfg.paths.output_dir) / "predictions.csv"
-    write_predictions(out, paths, list(classes), probabilities.tolist(), indices.tolist())
+    write_predictions(out, paths, list(classes), probabilities.tolist(), indices.tolist(), labels)
     counts = Counter(classes[row[0]] for row in indices.tolist())
     print_counts(counts, f"{len(paths)} images classified by {cfg.ckpt_path}")
     log.info(f"Predictions written to {out}")
     objects = RunObjects(cfg, datamodule, model, [], [], trainer, checkpoint_path=path)
-    return {"images": float(len(paths))}, objects
+    metrics = {"images": float(len(paths))}
+    if labels is not None:
+        metrics.update(score(cfg, list(classes), indices, labels, objects))
+    return metrics, objects
+
+
+def folder_labels(inputs: str | Sequence[str], paths: list[str], classes: list[str]) -> list[int] | None:
+    """The label of every file when `inputs` is one folder of class folders named as the checkpoint's classes
+    (a labelled set: `new_photos/<class>/...`): the class of its first folder under `inputs`. None when any
+    sub-folder is not a class name or a file lies outside them: the files are not all labelled."""
+    if not isinstance(inputs, str) or not Path(inputs).expanduser().is_dir():
+        return None
+    root = Path(inputs).expanduser()
+    folders = {p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")}
+    if not folders or not folders <= set(classes):
+        return None
+    index = {name: i for i, name in enumerate(classes)}
+    parts = [Path(path).relative_to(root).parts for path in paths]
+    if any(len(p) < 2 for p in parts):
+        return None
+    return [index[p[0]] for p in parts]
+
+
+def score(
+    cfg: DictConfig, classes: list[str], indices: torch.Tensor, labels: list[int], objects: RunObjects
+) -> dict[str, float]:
+    """Accuracy of files labelled by their class folders (top-1, and top-5 for 5 classes or more unless
+    top_k < 5), per class as eval.py prints it; metrics.json in the run dir."""
+    truth = torch.tensor(labels)
+    hits = (indices[:, 0] == truth).float()
+    metrics = {"acc1": hits.mean().item()}
+    if len(classes) >= 5 and indices.shape[1] >= 5:  # as the model's own metrics: of 5 classes or more
+        metrics["acc5"] = (indices[:, :5] == truth[:, None]).any(1).float().mean().item()
+    images = torch.bincount(truth, minlength=len(classes))
+    correct = torch.bincount(truth, weights=hits, minlength=len(classes))
+    present = [i for i in range(len(classes)) if images[i] > 0]
+    objects.per_class_acc = {classes[i]: (correct[i] / images[i]).item() for i in present}
+    objects.per_class_images = {classes[i]: int(images[i]) for i in present}
+    title = f"{len(labels)} files labelled by their class folders"
+    print_table(metrics, f"{title}: accuracy of {cfg.ckpt_path}")
+    print_per_class(objects.per_class_acc, objects.per_class_images, f"{title}: accuracy per class")
+    written = Path(cfg.paths.output_dir) / "metrics.json"
+    summary = {"ckpt_path": str(cfg.ckpt_path), "inputs": str(cfg.inputs), **metrics}
+    summary |= {"per_class_acc": objects.per_class_acc, "per_class_images": objects.per_class_images}
+    write_atomic(written, json.dumps(summary, indent=2))
+    log.info(f"Metrics of the labelled files written to {written}")
+    return metrics
 
 
 def write_predictions(
@@ -141,19 +191,20 @@ def write_predictions(
     classes: list[str],
     probabilities: list[list[float]],
     indices: list[list[int]],
+    labels: list[int] | None = None,
 ) -> None:
     """One row per file: `file, class, probability` of the most probable class, then `class_2,
-    probability_2`, ... for the next ones; written whole or not at all (`write_atomic`)."""
+    probability_2`, ... for the next ones, and `label` (the class folder) for labelled files; written whole
+    or not at all (`write_atomic`)."""
     header = ["file", "class", "probability"]
     for rank in range(2, len(indices[0]) + 1):
         header += [f"class_{rank}", f"probability_{rank}"]
     text = io.StringIO()
     writer = csv.writer(text)
-    writer.writerow(header)
-    for file, probs, idx in zip(paths, probabilities, indices, strict=True):
-        writer.writerow(
-            [file, *(x for i, p in zip(idx, probs, strict=True) for x in (classes[i], f"{p:.6f}"))]
-        )
+    writer.writerow([*header, *(["label"] if labels is not None else [])])
+    for n, (file, probs, idx) in enumerate(zip(paths, probabilities, indices, strict=True)):
+        ranked = (x for i, p in zip(idx, probs, strict=True) for x in (classes[i], f"{p:.6f}"))
+        writer.writerow([file, *ranked, *([classes[labels[n]]] if labels is not None else [])])
     write_atomic(out, text.getvalue())
 
 
