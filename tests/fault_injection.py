@@ -61,8 +61,9 @@ class SigtermAt(Callback):
 
 class InterruptAt(Callback):
     """Ctrl-C as a terminal sends it: SIGINT to the whole process group (the DataLoader's workers too) once
-    global rank zero reaches training `step` (or test batch `test_batch`), `times` times. With `children_file`, write how many child processes
-    (the loader's workers) were alive before the signal and half a second after it."""
+    global rank zero reaches training `step` (or test batch `test_batch`), `times` times. With `children_file`,
+    write how many child processes (the loader's workers) were alive before the signal and half a second
+    after it."""
 
     def __init__(
         self,
@@ -70,8 +71,9 @@ class InterruptAt(Callback):
         times: int = 1,
         children_file: str | None = None,
         test_batch: int | None = None,
+        linger_s: float = 0.0,
     ) -> None:
-        self.step, self.times, self.test_batch = step, times, test_batch
+        self.step, self.times, self.test_batch, self.linger_s = step, times, test_batch, linger_s
         self.children_file = Path(children_file) if children_file else None
         self._sent = False
 
@@ -83,6 +85,14 @@ class InterruptAt(Callback):
         """With `test_batch`: in the test after fit, once that test batch (its index) is done."""
         if args[-1] == self.test_batch:
             self._interrupt(trainer)
+
+    def on_exception(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
+    ) -> None:
+        """With `linger_s`, global rank zero stays that much longer in the stop (past a look of Lightning's
+        child-process observer, every 5 s, at a rank that has exited)."""
+        if trainer.is_global_zero and self.linger_s:
+            time.sleep(self.linger_s)
 
     def _interrupt(self, trainer: L.Trainer) -> None:
         if not trainer.is_global_zero or self._sent:

@@ -56,6 +56,29 @@ def test_sigterm_two_process_ddp_saves_last_then_resumes(tmp_path: Path, tiny_ci
     assert resumed_epoch["train/loss_epoch"] == pytest.approx(alone_epoch["train/loss_epoch"], rel=1e-5)
 
 
+def test_ctrl_c_in_the_test_after_ddp_fit_writes_the_report(
+    tmp_path: Path, tiny_cifar: Path, data_cache: Path
+):
+    """Ctrl-C while two ranks test the best checkpoint: both stop, rank 0 writes the report and exits 130; rank
+    0 lingers in the stop past a look of Lightning's child-process observer at rank 1, which has exited with
+    130: it is waited for, not a reason to SIGKILL rank 0 (which then wrote no report)."""
+    overrides = [
+        *_ddp(tiny_cifar, data_cache, tmp_path),
+        "trainer.max_epochs=1",
+        "datamodule.eval_batch_size=4",
+    ]
+    fault = [
+        "+callbacks.fault._target_=fault_injection.InterruptAt",
+        "+callbacks.fault.test_batch=1",
+        "+callbacks.fault.linger_s=6",
+    ]
+    stopped = run_cli("train.py", [*overrides, *fault], env={"PYTHONPATH": TESTS})
+    assert stopped.returncode == 130, stopped.stderr[-3000:]
+    assert stopped.stderr.count("SIGINT (Ctrl-C) received: stopping the test; the training is saved") == 1
+    assert "Traceback" not in stopped.stderr and "interrupted (Ctrl-C)" not in stopped.stderr
+    assert "No test metrics: the test was stopped by SIGINT (Ctrl-C)" in (tmp_path / "report.md").read_text()
+
+
 @pytest.mark.timeout(660)
 @pytest.mark.parametrize("fault", ["KILL", "STOP"])
 def test_lost_peer_ends_the_run_within_the_timeout(

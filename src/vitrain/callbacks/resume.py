@@ -268,7 +268,8 @@ class CheckpointOnSigterm(Callback):
                 # the test after fit: the training is over and saved; the test stops at once and the task
                 # writes the report before it exits
                 self._requested = self._INTERRUPT
-                os.write(2, b"SIGINT (Ctrl-C) received: stopping the test; the training is saved\n")
+                if trainer.is_global_zero:
+                    os.write(2, b"SIGINT (Ctrl-C) received: stopping the test; the training is saved\n")
                 raise StopRequested(*self._BY[self._INTERRUPT])
             if interrupt and (self._requested or not self._fitting):
                 raise KeyboardInterrupt  # a second Ctrl-C, or one outside fit and test: at once, nothing saved
@@ -311,14 +312,17 @@ class CheckpointOnSigterm(Callback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
     ) -> None:
         self._fitting = self._testing = False
-        if not isinstance(exception, SIGTERMException) or trainer.state.fn != TrainerFn.FITTING:
+        stopping = trainer.state.fn in (TrainerFn.FITTING, TrainerFn.TESTING)
+        if not isinstance(exception, SIGTERMException) or not stopping:
             return
         # every rank exits with 143 (130 after Ctrl-C) after the stop: the ranks this process launched (none
-        # may exit before the save's barrier) are waited for at its exit instead of having Lightning's
-        # observer kill it
+        # may exit before the save's barrier, or before the report after a stopped test) are waited for at its
+        # exit instead of having Lightning's observer kill this process when the first of them exits
         launched = unwatch_launched_ranks(trainer.strategy.launcher)
         if launched:
             atexit.register(wait_for_ranks, launched)
+        if trainer.state.fn == TrainerFn.TESTING:
+            return  # the test after fit: the training is saved already
         checkpoint = trainer.checkpoint_callback
         if not isinstance(checkpoint, ModelCheckpoint) or checkpoint.dirpath is None:
             log.warning("SIGTERM: no ModelCheckpoint configured, nothing saved")
