@@ -81,6 +81,8 @@ def test_train_and_eval_cli(tmp_path: Path, tiny_cifar: Path, data_cache: Path):
     # a new interpreter, as a user's first run (the suite's other CLI runs are warm: tests/warm.py)
     done = run_cli("train.py", [*overrides, "trainer.max_epochs=2", f"hydra.run.dir={run_dir}"], fresh=True)
     assert done.returncode == 0, done.stderr[-3000:]
+    # Lightning's hint to prefix srun, outside any SLURM job (CI installs SLURM's client: srun is there)
+    assert "`srun` command is available" not in done.stderr
     assert (run_dir / "config_tree.log").is_file() and "model_name" in (
         run_dir / "config_tree.log"
     ).read_text()

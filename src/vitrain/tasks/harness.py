@@ -107,6 +107,12 @@ def run_task(task: Task, cfg: DictConfig) -> tuple[dict[str, float], Any]:
         message=r"torch\.distributed\.nn\.functional\.all_gather is deprecated",
         category=FutureWarning,
     )
+    if "SLURM_JOB_ID" not in os.environ:
+        # Lightning's hint to put `srun` before the command, on every run of any machine with SLURM's client
+        # installed: outside a SLURM job there is nothing to put it before (srun needs an allocation)
+        warnings.filterwarnings(
+            "ignore", message=r"The `srun` command is available on your system but is not used"
+        )
     if extras.get("retain_freed_memory", True):
         retain_freed_memory()
     freeze_startup_heap()
