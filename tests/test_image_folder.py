@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import os
 import re
 import shutil
 import tarfile
@@ -320,9 +321,10 @@ def test_albums_and_other_formats_are_read_and_the_rest_is_counted(photos: Path,
     assert image.dtype == torch.uint8 and image.shape == (3, 20, 20) and image.max() > 200
 
 
-def test_a_zip_of_photos_is_unpacked_once(photos: Path, tmp_path: Path):
+def test_a_zip_of_photos_is_unpacked_once(photos: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture):
     """A .zip (what a photo export or Kaggle gives), with a member that points outside the folder: unpacked
-    once into the cache, nothing written outside it; a damaged .zip is one line."""
+    once into the cache, nothing written outside it; copied again, unpacked again with the older unpack
+    named; a damaged .zip is one line."""
     archive = tmp_path / "mine.zip"
     with zipfile.ZipFile(archive, "w") as zf:
         for f in sorted(photos.rglob("*")):
@@ -340,6 +342,13 @@ def test_a_zip_of_photos_is_unpacked_once(photos: Path, tmp_path: Path):
     )
     ImageFolderDataModule(str(archive), str(cache), batch_size=4, in_memory=False).setup("fit")
     assert list((cache / "unpacked").iterdir()) == [unpacked]  # once
+    # copied again (a new mtime): unpacked anew, and the older unpack named, not removed (a run may read it)
+    os.utime(archive, (archive.stat().st_atime, archive.stat().st_mtime + 60))
+    with caplog.at_level(logging.WARNING):
+        ImageFolderDataModule(str(archive), str(cache), batch_size=4, in_memory=False).setup("fit")
+    assert len(list((cache / "unpacked").iterdir())) == 2 and unpacked.is_dir()
+    [note] = [r.getMessage() for r in caplog.records if "has changed since it was unpacked" in r.getMessage()]
+    assert f"the older unpack(s) {unpacked} can be removed once no run reads them" in note
     archive.write_bytes(archive.read_bytes()[:2000])
     with pytest.raises(DataError, match=r"cannot unpack .*mine.zip .*truncated or corrupted"):
         ImageFolderDataModule(str(archive), str(tmp_path / "cache2"), batch_size=4).setup("fit")

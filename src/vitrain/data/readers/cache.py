@@ -20,6 +20,8 @@ from vitrain.errors import DataError
 log = logging.getLogger(__name__)
 
 ARCHIVE_SUFFIXES = (".tar.gz", ".tgz", ".tar", ".zip")
+#: in each unpacked folder, the archive it came from: the unpack of a changed archive names the older ones
+SOURCE_FILE = ".vitrain-archive"
 # bump when the decoded file's content changes, so old caches are not mistaken for new ones
 CACHE_FORMAT = 1
 
@@ -53,12 +55,27 @@ def unpack_archive(archive: Path, unpack_root: Path) -> Path:
     except BaseException:  # Ctrl-C during a long unpack: no hidden half copy left taking the disk
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    source = str(archive.absolute())
+    (tmp / SOURCE_FILE).write_text(source)
     try:
         tmp.rename(target)
     except OSError:  # another process finished the same unpack first
         shutil.rmtree(tmp, ignore_errors=True)
         if not target.is_dir():
             raise
+        return target
+    older = [
+        p
+        for p in sorted(unpack_root.glob(f"{name}-*"))
+        if p != target and (p / SOURCE_FILE).is_file() and (p / SOURCE_FILE).read_text() == source
+    ]
+    if older:
+        # not removed here: a run started before the archive changed may still read it
+        log.warning(
+            "%s has changed since it was unpacked before (its size or time): the older unpack(s) %s can be "
+            "removed once no run reads them",
+            archive, ", ".join(map(str, older)),
+        )  # fmt: skip
     return target
 
 
