@@ -205,7 +205,9 @@ def test_ops_per_batch_do_not_grow_with_the_batch():
             images = _images([shapes[k % len(shapes)] for k in range(n)], seed=n)
             boxes = torch.tensor([rrc_box(*img.shape[-2:], g) for img in images])
             flips = torch.rand(n, generator=g) < 0.5
-            decoder.decode = lambda blobs, images=images: images  # the decode is per image (nvJPEG: one call)
+            decoder.decode = lambda blobs, orientations=None, images=images: (
+                images
+            )  # per image (nvJPEG: one call)
 
             def call(images=images, boxes=boxes, flips=flips):
                 return decoder(images, train=True, boxes=boxes, flips=flips)

@@ -21,6 +21,7 @@ import zipfile
 from pathlib import Path
 
 import lightning as L
+import numpy as np
 import pytest
 import timm
 import torch
@@ -259,6 +260,48 @@ def test_ctrl_c_saves_last_and_reports_and_a_second_one_stops_at_once(photos: Pa
         "No test metrics: the test was stopped by SIGINT (Ctrl-C); test the checkpoint with "
         f"`python src/eval.py ckpt_path={best}`."
     ) in (tested / "report.md").read_text()
+
+
+def test_photos_are_turned_upright_by_their_exif_orientation_on_every_path(tmp_path: Path):
+    """A phone's portrait photo is stored landscape with an EXIF orientation: every decoder reads it upright,
+    as PIL's `exif_transpose` turns it (before: as stored, sideways): the workers' tensor and PIL decoders
+    (JPEG, PNG, WebP), the in-memory decode, and the GPU decoder (run on the CPU), whose crop box the worker
+    draws in the upright image (its size from the header, no pixel decoded) and which turns nvJPEG's output."""
+    from PIL import ImageOps
+
+    from vitrain.data.gpu_decode import GpuDecoder, draw_crop, encoded_sample, resize_crops
+    from vitrain.data.readers.decode import decode_square
+    from vitrain.data.transforms import decode_pil, decode_tensor
+
+    stored = torch.randint(0, 256, (30, 50, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    photo = Image.fromarray(stored.numpy())
+    for fmt, orientation in [("JPEG", 6), ("JPEG", 8), ("JPEG", 3), ("JPEG", 1), ("PNG", 6), ("WEBP", 6)]:
+        exif = Image.Exif()
+        exif[0x0112] = orientation
+        path = tmp_path / f"o{orientation}.{fmt.lower()}"
+        photo.save(path, fmt, exif=exif, **({"lossless": True} if fmt == "WEBP" else {"quality": 95}))
+        data = path.read_bytes()
+        upright = ImageOps.exif_transpose(Image.open(path)).convert("RGB")
+        want = torch.from_numpy(np.array(upright)).permute(2, 0, 1)
+        assert want.shape[1:] == ((50, 30) if orientation in (6, 8) else (30, 50))
+        assert torch.equal(torch.from_numpy(np.array(decode_pil(data))).permute(2, 0, 1), want), (
+            fmt,
+            orientation,
+        )
+        assert (decode_tensor(data).int() - want.int()).abs().max() <= 1, (fmt, orientation)
+        # in memory: the upright photo's centred square, as for a photo saved upright
+        plain = tmp_path / f"plain{orientation}.png"
+        upright.save(plain)
+        assert torch.equal(
+            decode_square(str(path), 30, Image.BILINEAR), decode_square(str(plain), 30, Image.BILINEAR)
+        )
+        # the GPU path: the box drawn in the upright image, the decode turned upright before the crop
+        blob, box, flip, _, read = encoded_sample(data, seed=7, hflip=0.5, index=0)
+        assert read == orientation and (box, flip) == draw_crop(*want.shape[1:], 7, 0.5)
+        decoder = GpuDecoder(16, (0.5,) * 3, (0.25,) * 3, device="cpu")
+        boxes, flips = torch.tensor([box]), torch.tensor([flip])
+        got = decoder.crops([blob], boxes, flips, torch.tensor([read]))
+        assert (got - resize_crops([want], boxes, 16, flips)).abs().max() <= 1.5, (fmt, orientation)
 
 
 def test_imbalanced_classes_are_said(photos: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture):
@@ -692,8 +735,8 @@ def test_gpu_decode_boxes_are_rrc_boxes_of_the_header_size(
     with monkeypatch.context() as patch:
         patch.setattr(ImageFile.ImageFile, "load", lambda self: pytest.fail("the header read decoded pixels"))
         samples = [data[(3, i)][0] for i in range(len(data))]
-    for i, (blob, box, flip, index) in enumerate(samples):
-        assert index == i
+    for i, (blob, box, flip, index, orientation) in enumerate(samples):
+        assert index == i and orientation == 1  # no EXIF here
         _, h, w = decode_image(blob).shape
         assert (box, flip) == draw_crop(h, w, sample_seed(dm.hparams.shuffle_seed, 3, i), 0.5)
     assert [s[1] for s in samples] != [data[(4, i)][0][1] for i in range(len(data))], (

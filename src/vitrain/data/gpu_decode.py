@@ -34,10 +34,16 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torchvision.io import ImageReadMode, decode_image, decode_jpeg
+from torchvision.io import ImageReadMode, decode_jpeg
 
 from vitrain.data.augment import BatchTransform, RandomAugment, to_device, to_model_input
-from vitrain.data.transforms import decode_tensor
+from vitrain.data.transforms import (
+    decode_tensor,
+    exif_orientation,
+    header_orientation,
+    orient,
+    oriented_size,
+)
 from vitrain.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -85,30 +91,34 @@ def draw_crop(h: int, w: int, seed: int, hflip: float = 0.5) -> tuple[tuple[int,
 
 def encoded_sample(
     data: bytes, seed: int, hflip: float, index: int
-) -> tuple[Tensor, tuple[int, int, int, int], bool, int]:
+) -> tuple[Tensor, tuple[int, int, int, int], bool, int, int]:
     """A training sample for the GPU decoder, made in a loader worker: the encoded bytes as a uint8 tensor,
-    with the crop box and flip of `draw_crop(h, w, seed, hflip)`, (h, w) read from the image's header (PIL
-    parses it; no pixel is decoded here), and the sample's `index` in its dataset (to name it should its
-    pixels not decode). Bytes PIL cannot identify raise PIL's error: the caller names the sample."""
+    with the crop box and flip of `draw_crop(h, w, seed, hflip)`, (h, w) the upright size read from the
+    image's header (PIL parses it, with the EXIF orientation, which nvJPEG does not apply: the decoder turns
+    the image with it; no pixel is decoded here), the sample's `index` in its dataset (to name it should its
+    pixels not decode), and the orientation. Bytes PIL cannot identify raise PIL's error: the caller names
+    the sample."""
     from PIL import Image
 
     with Image.open(io.BytesIO(data)) as img:
         w, h = img.size
-    box, flip = draw_crop(h, w, seed, hflip)
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8), box, flip, index
+        orientation = header_orientation(img)
+    box, flip = draw_crop(*oriented_size(h, w, orientation), seed, hflip)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8), box, flip, index, orientation
 
 
 class EncodedBatch(NamedTuple):
     """A training batch for the GPU decoder as loader workers hand it over: the encoded images packed into
     one uint8 buffer (one shared-memory block and one pinned copy per batch, not one per image), their byte
-    lengths, the crop box (top, left, height, width) and flip drawn for each, and each one's index in its
-    dataset."""
+    lengths, the crop box (top, left, height, width, in the upright image) and flip drawn for each, each
+    one's index in its dataset and its EXIF orientation."""
 
     data: Tensor  # uint8 [sum of lengths]
     lengths: Tensor  # int64 [B]
     boxes: Tensor  # int64 [B,4]
     flips: Tensor  # bool [B]
     indices: Tensor  # int64 [B]
+    orientations: Tensor  # int64 [B]: EXIF, 1 (as stored) to 8
 
     def blobs(self) -> list[Tensor]:
         """Each image's bytes: views into `data`, no copy."""
@@ -116,18 +126,19 @@ class EncodedBatch(NamedTuple):
 
 
 def collate_encoded(
-    batch: list[tuple[tuple[Tensor, tuple[int, ...], bool, int], int]],
+    batch: list[tuple[tuple[Tensor, tuple[int, ...], bool, int, int], int]],
 ) -> tuple[EncodedBatch, Tensor]:
-    """((bytes, box, flip, index), label) samples -> (EncodedBatch, labels); module-level so workers can
+    """((bytes, box, flip, index, orientation), label) samples -> (EncodedBatch, labels); module-level so workers can
     pickle it."""
     samples, labels = zip(*batch, strict=True)
-    data, boxes, flips, indices = zip(*samples, strict=True)
+    data, boxes, flips, indices, orientations = zip(*samples, strict=True)
     encoded = EncodedBatch(
         torch.cat(data),
         torch.tensor([len(d) for d in data], dtype=torch.long),
         torch.tensor(boxes, dtype=torch.long),
         torch.tensor(flips, dtype=torch.bool),
         torch.tensor(indices, dtype=torch.long),
+        torch.tensor(orientations, dtype=torch.long),
     )
     return encoded, torch.tensor(labels, dtype=torch.long)
 
@@ -155,7 +166,7 @@ def crop_batch(
     """`decode_batch` up to the crops (decoded, cropped, resized, flipped; float 0-255): the part that draws
     nothing, which a thread of its own may run ahead (vitrain/data/decode_ahead.py)."""
     try:
-        return decoder.crops(batch.blobs(), batch.boxes, batch.flips)
+        return decoder.crops(batch.blobs(), batch.boxes, batch.flips, batch.orientations)
     except UndecodableImage as err:
         raise undecodable(int(batch.indices[err.position]), err.reason) from None
 
@@ -325,7 +336,10 @@ class GpuDecoder:
                 re_prob=float(re_prob),
             )  # fmt: skip
 
-    def decode(self, blobs: list[Tensor]) -> list[Tensor]:
+    def decode(self, blobs: list[Tensor], orientations: Tensor | None = None) -> list[Tensor]:
+        """Each image decoded on the device, upright: turned by the EXIF orientation the workers read from its
+        header (`orientations`; None: read here), which nvJPEG does not apply (a PNG's tag behind its pixels,
+        which only a full decode finds, is left: the CPU path's torchvision applies it)."""
         jpeg = [i for i, b in enumerate(blobs) if is_jpeg(b)]
         out: list[Tensor | None] = [None] * len(blobs)
         with warnings.catch_warnings():
@@ -340,18 +354,16 @@ class GpuDecoder:
                 for i, img in zip(jpeg, decoded, strict=True):
                     out[i] = img
             for i, blob in enumerate(blobs):
-                if out[i] is None:  # PNG, WebP, GIF by torchvision; the rest as the CPU path decodes it
+                if out[i] is None:  # PNG, WebP, GIF by torchvision, the rest by PIL, as the CPU path decodes
                     try:
-                        image = decode_image(blob, mode=ImageReadMode.RGB)  # no copy of the bytes
-                    except RuntimeError:
-                        image = None
-                    if image is None or image.dtype != torch.uint8:  # BMP, TIFF; a 16-bit PNG (uint16)
-                        try:
-                            image = decode_tensor(blob.numpy().tobytes())
-                        except (RuntimeError, OSError, ValueError) as err:  # PIL's UnidentifiedImageError
-                            raise UndecodableImage(i, _reason(err)) from None
-                    out[i] = to_device(image[0] if image.ndim == 4 else image, self.device)  # a GIF: frame 0
-        return out  # type: ignore[return-value]
+                        image = decode_tensor(blob.numpy().tobytes(), upright=False)
+                    except (RuntimeError, OSError, ValueError) as err:  # PIL's UnidentifiedImageError
+                        raise UndecodableImage(i, _reason(err)) from None
+                    out[i] = to_device(image, self.device)
+        # upright by the orientation the workers read from each header (their crop boxes are in it)
+        if orientations is None:
+            orientations = torch.tensor([exif_orientation(b.numpy().tobytes()) for b in blobs])
+        return [orient(img, o) for img, o in zip(out, orientations.tolist(), strict=True)]  # type: ignore[arg-type]
 
     def _undecodable(self, blobs: list[Tensor], jpeg: list[int], err: RuntimeError) -> Exception:
         """The first image of a failed batch decode that fails alone (error path only: one decode each), or
@@ -377,10 +389,16 @@ class GpuDecoder:
             raise ValueError("training crops come with the batch: pass each image's box (encoded_sample)")
         return self.finish(self.crops(blobs, boxes, flips), train)
 
-    def crops(self, blobs: list[Tensor], boxes: Tensor | None, flips: Tensor | None = None) -> Tensor:
-        """Decoded, cropped to `boxes` (None: each image's centred square), resized, flipped: float [B,3,S,S]
-        in 0-255. Draws nothing."""
-        images = self.decode(blobs)
+    def crops(
+        self,
+        blobs: list[Tensor],
+        boxes: Tensor | None,
+        flips: Tensor | None = None,
+        orientations: Tensor | None = None,
+    ) -> Tensor:
+        """Decoded upright, cropped to `boxes` (None: each image's centred square), resized, flipped: float
+        [B,3,S,S] in 0-255. Draws nothing."""
+        images = self.decode(blobs, orientations)
         if boxes is None:
             boxes = torch.tensor([centred_square(*img.shape[-2:]) for img in images])
         return resize_crops(images, boxes, self.img_size, flips)

@@ -124,28 +124,96 @@ def posterize_to_zero_bits(transform: Any) -> None:
                 aug.aug_fn = _posterize
 
 
-def decode_pil(data: bytes) -> Any:
-    """Encoded bytes -> RGB PIL image (grayscale, palette, RGBA and CMYK converted)."""
+#: the EXIF tag of how a camera held the picture (1: as stored; 6: rotated a quarter turn, a portrait photo)
+EXIF_ORIENTATION = 0x0112
+
+
+def exif_orientation(data: bytes) -> int:
+    """The EXIF orientation (1-8) in an image's header, 1 when there is none (`header_orientation`)."""
     from PIL import Image
 
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            return header_orientation(img)
+    except Exception:  # PIL raises many types for bytes it cannot parse: the decoders name such files
+        return 1
+
+
+def header_orientation(img: Any) -> int:
+    """The EXIF orientation of an opened PIL image from what its header holds (a JPEG's APP1, a WebP's EXIF
+    chunk), no pixel decoded: PIL's `getexif` decodes a PNG to look behind its pixels for the tag."""
+    from PIL import Image
+
+    raw = img.info.get("exif")
+    if not raw:
+        return 1
+    exif = Image.Exif()
+    try:
+        exif.load(raw)
+    except Exception:  # a damaged EXIF block: the image as stored
+        return 1
+    value = exif.get(EXIF_ORIENTATION, 1)
+    return value if isinstance(value, int) and 1 <= value <= 8 else 1
+
+
+def oriented_size(h: int, w: int, orientation: int) -> tuple[int, int]:
+    """(height, width) of a stored h x w image once turned upright: a quarter turn (EXIF 5-8) swaps them."""
+    return (w, h) if orientation >= 5 else (h, w)
+
+
+def orient(image: Tensor, orientation: int) -> Tensor:
+    """A decoded image [..., H, W] turned upright by its EXIF orientation, as PIL's `ImageOps.exif_transpose`
+    turns it: 2 mirrored, 3 half a turn, 4 upside down mirrored, 5 transposed, 6 a quarter turn clockwise,
+    7 transverse, 8 a quarter turn counter-clockwise."""
+    if orientation == 2:
+        return image.flip(-1)
+    if orientation == 3:
+        return image.flip(-1, -2)
+    if orientation == 4:
+        return image.flip(-2)
+    if orientation == 5:
+        return image.transpose(-1, -2)
+    if orientation == 6:
+        return image.rot90(-1, (-2, -1))
+    if orientation == 7:
+        return image.flip(-1, -2).transpose(-1, -2)
+    if orientation == 8:
+        return image.rot90(1, (-2, -1))
+    return image
+
+
+def is_webp(data: bytes) -> bool:
+    return data[:4] == b"RIFF" and data[8:12] == b"WEBP"
+
+
+def decode_pil(data: bytes, upright: bool = True) -> Any:
+    """Encoded bytes -> RGB PIL image, upright (its EXIF orientation applied: a phone's portrait photo is
+    stored landscape with the tag; `upright=False`: as stored); grayscale, palette, RGBA, CMYK converted."""
+    from PIL import Image, ImageOps
+
     with Image.open(io.BytesIO(data)) as img:
-        return img.convert("RGB")  # decodes the pixels
+        if upright and header_orientation(img) != 1:
+            return ImageOps.exif_transpose(img).convert("RGB")  # decodes the pixels
+        return img.convert("RGB")  # (a TIFF: PIL turns it itself)
 
 
-def decode_tensor(data: bytes) -> Tensor:
-    """Encoded bytes -> uint8 RGB tensor (3, H, W) by torchvision's decoders (libjpeg-turbo, libpng, libwebp,
-    giflib; grayscale, palette, alpha and CMYK converted; a GIF's first frame), PIL's for the rest (BMP,
-    TIFF, 16-bit PNG)."""
+def decode_tensor(data: bytes, upright: bool = True) -> Tensor:
+    """Encoded bytes -> uint8 RGB tensor (3, H, W), upright as `decode_pil` turns it (`upright=False`: as
+    stored), by torchvision's decoders (libjpeg-turbo, libpng, libwebp, giflib; grayscale, palette, alpha and
+    CMYK converted; a GIF's first frame), PIL's for the rest (BMP, TIFF, 16-bit PNG). torchvision applies a
+    JPEG's and a PNG's EXIF orientation itself, not a WebP's: that one is read from the header here."""
     from torchvision.io import ImageReadMode, decode_image
     from torchvision.transforms.functional import pil_to_tensor
 
+    blob = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     try:
-        image = decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
+        image = decode_image(blob, mode=ImageReadMode.RGB, apply_exif_orientation=upright)
     except RuntimeError:  # "Unsupported image file", or bytes PIL may still read
         image = None
     if image is not None and image.dtype == torch.uint8:
-        return image[0] if image.ndim == 4 else image
-    return pil_to_tensor(decode_pil(data))
+        image = image[0] if image.ndim == 4 else image
+        return orient(image, exif_orientation(data)).contiguous() if upright and is_webp(data) else image
+    return pil_to_tensor(decode_pil(data, upright))
 
 
 class TensorPipeline:
