@@ -192,9 +192,9 @@ def decode_pil(data: bytes, upright: bool = True) -> Any:
     from PIL import Image, ImageOps
 
     with Image.open(io.BytesIO(data)) as img:
-        if upright and header_orientation(img) != 1:
+        if upright and header_orientation(img) != 1:  # from the header, as torchvision's decoders read it
             return ImageOps.exif_transpose(img).convert("RGB")  # decodes the pixels
-        return img.convert("RGB")  # (a TIFF: PIL turns it itself)
+        return img.convert("RGB")  # (a TIFF: PIL's reader turns it itself)
 
 
 def decode_tensor(data: bytes, upright: bool = True) -> Tensor:
