@@ -128,8 +128,8 @@ class EncodedBatch(NamedTuple):
 def collate_encoded(
     batch: list[tuple[tuple[Tensor, tuple[int, ...], bool, int, int], int]],
 ) -> tuple[EncodedBatch, Tensor]:
-    """((bytes, box, flip, index, orientation), label) samples -> (EncodedBatch, labels); module-level so workers can
-    pickle it."""
+    """((bytes, box, flip, index, orientation), label) samples -> (EncodedBatch, labels); module-level so
+    workers can pickle it."""
     samples, labels = zip(*batch, strict=True)
     data, boxes, flips, indices, orientations = zip(*samples, strict=True)
     encoded = EncodedBatch(
@@ -338,8 +338,8 @@ class GpuDecoder:
 
     def decode(self, blobs: list[Tensor], orientations: Tensor | None = None) -> list[Tensor]:
         """Each image decoded on the device, upright: turned by the EXIF orientation the workers read from its
-        header (`orientations`; None: read here), which nvJPEG does not apply (a PNG's tag behind its pixels,
-        which only a full decode finds, is left: the CPU path's torchvision applies it)."""
+        header (`orientations`; None: read here), which nvJPEG does not apply; other formats decode as on the
+        CPU path, then turn alike."""
         jpeg = [i for i, b in enumerate(blobs) if is_jpeg(b)]
         out: list[Tensor | None] = [None] * len(blobs)
         with warnings.catch_warnings():
