@@ -56,6 +56,17 @@ def wait_quiet(minutes: float, threshold: float = 0.8) -> float:
     return load_average()
 
 
+def carry_notes(path: Path, earlier: list[str]) -> dict:
+    """The result a re-run wrote to `path`, with the notes its predecessor carried (what earlier sessions
+    found and wrote beside their figures) kept before its own: a re-run replaces figures, not history."""
+    result = json.loads(path.read_text())
+    own = [note for note in result.get("notes") or [] if note not in earlier]
+    if earlier:
+        result["notes"] = [*earlier, *own]
+        path.write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true")
@@ -86,9 +97,11 @@ def main() -> int:
             flush=True,
         )
     for name in names:
+        earlier_notes: list[str] = []
         if args.only and (args.out / f"{name}.json").is_file():
             old = json.loads((args.out / f"{name}.json").read_text())
             replaced.append({k: old.get(k) for k in ("name", "line", "date", "load_before", "load_after")})
+            earlier_notes = list(old.get("notes") or [])
         cmd = [
             PYTHON,
             str(BENCH / f"{name}.py"),
@@ -114,7 +127,7 @@ def main() -> int:
                 flush=True,
             )
             continue
-        result = json.loads((args.out / f"{name}.json").read_text())
+        result = carry_notes(args.out / f"{name}.json", earlier_notes)
         print(f"{name} ({took:.0f} s): {result['line']}", flush=True)
 
     seconds = time.perf_counter() - started

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
 sys.path.insert(0, str(BENCH))
 
-from run import SUITE  # noqa: E402
+from run import SUITE, carry_notes  # noqa: E402
 
 MULTI_PROCESS = {"ddp_scaling", "fsdp_memory"}
 
@@ -93,6 +93,17 @@ def test_benchmark_smoke_writes_json(name: str, tmp_path: Path, tiny_cifar: Path
         for variant in ("one", "two", "independent"):
             assert result["figures"][f"cpu_ms_per_step_{variant}"] > 0
             assert 0 <= result["figures"][f"off_cpu_share_{variant}"] < 1
+
+
+def test_a_rerun_keeps_the_notes_beside_the_figures_it_replaces(tmp_path: Path):
+    """`bench/run.py --only X` replaces X's results file whole: the notes earlier sessions wrote beside the
+    figures (why a goal is missed, what changed) are carried into the new file, before its own."""
+    path = tmp_path / "data_sources.json"
+    path.write_text(json.dumps({"name": "data_sources", "line": "new", "notes": ["new note"]}))
+    result = carry_notes(path, ["tenth session: ...", "eleventh session: ..."])
+    assert result["notes"] == ["tenth session: ...", "eleventh session: ...", "new note"]
+    assert json.loads(path.read_text()) == result
+    assert carry_notes(path, [])["notes"] == result["notes"]  # a first run: the file as written
 
 
 def test_machine_line_says_what_auto_chose_on_the_cpu():
