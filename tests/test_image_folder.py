@@ -135,6 +135,9 @@ def test_trains_one_process_then_eval_per_class(photos: Path, tmp_path: Path, ca
         and f"{N_VAL_ALL} test images (test = the val images: the data has no test split)" in report
     )
     assert "Test metrics on the validation images (the data has no test split)" in report
+    # what to do with the checkpoint, said where the run ends
+    best = next((tmp_path / "checkpoints").glob("epoch*.ckpt"))
+    assert f"`python src/predict.py ckpt_path={best} inputs=<photos>`" in report
     # CLASSES[0] has the CMYK JPEG too
     assert (
         f"| train images per class | 21 (`{CLASSES[1]}`) to 22 (`{CLASSES[0]}`), median 21; 1.0x |" in report

@@ -242,6 +242,13 @@ def render_markdown(report: dict[str, Any]) -> str:
         )
     )
     lines.append(f"- last: `{ckpts['last']}`" if ckpts.get("last") else "- last: none saved")
+    use = ckpts.get("best") or ckpts.get("last")
+    if use:
+        lines.append(
+            f"- use it: `python src/eval.py ckpt_path={use}` (accuracy per class), "
+            f"`python src/predict.py ckpt_path={use} inputs=<photos>` (a CSV of classes), "
+            f"`python src/export.py ckpt_path={use}` (a timm model folder)"
+        )
     s3 = report["s3"]
     if s3:
         lines += [f"- S3: `{uri}`" for uri in uploaded_checkpoints(s3.get("uploaded", []))]
