@@ -170,3 +170,37 @@ def test_many_classes_print_the_ends_not_a_thousand_rows(capsys: pytest.CaptureF
         "a",
         "b",
     ]
+
+
+def test_photos_in_a_bucket_are_fetched_and_named_by_their_uri(
+    tiny_checkpoint: Path, tiny_cifar: Path, s3_bucket: str, tmp_path: Path
+):
+    """`inputs=s3://bucket/prefix` (a real S3 API: moto's server): the objects are fetched into the cache once
+    (verified, as a checkpoint is) and classified as the same files on disk are; the CSV names each by its
+    URI, and a prefix of class folders is a labelled set there too."""
+    import boto3
+
+    client = boto3.client("s3")
+    files = sorted((tiny_cifar / "test").rglob("*.png"))[:12]  # airplane, automobile, bird
+    for f in files:
+        client.upload_file(str(f), s3_bucket, f"photos/{f.parent.name}/{f.name}")
+    last = tiny_checkpoint / "checkpoints" / "last.ckpt"
+    cache = f"paths.cache_dir={tmp_path / 'cache'}"
+    rows = predicted(last, f"s3://{s3_bucket}/photos", tmp_path / "s3", cache)
+    local = tmp_path / "local"
+    for f in files:
+        (local / f.parent.name).mkdir(parents=True, exist_ok=True)
+        shutil.copy(f, local / f.parent.name / f.name)
+    on_disk = predicted(last, local, tmp_path / "disk")
+    assert [r["file"] for r in rows] == [f"s3://{s3_bucket}/photos/{f.parent.name}/{f.name}" for f in files]
+    assert [(r["class"], r["probability"], r["label"]) for r in rows] == [
+        (r["class"], r["probability"], r["label"]) for r in on_disk
+    ]
+    assert json.loads((tmp_path / "s3" / "metrics.json").read_text())["acc1"] == pytest.approx(
+        json.loads((tmp_path / "disk" / "metrics.json").read_text())["acc1"]
+    )
+    # a second run reads the cache: nothing fetched again
+    fetched = {p: p.stat().st_mtime_ns for p in (tmp_path / "cache" / "s3").rglob("*.png")}
+    assert len(fetched) == len(files)
+    predicted(last, f"s3://{s3_bucket}/photos", tmp_path / "again", cache)
+    assert {p: p.stat().st_mtime_ns for p in (tmp_path / "cache" / "s3").rglob("*.png")} == fetched

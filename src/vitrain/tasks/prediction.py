@@ -72,6 +72,34 @@ def image_paths(inputs: str | Sequence[str]) -> list[str]:
     return found
 
 
+def fetch_inputs(inputs: str | Sequence[str], cache_dir: Path) -> tuple[list[str], dict[str, str]]:
+    """`inputs` with each s3:// object or prefix fetched into the cache (`S3Store.fetch`: verified, once per
+    version of the objects), and a map from each fetched local path to its URI, for the CSV."""
+    names = [inputs] if isinstance(inputs, str) else list(inputs)
+    local, origin = [], {}
+    for name in map(str, names):
+        if not name.startswith("s3://"):
+            local.append(name)
+            continue
+        from vitrain.s3.client import parse_s3_uri  # boto3 only when needed
+        from vitrain.s3.store import S3Store
+
+        fetched = str(S3Store().fetch(parse_s3_uri(name.rstrip("/")), cache_dir))
+        local.append(fetched)
+        origin[fetched] = name.rstrip("/")
+    return local, origin
+
+
+def shown_as(path: str, origin: dict[str, str]) -> str:
+    """`path` as the user named it: the s3:// URI of a fetched file, else the path itself."""
+    for local, uri in origin.items():
+        if path == local:
+            return uri
+        if path.startswith(local + os.sep):
+            return uri + "/" + Path(path).relative_to(local).as_posix()
+    return path
+
+
 def readable(paths: list[str], bad_images: str) -> list[str]:
     """The files PIL can read; a bad one stops the run (named) or is skipped (`bad_images=skip`, logged)."""
     if bad_images not in ("stop", "skip"):
@@ -105,9 +133,11 @@ def predict(cfg: DictConfig) -> tuple[dict[str, float], RunObjects]:
     """Classify `cfg.inputs` with `cfg.ckpt_path`; writes the CSV (`cfg.output`, else predictions.csv in the
     run dir) and prints how many images went to each class."""
     top_k, batch_size = _positive(cfg, "top_k"), _positive(cfg, "batch_size")
-    inputs = OmegaConf.to_container(cfg.inputs) if OmegaConf.is_config(cfg.inputs) else cfg.inputs
+    given = OmegaConf.to_container(cfg.inputs) if OmegaConf.is_config(cfg.inputs) else cfg.inputs
+    inputs, origin = fetch_inputs(given, Path(cfg.paths.cache_dir).expanduser() / "s3")
+    inputs = inputs[0] if isinstance(given, str) else inputs
     paths = readable(image_paths(inputs), cfg.bad_images)
-    path, checkpoint, run_cfg = read_checkpoint(cfg, {"ckpt_path": str(cfg.ckpt_path), "inputs": inputs})
+    path, checkpoint, run_cfg = read_checkpoint(cfg, {"ckpt_path": str(cfg.ckpt_path), "inputs": given})
     classes = checkpoint.get("class_names")
     if not classes:
         raise CheckpointError(f"{path} names no classes: it was not written by src/train.py")
@@ -131,7 +161,8 @@ def predict(cfg: DictConfig) -> tuple[dict[str, float], RunObjects]:
     probabilities, indices = probabilities[order], indices[order]
     labels = folder_labels(inputs, paths, list(classes))
     out = Path(str(cfg.output)) if cfg.get("output") else Path(cfg.paths.output_dir) / "predictions.csv"
-    write_predictions(out, paths, list(classes), probabilities.tolist(), indices.tolist(), labels)
+    files = [shown_as(p, origin) for p in paths]
+    write_predictions(out, files, list(classes), probabilities.tolist(), indices.tolist(), labels)
     counts = Counter(classes[row[0]] for row in indices.tolist())
     print_counts(counts, f"{len(paths)} images classified by {cfg.ckpt_path}")
     log.info(f"Predictions written to {out}")
