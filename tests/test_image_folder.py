@@ -317,6 +317,7 @@ def test_imbalanced_classes_are_said(photos: Path, tmp_path: Path, caplog: pytes
     with caplog.at_level(logging.WARNING):
         dm = ImageFolderDataModule(str(root), str(tmp_path / "cache"), batch_size=2, in_memory=False)
         dm.setup("fit")
+        dm.setup("test")  # the test after fit: said once, at the data's set-up
     counts = dm.data_facts()["train_class_images"]
     assert counts == {CLASSES[0]: 22, CLASSES[1]: 21, CLASSES[2]: 2}
     [warning] = [r.getMessage() for r in caplog.records if "imbalanced" in r.getMessage()]

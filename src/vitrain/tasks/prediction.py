@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from rich.table import Table
 
 from vitrain.checkpoints import CheckpointError
-from vitrain.data.readers.image_folders import IMAGE_SUFFIXES, class_files, find_unreadable
+from vitrain.data.readers.image_folders import IMAGE_SUFFIXES, class_files, find_unreadable, warn_left_out
 from vitrain.errors import DataError, UserError
 from vitrain.tasks.build import RunObjects, build_trainer
 from vitrain.tasks.evaluation import (
@@ -59,13 +59,7 @@ def image_paths(inputs: str | Sequence[str]) -> list[str]:
             found.append(str(path))
         else:
             raise DataError(f"inputs: {path} does not exist")
-    if others:
-        kinds = Counter(p.suffix.lower() or "no suffix" for p in others)
-        log.warning(
-            "left out %d file(s) that are not %s images (%s), e.g. %s",
-            len(others), "/".join(IMAGE_SUFFIXES), ", ".join(f"{k}: {n}" for k, n in kinds.most_common()),
-            others[0],
-        )  # fmt: skip
+    warn_left_out(others)
     found = list(dict.fromkeys(found))
     if not found:
         raise DataError(f"inputs={inputs}: no {'/'.join(IMAGE_SUFFIXES)} images found")

@@ -462,7 +462,7 @@ class ImageDataModule(LightningDataModule):
                     len(self.test_set), generator=torch.Generator().manual_seed(hp.split_seed)
                 )
                 self.test_set = self.keep(self.test_set, perm[: hp.test_subset].sort().values.tolist())
-        warn_imbalance(self.class_images("train"), self._world()[1])
+            warn_imbalance(self.class_images("train"), self._world()[1])  # once: fit's set-up, not test's
         smallest = min(len(self.val_set), len(self.test_set))
         if smallest < world:
             raise DataError(

@@ -67,16 +67,21 @@ def scan(root: Path) -> Source:
                 )
             files.extend((str(p), label) for p in images)
             others += rest
-        if others:
-            kinds = Counter(p.suffix.lower() or "no suffix" for p in others)
-            log.warning(
-                "%s: left out %d file(s) that are not %s images (%s), e.g. %s: convert the images among them "
-                "to add them",
-                d, len(others), "/".join(IMAGE_SUFFIXES), ", ".join(f"{k}: {n}" for k, n in kinds.most_common()),
-                others[0],
-            )  # fmt: skip
+        warn_left_out(others, f"{d}: ")
         splits[split] = files
     return Source(classes, splits)
+
+
+def warn_left_out(others: list[Path], where: str = "") -> None:
+    """One warning for the files a folder walk left out as not images, counted by suffix."""
+    if not others:
+        return
+    kinds = Counter(p.suffix.lower() or "no suffix" for p in others)
+    log.warning(
+        "%sleft out %d file(s) that are not %s images (%s), e.g. %s: convert the images among them to add them",
+        where, len(others), "/".join(IMAGE_SUFFIXES), ", ".join(f"{k}: {n}" for k, n in kinds.most_common()),
+        others[0],
+    )  # fmt: skip
 
 
 def class_files(folder: Path) -> tuple[list[Path], list[Path]]:
