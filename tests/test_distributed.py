@@ -22,11 +22,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from helpers import ROOT, TINY_VIT, assert_plain, compose_cfg, run_cli, tiny_overrides
+from helpers import ROOT, TINY_VIT, assert_plain, compose_cfg, predicted, run_cli, tiny_overrides
 from vitrain import checkpoints
 from vitrain.distributed.ddp import DDPStrategy
 from vitrain.distributed.fsdp import ONE_PROCESS
 from vitrain.distributed.ranks import devices_per_node, global_rank_from_env
+from vitrain.tasks.evaluation import evaluate
 from vitrain.tasks.runs import run_id
 from vitrain.tasks.training import train
 from warm import ScriptRun, run_script
@@ -255,6 +256,62 @@ def test_val_metrics_exact_and_eval_on_one_process(name: str, request: pytest.Fi
     assert distributed["val/acc5"] == pytest.approx(single["val/acc5"], abs=1e-7)
     # a padded (repeated) sample would move the mean loss far more than float noise
     assert distributed["val/loss"] == pytest.approx(single["val/loss"], rel=1e-6)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(3 * RUN_TIMEOUT)
+@pytest.mark.parametrize("name", ["ddp_run", "fsdp_run"])
+def test_eval_and_predict_on_two_processes_equal_one(
+    name: str, request: pytest.FixtureRequest, tiny_cifar: Path, tmp_path: Path
+):
+    """`src/eval.py` and `src/predict.py` on the run's own 2 processes: eval's metrics and its images per class
+    (both ranks', not rank zero's), predict's rows (in the files' order) and labelled-set metrics equal one
+    process's. 41 files by 5: the ranks get 21 and 20, in 5 and 4 batches; the FSDP checkpoint is a folder."""
+    run: Run = request.getfixturevalue(name)
+    last = run.dir / "checkpoints" / "last.ckpt"
+    trainer = [f"trainer={name.removesuffix('_run')}", "trainer.devices=2"]
+    fp32 = ["trainer.precision=32-true", "extras.print_config=false"]
+
+    single = evaluate(compose_cfg("eval", [f"ckpt_path={last}", "split=val", *fp32], tmp_path / "eval1"))[1]
+    done = run_cli(
+        "eval.py",
+        [f"ckpt_path={last}", "split=val", *fp32, *trainer, f"hydra.run.dir={tmp_path / 'eval2'}"],
+        timeout=RUN_TIMEOUT,
+    )
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    assert_world_size_2(done.stdout + done.stderr)
+    two = json.loads((tmp_path / "eval2" / "metrics.json").read_text())
+    assert sum(two["per_class_images"].values()) == 9, two["per_class_images"]
+    assert two["per_class_images"] == single.per_class_images
+    assert two["per_class_acc"] == pytest.approx(single.per_class_acc, abs=1e-7)
+    one = json.loads((tmp_path / "eval1" / "metrics.json").read_text())
+    assert {k: two[k] for k in one if k.startswith("val/")} == pytest.approx(
+        {k: v for k, v in one.items() if k.startswith("val/")}, rel=1e-6
+    )
+
+    photos = tmp_path / "photos"
+    shutil.copytree(tiny_cifar / "test", photos)
+    shutil.copy(next((photos / "cat").iterdir()), photos / "cat" / "zz-extra.png")
+    rows = predicted(last, photos, tmp_path / "predict1", "batch_size=5")
+    assert len(rows) == 41
+    args = [f"ckpt_path={last}", f"inputs={photos}", "batch_size=5", *fp32, *trainer]
+    done = run_cli("predict.py", [*args, f"hydra.run.dir={tmp_path / 'predict2'}"], timeout=RUN_TIMEOUT)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-4000:]
+    assert_world_size_2(output)
+    assert output.count("41 images classified by") == 1  # rank zero writes and prints
+    with open(tmp_path / "predict2" / "predictions.csv", newline="") as f:
+        both = list(csv.DictReader(f))
+    assert [r["file"] for r in both] == [r["file"] for r in rows]
+    assert [[r[k] for k in r if not k.startswith("probability")] for r in both] == [
+        [r[k] for k in r if not k.startswith("probability")] for r in rows
+    ]
+    for ours, reference in zip(both, rows, strict=True):
+        for key in (k for k in reference if k.startswith("probability")):
+            assert float(ours[key]) == pytest.approx(float(reference[key]), abs=2e-6), (ours["file"], key)
+    scored = [json.loads((tmp_path / d / "metrics.json").read_text()) for d in ("predict1", "predict2")]
+    assert scored[1]["per_class_images"] == scored[0]["per_class_images"]
+    assert scored[1]["acc1"] == pytest.approx(scored[0]["acc1"], abs=1e-9)
 
 
 @pytest.mark.distributed

@@ -120,7 +120,7 @@ def test_missing_and_bad_values_stop_before_the_imports(overrides: list[str], me
 
 
 def test_what_the_run_finds_wrong_is_one_line(tiny_checkpoint: Path, tiny_cifar: Path, tmp_path: Path):
-    """Inputs that are not there or hold no image, and more than one process, end in one line, exit 2."""
+    """Inputs that are not there or hold no image, and fewer images than processes, end in one line, exit 2."""
     last = tiny_checkpoint / "checkpoints" / "last.ckpt"
     (tmp_path / "empty").mkdir()
     (tmp_path / "notes.txt").write_text("x")
@@ -131,7 +131,7 @@ def test_what_the_run_finds_wrong_is_one_line(tiny_checkpoint: Path, tiny_cifar:
         ([f"inputs={tmp_path / 'notes.txt'}"], f"error: inputs: {tmp_path / 'notes.txt'} is not a .jpg/"),
         (
             [f"inputs={one}", "trainer.accelerator=cpu", "trainer.devices=2"],
-            "error: predict.py runs in one process (this trainer has 2): set trainer.devices=1",
+            "error: 1 image(s) for 2 processes: classify them with at most 1 (trainer.devices, trainer.num_nodes)",
         ),
     ]
     for overrides, message in cases:

@@ -187,8 +187,10 @@ def evaluate(cfg: DictConfig) -> tuple[dict[str, float], RunObjects]:
     run(model=model, datamodule=datamodule, verbose=False)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     objects.per_class_acc = dict(zip(classes, per_class_acc.compute().tolist(), strict=True))
-    # images of each class evaluated (true positives + false negatives: the class's support)
-    support = (per_class_acc.tp + per_class_acc.fn).tolist()
+    # images of each class evaluated (true positives + false negatives: the class's support), over all ranks:
+    # compute() syncs the counts for its result only and puts back this rank's own
+    with per_class_acc.sync_context():
+        support = (per_class_acc.tp + per_class_acc.fn).tolist()
     objects.per_class_images = dict(zip(classes, (int(n) for n in support), strict=True))
 
     if trainer.is_global_zero:

@@ -1,6 +1,7 @@
 """The prediction task: classify image files with a trained checkpoint, each photo preprocessed as the
 checkpoint's evaluation images were (its datamodule's `eval_decoder` and `device_transform`); one CSV row per
-file."""
+file. On several processes (`trainer=ddp`/`fsdp`, devices, nodes) each classifies its share of the files (the
+evaluation sampler's: every file once) and global rank zero writes the rows of all, in the files' order."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 from rich.table import Table
 
@@ -59,7 +62,8 @@ def image_paths(inputs: str | Sequence[str]) -> list[str]:
             found.append(str(path))
         else:
             raise DataError(f"inputs: {path} does not exist")
-    warn_left_out(others)
+    if rank_zero_only.rank == 0:  # every rank lists the files; one says what it left out
+        warn_left_out(others)
     found = list(dict.fromkeys(found))
     if not found:
         raise DataError(f"inputs={inputs}: no {'/'.join(IMAGE_SUFFIXES)} images found")
@@ -94,11 +98,13 @@ def shown_as(path: str, origin: dict[str, str]) -> str:
     return path
 
 
-def readable(paths: list[str], bad_images: str) -> list[str]:
-    """The files PIL can read; a bad one stops the run (named) or is skipped (`bad_images=skip`, logged)."""
+def readable(paths: list[str], bad_images: str, workers: int) -> list[str]:
+    """The files PIL can read (checked by `workers` processes); a bad one stops the run (named) or is skipped
+    (`bad_images=skip`, logged). Every rank checks every file: the ranks then agree on the files and their
+    positions, and all stop at once on a bad one, before any process group exists."""
     if bad_images not in ("stop", "skip"):
         raise DataError(f"bad_images={bad_images!r}: choose stop or skip")
-    bad = find_unreadable(paths, max(1, len(os.sched_getaffinity(0))))
+    bad = find_unreadable(paths, workers)
     if not bad:
         return paths
     if bad_images == "stop":
@@ -107,7 +113,7 @@ def readable(paths: list[str], bad_images: str) -> list[str]:
         raise DataError(
             f"{path} is not a readable image ({why}){more}: remove or replace it, or set bad_images=skip"
         )
-    for path, why in bad:
+    for path, why in bad if rank_zero_only.rank == 0 else ():
         log.warning("skipping %s: not a readable image (%s)", path, why)
     dropped = {p for p, _ in bad}
     kept = [p for p in paths if p not in dropped]
@@ -130,7 +136,7 @@ def predict(cfg: DictConfig) -> tuple[dict[str, float], RunObjects]:
     given = OmegaConf.to_container(cfg.inputs) if OmegaConf.is_config(cfg.inputs) else cfg.inputs
     inputs, origin = fetch_inputs(given, Path(cfg.paths.cache_dir).expanduser() / "s3")
     inputs = inputs[0] if isinstance(given, str) else inputs
-    paths = readable(image_paths(inputs), cfg.bad_images)
+    listed = image_paths(inputs)
     path, checkpoint, run_cfg = read_checkpoint(cfg, {"ckpt_path": str(cfg.ckpt_path), "inputs": given})
     classes = checkpoint.get("class_names")
     if not classes:
@@ -138,20 +144,31 @@ def predict(cfg: DictConfig) -> tuple[dict[str, float], RunObjects]:
     model = checkpoint_model(checkpoint, path, run_cfg, list(classes), str(cfg.ckpt_path))
     model.predict_top_k = top_k
     datamodule = preprocessing_of(checkpoint, run_cfg, model)
+    trainer = build_trainer(cfg, [], loggers=False, float8=bool(model.hparams.get("float8")))
+    # the cores of this machine, shared by the processes the run starts on it
+    cores = max(1, len(os.sched_getaffinity(0)) // trainer.num_devices)
+    paths = readable(listed, cfg.bad_images, cores)
+    if len(paths) < trainer.world_size:  # each process takes at least one file (the evaluation sampler)
+        raise DataError(
+            f"{len(paths)} image(s) for {trainer.world_size} processes: classify them with at most "
+            f"{len(paths)} (trainer.devices, trainer.num_nodes)"
+        )
     workers = cfg.get("num_workers")
     if workers is None:
-        workers = max(0, min(MAX_AUTO_WORKERS, len(os.sched_getaffinity(0)) - 1, len(paths) // batch_size))
+        share = -(-len(paths) // trainer.world_size)
+        workers = max(0, min(MAX_AUTO_WORKERS, cores - 1, share // batch_size))
     datamodule.predict_files(paths, batch_size, workers)
 
-    trainer = build_trainer(cfg, [], loggers=False, float8=bool(model.hparams.get("float8")))
-    if trainer.world_size > 1:
-        raise UserError(
-            f"predict.py runs in one process (this trainer has {trainer.world_size}): set trainer.devices=1 and "
-            "trainer.num_nodes=1"
-        )
     batches = trainer.predict(model, datamodule=datamodule, return_predictions=True)
-    positions, probabilities, indices = (torch.cat(parts) for parts in zip(*batches, strict=True))
+    objects = RunObjects(cfg, datamodule, model, [], [], trainer, checkpoint_path=path)
+    metrics = {"images": float(len(paths))}
+    rows = gathered(batches, trainer.world_size)
+    if not trainer.is_global_zero:
+        return metrics, objects
+    positions, probabilities, indices = rows
     order = positions.argsort()
+    if not torch.equal(positions[order], torch.arange(len(paths))):
+        raise RuntimeError(f"the processes classified {len(positions)} files of {len(paths)}, not each once")
     probabilities, indices = probabilities[order], indices[order]
     labels = folder_labels(inputs, paths, list(classes))
     out = Path(str(cfg.output)) if cfg.get("output") else Path(cfg.paths.output_dir) / "predictions.csv"
@@ -160,11 +177,23 @@ def predict(cfg: DictConfig) -> tuple[dict[str, float], RunObjects]:
     counts = Counter(classes[row[0]] for row in indices.tolist())
     print_counts(counts, f"{len(paths)} images classified by {cfg.ckpt_path}")
     log.info(f"Predictions written to {out}")
-    objects = RunObjects(cfg, datamodule, model, [], [], trainer, checkpoint_path=path)
-    metrics = {"images": float(len(paths))}
     if labels is not None:
         metrics.update(score(cfg, list(classes), indices, labels, objects))
     return metrics, objects
+
+
+def gathered(batches: list, world_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(positions, probabilities, classes) of the files every process classified (`predict_step`'s batches),
+    on every process. A process may have had no file (fewer files than processes)."""
+    mine = [torch.cat(parts) for parts in zip(*batches, strict=True)] if batches else None
+    everyone = [mine]
+    if world_size > 1:
+        # a list of tensors per rank, of different lengths: torch's object gather (Lightning's `all_gather`
+        # takes tensors of one shape)
+        everyone = [None] * world_size
+        dist.all_gather_object(everyone, mine)
+    parts = [rows for rows in everyone if rows is not None]
+    return tuple(torch.cat(column) for column in zip(*parts, strict=True))  # type: ignore[return-value]
 
 
 def folder_labels(inputs: str | Sequence[str], paths: list[str], classes: list[str]) -> list[int] | None:

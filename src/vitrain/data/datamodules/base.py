@@ -646,15 +646,18 @@ class ImageDataModule(LightningDataModule):
         """Take what the training run's `state_dict` recorded about how it held its images (none here)."""
 
     def predict_files(self, paths: Sequence[str], batch_size: int, num_workers: int) -> None:
-        """The files `predict_dataloader` hands out (decoded by `eval_decoder`), in this order."""
+        """The files `predict_dataloader` hands out (decoded by `eval_decoder`), in this order; `batch_size`
+        per process."""
         self._predict = (FileImages(list(paths), self.eval_decoder()), batch_size, num_workers)
 
     def predict_dataloader(self) -> DataLoader:
         if self._predict is None:
             raise RuntimeError("call predict_files() before asking for the predict dataloader")
         dataset, batch_size, workers = self._predict
+        world, rank = self._world()  # several processes: each its share, every file once (the eval sampler)
+        sampler = make_sampler(dataset, train=False, num_replicas=world, rank=rank, seed=0)
         return DataLoader(
-            dataset, batch_size=batch_size, num_workers=workers, pin_memory=self.pin_memory(), shuffle=False
+            dataset, batch_size=batch_size, sampler=sampler, num_workers=workers, pin_memory=self.pin_memory()
         )
 
     def _note_partial_pass(self, split: str, dataset: Dataset | None) -> None:
