@@ -261,6 +261,50 @@ def test_sharded_folder_upload_and_fetch(s3_bucket: str, s3_env: str, tmp_path: 
     assert not sharded_complete(folder)
 
 
+def test_a_folder_of_many_objects_is_read_several_at_once(
+    s3_bucket: str, s3_env: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """A prefix of photos is read `parallel_files` objects at once (their heads, then their downloads), each
+    verified; one corrupt object fails the fetch naming it, and nothing of the folder is cached."""
+    import itertools
+    import threading
+
+    client = _client(s3_env)
+    bodies = {f"photos/{i:03d}.jpg": os.urandom(2000 + i) for i in range(24)}
+    for key, body in bodies.items():
+        client.put_object(Bucket=s3_bucket, Key=key, Body=body)
+    # the first 3 downloads meet before any goes on: one at a time, the first would wait in vain (and fail)
+    met, calls, original = threading.Barrier(3, timeout=10), itertools.count(), S3Store._download_verified
+    in_flight, most, lock = 0, 0, threading.Lock()
+
+    def meeting(self, uri, head, dest):
+        nonlocal in_flight, most
+        with lock:
+            in_flight += 1
+            most = max(most, in_flight)
+        try:
+            if next(calls) < met.parties:
+                met.wait()
+            return original(self, uri, head, dest)
+        finally:
+            with lock:
+                in_flight -= 1
+
+    monkeypatch.setattr(S3Store, "_download_verified", meeting)
+    store = S3Store(S3Options(parallel_files=4))
+    local = store.fetch(S3Uri(s3_bucket, "photos"), tmp_path / "cache")
+    assert sorted(p.name for p in local.iterdir()) == [k.split("/")[1] for k in sorted(bodies)]
+    assert all((local / k.split("/")[1]).read_bytes() == body for k, body in bodies.items())
+    assert 3 <= most <= 4
+
+    monkeypatch.setattr(S3Store, "_download_verified", original)
+    sha = file_digest(local / "005.jpg", 64 * MiB, 16 * MiB).sha256
+    client.put_object(Bucket=s3_bucket, Key="photos/005.jpg", Body=b"other bytes", Metadata={"sha256": sha})
+    with pytest.raises(S3VerifyError, match=r"photos/005\.jpg .*sha256"):
+        store.fetch(S3Uri(s3_bucket, "photos"), tmp_path / "cache2")
+    assert not [p for p in (tmp_path / "cache2").rglob("*") if p.is_file() and p.suffix != ".lock"]
+
+
 def test_folder_upload_mirrors_the_save_offered(s3_bucket: str, s3_env: str, tmp_path: Path):
     """A `last.ckpt` folder rewritten in place: an upload takes only the files of the save it was offered (not
     DCP's `.metadata.tmp` of a save in progress), and the finished upload leaves no older file under the
@@ -397,6 +441,8 @@ def test_a_checkpoint_read_while_a_newer_save_replaces_it_is_read_again(
     puts the next save up and deletes the listed one. The read starts again on the newer save: before, it ended
     in a one-line "not found" (which `resume=auto` would read as nothing to resume). A folder that fails the
     same way without changing is refused as before."""
+    import threading
+
     import torch.distributed.checkpoint as dcp
 
     folder, prefix = tmp_path / "last.ckpt", "runs/r/checkpoints/last.ckpt"
@@ -412,11 +458,13 @@ def test_a_checkpoint_read_while_a_newer_save_replaces_it_is_read_again(
     save1 = _save_dir(s3_env, s3_bucket, prefix)
     real = S3Store._download_verified
     downloads: list[str] = []
+    first = threading.Lock()  # the folder's files are read several at once
 
     def download(self: S3Store, source: S3Uri, *args, **kwargs):
-        if not downloads:  # between the listing and the first download: the run's next save, save 1 deleted
-            save(2)
-        downloads.append(source.key)
+        with first:
+            if not downloads:  # between the listing and the first download: the run's next save, save 1 deleted
+                save(2)
+            downloads.append(source.key)
         return real(self, source, *args, **kwargs)
 
     with mock.patch.object(S3Store, "_download_verified", download), caplog.at_level(logging.INFO):
@@ -424,7 +472,9 @@ def test_a_checkpoint_read_while_a_newer_save_replaces_it_is_read_again(
     state = {"w": torch.zeros(8, 8)}
     dcp.load(state, checkpoint_id=str(fetched))
     assert state["w"].unique().tolist() == [2.0] and torch.load(fetched / "meta.pt")["global_step"] == 2
-    assert f"/{save1}/" in downloads[0] and all(f"/{save1}/" not in key for key in downloads[1:])
+    # the first read (its downloads in flight when save 1 went) ended whole before the second began
+    files = len(list(fetched.iterdir()))
+    assert f"/{save1}/" in downloads[0] and all(f"/{save1}/" not in key for key in downloads[-files:])
     assert [r for r in caplog.records if "changed while it was read" in r.getMessage()]
     assert runner.failures == []
 

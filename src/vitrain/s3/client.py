@@ -59,7 +59,10 @@ class S3Options:
     response_checksum_validation: str = "when_required"
     multipart_threshold: int = 64 * MiB
     multipart_chunksize: int = 16 * MiB
-    max_concurrency: int = 4
+    max_concurrency: int = 4  # parts of one large file in flight at once
+    # objects of a folder fetched at once (a sharded checkpoint, a prefix of photos): thousands of small objects
+    # one after another are paced by each request's round trip, not by the bandwidth
+    parallel_files: int = 8
     # Compare the ETag with the locally computed MD5 (multipart: MD5 of part MD5s). Turn off for stores whose
     # ETag is not an MD5 (SSE-KMS on AWS, some gateways); size and the sha256 metadata are still checked.
     verify_etag: bool = True
@@ -94,6 +97,9 @@ def make_client(options: S3Options) -> Any:
         read_timeout=options.read_timeout,
         request_checksum_calculation=options.request_checksum_calculation,
         response_checksum_validation=options.response_checksum_validation,
+        # a connection for every request in flight (botocore keeps 10 and drops the ones past them, with a
+        # warning each): the files of a folder at once, the parts of each
+        max_pool_connections=max(10, options.parallel_files * options.max_concurrency),
     )
     return session.client(
         "s3", endpoint_url=options.endpoint_url or None, region_name=options.region, config=config

@@ -15,6 +15,7 @@ import shutil
 import tempfile
 import uuid
 from collections.abc import Callable, Collection, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -268,23 +269,30 @@ class S3Store:
             if target.is_dir():
                 log.info("S3: %s/ is cached at %s", uri, target)
                 return target
-            heads = {}
-            for key, _etag, _size in listing:
+
+            def read_head(key: str) -> dict[str, Any]:
                 try:
-                    heads[key] = self.client.head_object(Bucket=uri.bucket, Key=key)
+                    return self.client.head_object(Bucket=uri.bucket, Key=key)
                 except Exception as exc:
                     raise self.error(exc, f"reading {S3Uri(uri.bucket, key)}") from exc
+
+            listed = [key for key, _etag, _size in listing]
+            heads = dict(zip(listed, self._in_parallel(read_head, listed), strict=True))
             # a folder `upload_save` wrote: the files of the save its manifest names, if whole
             if prefix + SAVE_MANIFEST in heads:
                 files = self._whole_save(uri, prefix, heads)  # a newer manifest than the listing: read again
             else:
                 files = {key: (key[len(prefix) :], head) for key, head in heads.items()}
             staging = target.with_name(f".{target.name}.{uuid.uuid4().hex}.partial")
+
+            def download(item: tuple[str, tuple[str, dict[str, Any]]]) -> None:
+                key, (name, head) = item
+                dest = staging / _safe_relpath(name)
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                self._download_verified(S3Uri(uri.bucket, key), head, dest)
+
             try:
-                for key, (name, head) in sorted(files.items()):
-                    dest = staging / _safe_relpath(name)
-                    dest.parent.mkdir(parents=True, exist_ok=True)
-                    self._download_verified(S3Uri(uri.bucket, key), head, dest)
+                self._in_parallel(download, sorted(files.items()))
                 try:
                     os.replace(staging, target)
                 except OSError:
@@ -294,6 +302,21 @@ class S3Store:
                 shutil.rmtree(staging, ignore_errors=True)
         log.info("S3: fetched %s/ (%d files) -> %s", uri, len(files), target)
         return target
+
+    def _in_parallel(self, work: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:
+        """`work(item)` for each item, `options.parallel_files` at once (boto3's clients are thread-safe; its
+        transfer manager takes one file's parts, not many files), the results in order; the first failure is
+        raised once the calls in flight end, and the ones not started are dropped."""
+        if len(items) <= 1 or self.options.parallel_files <= 1:
+            return [work(item) for item in items]
+        with ThreadPoolExecutor(min(self.options.parallel_files, len(items)), "s3-fetch") as pool:
+            futures = [pool.submit(work, item) for item in items]
+            try:
+                return [future.result() for future in futures]
+            except BaseException:
+                for future in futures:
+                    future.cancel()
+                raise
 
     def _whole_save(
         self, uri: S3Uri, prefix: str, heads: dict[str, dict[str, Any]]
