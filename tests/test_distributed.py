@@ -266,7 +266,8 @@ def test_eval_and_predict_on_two_processes_equal_one(
 ):
     """`src/eval.py` and `src/predict.py` on the run's own 2 processes: eval's metrics and its images per class
     (both ranks', not rank zero's), predict's rows (in the files' order) and labelled-set metrics equal one
-    process's. 41 files by 5: the ranks get 21 and 20, in 5 and 4 batches; the FSDP checkpoint is a folder."""
+    process's. 41 files by 5: the ranks get 21 and 20, in 5 and 4 batches; the FSDP checkpoint is a folder,
+    and its prediction is launched by torchrun."""
     run: Run = request.getfixturevalue(name)
     last = run.dir / "checkpoints" / "last.ckpt"
     trainer = [f"trainer={name.removesuffix('_run')}", "trainer.devices=2"]
@@ -295,7 +296,11 @@ def test_eval_and_predict_on_two_processes_equal_one(
     rows = predicted(last, photos, tmp_path / "predict1", "batch_size=5")
     assert len(rows) == 41
     args = [f"ckpt_path={last}", f"inputs={photos}", "batch_size=5", *fp32, *trainer]
-    done = run_cli("predict.py", [*args, f"hydra.run.dir={tmp_path / 'predict2'}"], timeout=RUN_TIMEOUT)
+    args.append(f"hydra.run.dir={tmp_path / 'predict2'}")
+    # the FSDP run was launched by torchrun: its prediction too; DDP's by Lightning's launcher
+    done = (
+        torchrun([ROOT / "src" / "predict.py", *args]) if name == "fsdp_run" else run_cli("predict.py", args)
+    )
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-4000:]
     assert_world_size_2(output)

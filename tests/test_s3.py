@@ -462,7 +462,8 @@ def test_a_checkpoint_read_while_a_newer_save_replaces_it_is_read_again(
 
     def download(self: S3Store, source: S3Uri, *args, **kwargs):
         with first:
-            if not downloads:  # between the listing and the first download: the run's next save, save 1 deleted
+            # between the listing and the first download: the run's next save, save 1 deleted
+            if not downloads:
                 save(2)
             downloads.append(source.key)
         return real(self, source, *args, **kwargs)

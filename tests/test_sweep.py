@@ -164,6 +164,77 @@ def test_summary_lists_jobs_without_a_report(tmp_path: Path):
     assert rows["0"]["images_per_s"] == ""
 
 
+@pytest.mark.timeout(SWEEP_TIMEOUT)
+def test_an_evaluation_sweep_summarises_each_jobs_accuracy(tmp_path: Path, tiny_checkpoint: Path):
+    """`src/eval.py -m ckpt_path=<best>,<last> split=val,test`: one row per job with its split, images and
+    accuracy from its metrics.json, not a training sweep's columns left empty with "no report"."""
+    best, last = (
+        next((tiny_checkpoint / "checkpoints").glob("epoch*.ckpt")),
+        tiny_checkpoint / "checkpoints" / "last.ckpt",
+    )
+    sweep = tmp_path / "sweep"
+    args = ["-m", f"ckpt_path={best},{last}", "split=val,test", "trainer.precision=32-true"]
+    done = run_cli("eval.py", [*args, f"hydra.sweep.dir={sweep}"], timeout=SWEEP_TIMEOUT)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    rows = summary(sweep)
+    assert list(rows[0]) == [
+        "job",
+        "status",
+        "overrides",
+        "split",
+        "images",
+        "acc1",
+        "acc5",
+        "loss",
+        "metrics",
+        "dir",
+    ]
+    jobs = [(ckpt, split) for ckpt in (best, last) for split in ("val", "test")]
+    assert len(rows) == len(jobs)
+    md = (sweep / "summary.md").read_text()
+    for row, (ckpt, split) in zip(rows, jobs, strict=True):
+        metrics = json.loads((sweep / row["job"] / "metrics.json").read_text())
+        assert (row["status"], row["overrides"], row["split"]) == (
+            "done",
+            f"ckpt_path={ckpt} split={split}",
+            split,
+        )
+        assert (
+            int(row["images"]) == sum(metrics["per_class_images"].values()) == (16 if split == "val" else 40)
+        )
+        for name in ("acc1", "acc5", "loss"):
+            assert float(row[name]) == pytest.approx(metrics[f"{split}/{name}"], rel=1e-3), (row, name)
+        assert f"[{row['job']}/metrics.json]({row['job']}/metrics.json)" in md
+    assert "no report" not in md
+
+
+def test_a_prediction_sweep_summarises_its_files(tmp_path: Path):
+    """`src/predict.py -m inputs=a,b`: the files each job classified, and the accuracy of labelled ones; a job
+    that failed is listed as such."""
+    from vitrain.reporting.sweep import summary_rows
+
+    written = {
+        "0": {"ckpt_path": "c.ckpt", "inputs": "/photos/labelled", "images": 12, "acc1": 0.75, "acc5": 1.0},
+        "1": {"ckpt_path": "c.ckpt", "inputs": "/photos/new", "images": 5},
+    }
+    for job in ("0", "1", "2"):
+        (tmp_path / job / ".hydra").mkdir(parents=True)
+        (tmp_path / job / ".hydra" / "overrides.yaml").write_text(f"- inputs=/photos/{job}\n")
+        (tmp_path / job / "predict.log").write_text("")
+        if job in written:
+            (tmp_path / job / "metrics.json").write_text(json.dumps(written[job]))
+    rows = [
+        {k: r[k] for k in ("job", "status", "split", "images", "acc1", "acc5")}
+        for r in summary_rows(tmp_path)
+    ]
+    assert rows == [
+        {"job": "0", "status": "done", "split": "files", "images": 12, "acc1": 0.75, "acc5": 1.0},
+        {"job": "1", "status": "done", "split": "files", "images": 5, "acc1": None, "acc5": None},
+        {"job": "2", "status": "no metrics.json (failed or running)", "split": None, "images": None, "acc1": None,
+         "acc5": None},
+    ]  # fmt: skip
+
+
 @pytest.mark.distributed
 @pytest.mark.timeout(2 * SWEEP_TIMEOUT)  # two 2-process jobs; a guard against hangs, not a timing check
 def test_optuna_search_with_ddp(tmp_path: Path, tiny_cifar: Path, data_cache: Path, mlflow_server: str):

@@ -1,5 +1,6 @@
 """The summary of a sweep (`python src/train.py -m ...`): one row per job, `summary.md` and `summary.csv`
-in the sweep dir, read from each job's report.json.
+in the sweep dir, read from each job's report.json; of an evaluation sweep (`src/eval.py -m
+ckpt_path=a,b`, `split=val,test`, `src/predict.py -m ...`), from each job's metrics.json: its accuracy.
 
 `SweepSummary` is a Hydra callback (configs/hydra/default.yaml). It rewrites the summary after every job,
 so a sweep that stops half-way (Hydra skips `on_multirun_end` when a job fails) still has one listing
@@ -20,7 +21,14 @@ from omegaconf import DictConfig
 
 from vitrain.reporting.markdown import table
 from vitrain.utils.atomic import write_atomic
-from vitrain.utils.run_files import REPORT_JSON, REPORT_MD, STATS_FILE, read_json, read_overrides
+from vitrain.utils.run_files import (
+    EVAL_METRICS,
+    REPORT_JSON,
+    REPORT_MD,
+    STATS_FILE,
+    read_json,
+    read_overrides,
+)
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +56,35 @@ COLUMNS: dict[str, Any] = {
 }
 
 
+def _split(metrics: dict[str, Any]) -> str:
+    """eval.py's split (and the images it was on, where the data has no such split); predict.py's files."""
+    split = metrics.get("split")
+    if split is None:
+        return "files"
+    images_of = metrics.get("images_of_split") or split
+    return split if images_of == split else f"{split} (the {images_of} images)"
+
+
+def _score(name: str) -> Any:
+    """eval.py's `<split>/<name>`, predict.py's `<name>` (of files labelled by their class folders)."""
+    return lambda m: m.get(f"{m['split']}/{name}" if m.get("split") else name)
+
+
+# an evaluation sweep's columns: column -> how to read it from a job's metrics.json
+EVAL_COLUMNS: dict[str, Any] = {
+    "job": None,
+    "status": None,
+    "overrides": None,
+    "split": _split,
+    "images": lambda m: m.get("images") or sum((m.get("per_class_images") or {}).values()) or None,
+    "acc1": _score("acc1"),
+    "acc5": _score("acc5"),
+    "loss": _score("loss"),
+    "metrics": None,
+    "dir": None,
+}
+
+
 def _memory(report: dict[str, Any]) -> str | None:
     memory = report.get("memory") or {}
     key = "max_reserved_gb" if memory.get("device_type") == "cuda" else "peak_rss_gb"
@@ -65,26 +102,40 @@ def job_dirs(sweep_dir: Path) -> list[Path]:
     return sorted(found, key=lambda p: (0, int(p.name), "") if p.name.isdigit() else (1, 0, p.name))
 
 
+def evaluates(jobs: list[Path]) -> bool:
+    """A sweep of src/eval.py or src/predict.py: its jobs write metrics.json, none a training report."""
+    if any((job / REPORT_JSON).is_file() or (job / STATS_FILE).is_file() for job in jobs):
+        return False
+    return any((job / name).is_file() for job in jobs for name in (EVAL_METRICS, "eval.log", "predict.log"))
+
+
 def summary_rows(sweep_dir: Path) -> list[dict[str, Any]]:
+    """One row per job, with the columns of its kind of sweep (`COLUMNS`, or `EVAL_COLUMNS` where `evaluates`)."""
     rows = []
-    jobs = [(job, read_json(job / REPORT_JSON)) for job in job_dirs(sweep_dir)]
+    found = job_dirs(sweep_dir)
+    columns, results, result_md = COLUMNS, REPORT_JSON, REPORT_MD
+    if evaluates(found):
+        columns, results, result_md = EVAL_COLUMNS, EVAL_METRICS, EVAL_METRICS
+    jobs = [(job, read_json(job / results)) for job in found]
     overrides = {
-        job: list(report.get("overrides") or []) if report is not None else read_overrides(job) or []
+        job: list(report["overrides"]) if report and "overrides" in report else read_overrides(job) or []
         for job, report in jobs
     }
     shared = set.intersection(*(set(o) for o in overrides.values())) if overrides else set()
     for job, report in jobs:
-        row: dict[str, Any] = dict.fromkeys(COLUMNS)
+        row: dict[str, Any] = dict.fromkeys(columns)
         row.update(
             job=job.name,
             dir=str(job.resolve()),
             overrides=" ".join(o for o in overrides[job] if o not in shared),
         )
         if report is None:
-            row["status"] = "no report (failed or running)"
+            row["status"] = f"no {results} (failed or running)"
         else:
-            row.update(status="done", report=f"{job.name}/{REPORT_MD}")
-            for column, read in COLUMNS.items():
+            row.update(
+                status="done", **{"report" if columns is COLUMNS else "metrics": f"{job.name}/{result_md}"}
+            )
+            for column, read in columns.items():
                 if read is not None:
                     try:
                         row[column] = read(report)
@@ -104,24 +155,29 @@ def _cell(value: Any) -> str:
 
 
 def render_summary(sweep_dir: Path, rows: list[dict[str, Any]]) -> str:
-    header = [c for c in COLUMNS if c != "dir"]
+    header = [c for c in (rows[0] if rows else COLUMNS) if c != "dir"]
 
     def cells(row: dict[str, Any]) -> list[str]:
         out = [_cell(row[c]) for c in header]
         return [
             f"[{text}]({text})"
-            if name == "report" and text
+            if name in ("report", "metrics") and text
             else f"`{text}`"
             if name == "overrides" and text
             else text
             for name, text in zip(header, out, strict=True)
         ]
 
+    about = (
+        "Each job's accuracy on its split (eval.py) or on the files labelled by their class folders (predict.py)."
+        if "metrics" in header
+        else "Images/s count training batches of all devices; peak memory is per device (GPU: reserved; CPU: "
+        "peak RSS of each process)."
+    )
     lines = [
         f"# Sweep summary: `{Path(sweep_dir).name}`",
         "",
-        f"Sweep dir `{Path(sweep_dir).resolve()}`: {len(rows)} job(s). Images/s count training batches "
-        "of all devices; peak memory is per device (GPU: reserved; CPU: peak RSS of each process).",
+        f"Sweep dir `{Path(sweep_dir).resolve()}`: {len(rows)} job(s). {about}",
         "",
         *table(header, (cells(row) for row in rows), cell=str),
     ]
@@ -133,7 +189,7 @@ def write_summary(sweep_dir: str | Path) -> list[Path]:
     sweep_dir = Path(sweep_dir)
     rows = summary_rows(sweep_dir)
     buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=list(COLUMNS))
+    writer = csv.DictWriter(buffer, fieldnames=list(rows[0] if rows else COLUMNS))
     writer.writeheader()
     writer.writerows({k: _cell(v) for k, v in row.items()} for row in rows)
     return [

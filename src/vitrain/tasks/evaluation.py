@@ -20,7 +20,9 @@ from vitrain.models.classifier import check_classes
 from vitrain.tasks.build import RunObjects, build_trainer
 from vitrain.tasks.cli import EVAL_ADDED_ENV, closest_key
 from vitrain.tasks.runs import resolve_checkpoint
+from vitrain.utils.atomic import write_atomic
 from vitrain.utils.config import instantiate_dict, print_run_config
+from vitrain.utils.run_files import EVAL_METRICS
 
 log = logging.getLogger(__name__)
 
@@ -214,9 +216,9 @@ def write_metrics(
     )
     print_table(metrics, f"{split} metrics of {cfg.ckpt_path}")
     print_per_class(per_class, images, f"{split} accuracy per class")
-    out = Path(cfg.paths.output_dir) / "metrics.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(
+    out = Path(cfg.paths.output_dir) / EVAL_METRICS  # whole or not at all: a sweep's summary reads it
+    write_atomic(
+        out,
         json.dumps(
             {
                 "ckpt_path": str(cfg.ckpt_path),
@@ -227,7 +229,7 @@ def write_metrics(
                 "per_class_images": images,
             },
             indent=2,
-        )
+        ),
     )
     log.info(f"Metrics written to {out}")
     return out

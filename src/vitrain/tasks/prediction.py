@@ -13,6 +13,7 @@ import os
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,6 +35,7 @@ from vitrain.tasks.evaluation import (
     read_checkpoint,
 )
 from vitrain.utils.atomic import write_atomic
+from vitrain.utils.run_files import EVAL_METRICS
 
 log = logging.getLogger(__name__)
 
@@ -177,8 +179,19 @@ def predict(cfg: DictConfig) -> tuple[dict[str, float], RunObjects]:
     counts = Counter(classes[row[0]] for row in indices.tolist())
     print_counts(counts, f"{len(paths)} images classified by {cfg.ckpt_path}")
     log.info(f"Predictions written to {out}")
+    # the run's summary (a sweep's row: vitrain.reporting.sweep), with the accuracy of labelled files
+    summary: dict[str, Any] = {
+        "ckpt_path": str(cfg.ckpt_path),
+        "inputs": str(cfg.inputs),
+        "images": len(paths),
+    }
     if labels is not None:
         metrics.update(score(cfg, list(classes), indices, labels, objects))
+        summary |= {k: v for k, v in metrics.items() if k != "images"}
+        summary |= {"per_class_acc": objects.per_class_acc, "per_class_images": objects.per_class_images}
+    written = Path(cfg.paths.output_dir) / EVAL_METRICS
+    write_atomic(written, json.dumps({**summary, "predictions": str(out)}, indent=2))
+    log.info(f"{'Metrics of the labelled files' if labels is not None else 'Summary'} written to {written}")
     return metrics, objects
 
 
@@ -217,7 +230,7 @@ def score(
     cfg: DictConfig, classes: list[str], indices: torch.Tensor, labels: list[int], objects: RunObjects
 ) -> dict[str, float]:
     """Accuracy of files labelled by their class folders (top-1, and top-5 for 5 classes or more unless
-    top_k < 5), per class as eval.py prints it; metrics.json in the run dir."""
+    top_k < 5), and per class (in `objects`), printed as eval.py prints them."""
     truth = torch.tensor(labels)
     hits = (indices[:, 0] == truth).float()
     metrics = {"acc1": hits.mean().item()}
@@ -231,11 +244,6 @@ def score(
     title = f"{len(labels)} files labelled by their class folders"
     print_table(metrics, f"{title}: accuracy of {cfg.ckpt_path}")
     print_per_class(objects.per_class_acc, objects.per_class_images, f"{title}: accuracy per class")
-    written = Path(cfg.paths.output_dir) / "metrics.json"
-    summary = {"ckpt_path": str(cfg.ckpt_path), "inputs": str(cfg.inputs), **metrics}
-    summary |= {"per_class_acc": objects.per_class_acc, "per_class_images": objects.per_class_images}
-    write_atomic(written, json.dumps(summary, indent=2))
-    log.info(f"Metrics of the labelled files written to {written}")
     return metrics
 
 

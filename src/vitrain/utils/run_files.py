@@ -14,6 +14,9 @@ STATS_FILE = "run_stats.json"  # written by callbacks.run_stats.RunStats
 METRICS_FILE = "metrics.jsonl"  # written by vitrain.loggers.MetricRecord
 LOGGER_RUNS_FILE = "logger_runs.json"  # the W&B / MLflow runs a resume continues (vitrain.loggers)
 SEARCH_FILE = "batch_size_search.json"  # written by vitrain.tasks.tuning (`+tune=batch_size`)
+EVAL_METRICS = (
+    "metrics.json"  # written by src/eval.py and src/predict.py (vitrain.tasks.evaluation, .prediction)
+)
 REPORT_JSON = "report.json"
 REPORT_MD = "report.md"
 PLOTS_DIR = "plots"
