@@ -8,6 +8,7 @@ weights equal to one process after the same 3 global batches. Two "nodes" run th
 import csv
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -281,6 +282,7 @@ def test_eval_and_predict_on_two_processes_equal_one(
     )
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     assert_world_size_2(done.stdout + done.stderr)
+    assert re.search(r"validation done in [\d:]+ \| 9 images \|", done.stdout + done.stderr)  # both ranks'
     two = json.loads((tmp_path / "eval2" / "metrics.json").read_text())
     assert sum(two["per_class_images"].values()) == 9, two["per_class_images"]
     assert two["per_class_images"] == single.per_class_images
@@ -305,6 +307,7 @@ def test_eval_and_predict_on_two_processes_equal_one(
     assert done.returncode == 0, output[-4000:]
     assert_world_size_2(output)
     assert output.count("41 images classified by") == 1  # rank zero writes and prints
+    assert len(re.findall(r"predict done in [\d:]+ \| 41 images \|", output)) == 1
     with open(tmp_path / "predict2" / "predictions.csv", newline="") as f:
         both = list(csv.DictReader(f))
     assert [r["file"] for r in both] == [r["file"] for r in rows]

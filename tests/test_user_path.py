@@ -394,6 +394,39 @@ def test_progress_lines_without_a_terminal_and_one_line_per_epoch(
     assert "v_num" not in bar.get_metrics(objects.trainer, objects.model)
 
 
+def test_progress_lines_of_evaluation_and_prediction(
+    tiny_checkpoint: Path, tiny_cifar: Path, tmp_path: Path, caplog
+):
+    """eval.py (split=val and test) and predict.py log plain lines too: every `interval_s` the batches,
+    images/s and ETA (no terminal here), and a line when done with the images evaluated, which eval.log and
+    predict.log keep (the tables go to the console only)."""
+    from helpers import predicted
+
+    last = tiny_checkpoint / "checkpoints" / "last.ckpt"
+    every_batch = [
+        "+callbacks.progress_log._target_=vitrain.callbacks.progress.ProgressLog",
+        "+callbacks.progress_log.interval_s=0",
+    ]
+    with caplog.at_level(logging.INFO, logger="vitrain.progress"):
+        val = [f"ckpt_path={last}", "split=val", "datamodule.eval_batch_size=4", *every_batch]
+        evaluate(compose_cfg("eval", val, tmp_path / "val"))
+        evaluate(
+            compose_cfg("eval", [f"ckpt_path={last}", "datamodule.eval_batch_size=8"], tmp_path / "test")
+        )
+        predicted(last, tiny_cifar / "test", tmp_path / "predict", "batch_size=16")
+    lines = [r.getMessage() for r in caplog.records if r.name == "vitrain.progress"]
+    batches = [ln for ln in lines if ln.startswith("validation batch")]
+    assert len(batches) == 4 and re.fullmatch(
+        r"validation batch 1/4 \| [\d.]+ images/s \| ETA [\d:]+", batches[0]
+    )
+    done = [ln.split(" | ")[:2] for ln in lines if " done in " in ln]
+    assert [(d[0].split(" done in ")[0], d[1]) for d in done] == [
+        ("validation", "16 images"),
+        ("test", "40 images"),
+        ("predict", "40 images"),
+    ], lines
+
+
 def test_model_summary_shows_no_zero_flops(capsys):
     from vitrain.callbacks.progress import ModelSummary
 

@@ -2,7 +2,9 @@
 
 Rich's bar draws only in a terminal: piped to a file (nohup, SLURM, `tee`) it shows its last frame at the
 end. `ProgressLog` writes a plain line (step, epoch, loss, images/s, ETA) every `interval_s` when stdout is
-not a terminal, and one line per epoch always (in `train.log` as well as on the console).
+not a terminal, and one line per epoch always (in `train.log` as well as on the console); the same for a
+test, a prediction (src/predict.py) and a validation outside fit (`src/eval.py split=val`): a line per
+`interval_s` (batches, images/s, ETA), and one when it is done (images of all processes, time, images/s).
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ import warnings
 from typing import Any
 
 import lightning as L
+import torch
 from lightning.pytorch.callbacks import Callback, RichModelSummary, Timer
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_only
 
 from vitrain.callbacks.epoch_metrics import epoch_in_progress
@@ -44,6 +48,9 @@ class ProgressLog(Callback):
         self._epoch_images = 0
         self._epoch_t0 = 0.0
         self._resumed_mid_epoch = False
+        # an evaluation pass (test, predict, validate outside fit): start, last line, images here, since then
+        self._pass_t0 = self._pass_last = 0.0
+        self._pass_images = self._pass_since = 0
 
     @rank_zero_only
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -112,6 +119,80 @@ class ProgressLog(Callback):
                 parts.append(f"{key} {float(metrics[key]):.4f}")
         parts.append(f"{self._epoch_images / max(seconds, 1e-9):.1f} images/s")
         log.info(" | ".join(parts))
+
+    # --- evaluation passes: the test after fit or of eval.py, predict.py, eval.py split=val --------------------
+
+    def _pass_start(self) -> None:
+        self._lines = self.always or not sys.stdout.isatty()
+        self._pass_t0 = self._pass_last = time.perf_counter()
+        self._pass_images = self._pass_since = 0
+
+    def _pass_batch(self, trainer: L.Trainer, stage: str, batch: Any, batch_idx: int, total: Any) -> None:
+        images = batch_size(batch)
+        self._pass_images += images
+        self._pass_since += images * trainer.world_size
+        now = time.perf_counter()
+        if not trainer.is_global_zero or not self._lines or now - self._pass_last < self.interval_s:
+            return
+        total = sum(total) if isinstance(total, list | tuple) else total  # batches per dataloader
+        known = isinstance(total, int | float) and 0 < total < float("inf")
+        total = int(total) if known else total
+        rate = self._pass_since / max(now - self._pass_last, 1e-9)
+        eta = (total - batch_idx - 1) * (now - self._pass_t0) / (batch_idx + 1) if known else None
+        log.info(
+            f"{stage} batch {batch_idx + 1}/{total if known else '?'} | {rate:.1f} images/s | "
+            f"ETA {_duration(eta) if eta is not None else '?'}"
+        )
+        self._pass_last, self._pass_since = now, 0
+
+    def _pass_end(self, trainer: L.Trainer, stage: str) -> None:
+        """The pass's line, on rank zero: the images of all processes (one sum over the ranks, as every rank
+        ends the pass here; they may have had different numbers of batches)."""
+        seconds = time.perf_counter() - self._pass_t0
+        images = torch.tensor(self._pass_images, device=trainer.strategy.root_device)
+        images = (
+            int(trainer.strategy.reduce(images, reduce_op="sum"))
+            if trainer.world_size > 1
+            else self._pass_images
+        )
+        if trainer.is_global_zero and images:
+            log.info(
+                f"{stage} done in {_duration(seconds)} | {images} images | {images / max(seconds, 1e-9):.1f} images/s"
+            )
+
+    def on_test_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._pass_start()
+
+    def on_test_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                          batch_idx: int, dataloader_idx: int = 0) -> None:  # fmt: skip
+        self._pass_batch(trainer, "test", batch, batch_idx, trainer.num_test_batches)
+
+    def on_test_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._pass_end(trainer, "test")
+
+    def on_predict_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._pass_start()
+
+    def on_predict_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                             batch_idx: int, dataloader_idx: int = 0) -> None:  # fmt: skip
+        self._pass_batch(trainer, "predict", batch, batch_idx, trainer.num_predict_batches)
+
+    def on_predict_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._pass_end(trainer, "predict")
+
+    # validation inside fit is in the epoch's line; on its own (eval.py split=val) it is a pass of its own
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.state.fn == TrainerFn.VALIDATING:
+            self._pass_start()
+
+    def on_validation_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any,
+                                batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:  # fmt: skip
+        if trainer.state.fn == TrainerFn.VALIDATING:
+            self._pass_batch(trainer, "validation", batch, batch_idx, trainer.num_val_batches)
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.state.fn == TrainerFn.VALIDATING:
+            self._pass_end(trainer, "validation")
 
 
 class ProgressBar(EpochsFromOneBar):

@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from vitrain import checkpoints
+from vitrain.callbacks.progress import ProgressLog
 from vitrain.checkpoints import CheckpointError, state_dict_mismatch
 from vitrain.errors import ModelError, UserError
 from vitrain.models.classifier import check_classes
@@ -183,6 +184,8 @@ def evaluate(cfg: DictConfig) -> tuple[dict[str, float], RunObjects]:
     per_class_acc = model.track_per_class_accuracy()
 
     callbacks = instantiate_dict(cfg.get("callbacks"))
+    if not any(isinstance(c, ProgressLog) for c in callbacks):  # lines in eval.log too, not only a bar
+        callbacks.append(ProgressLog())
     trainer = build_trainer(cfg, callbacks, loggers=False, float8=bool(model.hparams.get("float8")))
     objects = RunObjects(cfg, datamodule, model, callbacks, [], trainer, checkpoint_path=path)
     run = trainer.test if cfg.split == "test" else trainer.validate

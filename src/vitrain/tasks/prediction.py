@@ -21,6 +21,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 from rich.table import Table
 
+from vitrain.callbacks.progress import ProgressLog
 from vitrain.checkpoints import CheckpointError
 from vitrain.data.readers.image_folders import IMAGE_SUFFIXES, class_files, find_unreadable, warn_left_out
 from vitrain.errors import DataError, UserError
@@ -146,7 +147,7 @@ def predict(cfg: DictConfig) -> tuple[dict[str, float], RunObjects]:
     model = checkpoint_model(checkpoint, path, run_cfg, list(classes), str(cfg.ckpt_path))
     model.predict_top_k = top_k
     datamodule = preprocessing_of(checkpoint, run_cfg, model)
-    trainer = build_trainer(cfg, [], loggers=False, float8=bool(model.hparams.get("float8")))
+    trainer = build_trainer(cfg, [ProgressLog()], loggers=False, float8=bool(model.hparams.get("float8")))
     # the cores of this machine, shared by the processes the run starts on it
     cores = max(1, len(os.sched_getaffinity(0)) // trainer.num_devices)
     paths = readable(listed, cfg.bad_images, cores)
