@@ -198,7 +198,7 @@ def predict(cfg: DictConfig) -> tuple[dict[str, float], RunObjects]:
 
 def gathered(batches: list, world_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(positions, probabilities, classes) of the files every process classified (`predict_step`'s batches),
-    on every process. A process may have had no file (fewer files than processes)."""
+    on every process; a process with no rows (an empty share) adds none."""
     mine = [torch.cat(parts) for parts in zip(*batches, strict=True)] if batches else None
     everyone = [mine]
     if world_size > 1:
