@@ -149,12 +149,10 @@ class ProgressLog(Callback):
         """The pass's line, on rank zero: the images of all processes (one sum over the ranks, as every rank
         ends the pass here; they may have had different numbers of batches)."""
         seconds = time.perf_counter() - self._pass_t0
-        images = torch.tensor(self._pass_images, device=trainer.strategy.root_device)
-        images = (
-            int(trainer.strategy.reduce(images, reduce_op="sum"))
-            if trainer.world_size > 1
-            else self._pass_images
-        )
+        images = self._pass_images
+        if trainer.world_size > 1:
+            here = torch.tensor(images, device=trainer.strategy.root_device)
+            images = int(trainer.strategy.reduce(here, reduce_op="sum"))
         if trainer.is_global_zero and images:
             log.info(
                 f"{stage} done in {_duration(seconds)} | {images} images | {images / max(seconds, 1e-9):.1f} images/s"

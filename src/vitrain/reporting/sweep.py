@@ -113,9 +113,10 @@ def summary_rows(sweep_dir: Path) -> list[dict[str, Any]]:
     """One row per job, with the columns of its kind of sweep (`COLUMNS`, or `EVAL_COLUMNS` where `evaluates`)."""
     rows = []
     found = job_dirs(sweep_dir)
-    columns, results, result_md = COLUMNS, REPORT_JSON, REPORT_MD
+    # the columns, the file each job's row is read from, and the column linking the job's own page
+    columns, results, link = COLUMNS, REPORT_JSON, {"report": REPORT_MD}
     if evaluates(found):
-        columns, results, result_md = EVAL_COLUMNS, EVAL_METRICS, EVAL_METRICS
+        columns, results, link = EVAL_COLUMNS, EVAL_METRICS, {"metrics": EVAL_METRICS}
     jobs = [(job, read_json(job / results)) for job in found]
     overrides = {
         job: list(report["overrides"]) if report and "overrides" in report else read_overrides(job) or []
@@ -132,9 +133,7 @@ def summary_rows(sweep_dir: Path) -> list[dict[str, Any]]:
         if report is None:
             row["status"] = f"no {results} (failed or running)"
         else:
-            row.update(
-                status="done", **{"report" if columns is COLUMNS else "metrics": f"{job.name}/{result_md}"}
-            )
+            row.update(status="done", **{column: f"{job.name}/{name}" for column, name in link.items()})
             for column, read in columns.items():
                 if read is not None:
                     try:

@@ -310,12 +310,10 @@ class S3Store:
         if len(items) <= 1 or self.options.parallel_files <= 1:
             return [work(item) for item in items]
         with ThreadPoolExecutor(min(self.options.parallel_files, len(items)), "s3-fetch") as pool:
-            futures = [pool.submit(work, item) for item in items]
             try:
-                return [future.result() for future in futures]
+                return list(pool.map(work, items))
             except BaseException:
-                for future in futures:
-                    future.cancel()
+                pool.shutdown(cancel_futures=True)
                 raise
 
     def _whole_save(
