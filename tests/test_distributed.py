@@ -225,6 +225,31 @@ def test_weights_equal_single_process(
     assert moved > 1e-3, "the weights must have trained for the comparison to mean anything"
 
 
+@pytest.mark.distributed
+@pytest.mark.timeout(2 * RUN_TIMEOUT)
+def test_fine_tune_from_the_fsdp_runs_checkpoint_folder(fsdp_run: Run, tmp_path: Path):
+    """`model.weights_file=<the FSDP run's last.ckpt folder>` starts a model for other classes from the
+    weights the run saved sharded (consolidated here, in one process), its head resized; the run's directory
+    instead is refused in one line that names a checkpoint in it, for this key."""
+    last = fsdp_run.dir / "checkpoints" / "last.ckpt"
+    assert last.is_dir()
+    saved = weights(last)
+    cfg = compose_cfg("train", [*TINY_VIT, f"model.weights_file={last}", "model.net.num_classes=3"], tmp_path)
+    model = hydra.utils.instantiate(cfg.model)
+    assert model.net.head.out_features == 3
+    body = {f"net.{k}": v for k, v in model.net.state_dict().items() if not k.startswith("head.")}
+    assert body.keys() == {k for k in saved if not k.startswith("net.head.")}
+    for key, value in body.items():
+        assert torch.equal(value, saved[key]), key
+
+    cfg.model.weights_file = str(fsdp_run.dir)
+    with pytest.raises(hydra.errors.InstantiationException) as info:
+        hydra.utils.instantiate(cfg.model)
+    message = str(info.value.__cause__)
+    assert "is a folder but not a sharded checkpoint" in message, message
+    assert f"model.weights_file={last}" in message and "\n" not in message, message
+
+
 def initial_weights(data: Path, cache: Path, tmp_path: Path) -> dict[str, torch.Tensor]:
     """The weights every run starts from: train.py seeds with 42 before building the model."""
     cfg = compose_cfg("train", [*overrides(data, cache), "model.net.num_classes=10"], tmp_path)

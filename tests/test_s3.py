@@ -305,6 +305,44 @@ def test_a_folder_of_many_objects_is_read_several_at_once(
     assert not [p for p in (tmp_path / "cache2").rglob("*") if p.is_file() and p.suffix != ".lock"]
 
 
+def test_a_folder_goes_up_several_files_at_once(
+    s3_bucket: str, s3_env: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """A folder's files (a sharded checkpoint's, `make shards`') are uploaded `parallel_files` at once, each
+    verified; the results in the order of the names, and the save reads back whole."""
+    import itertools
+    import threading
+
+    folder = tmp_path / "last.ckpt"
+    folder.mkdir()
+    names = [f"__{i}_0.distcp" for i in range(12)] + [".metadata", "meta.pt"]
+    for i, name in enumerate(names):
+        (folder / name).write_bytes(os.urandom(1000 + i))
+    met, calls, original = threading.Barrier(3, timeout=10), itertools.count(), S3Store.upload_file
+    in_flight, most, lock = 0, 0, threading.Lock()
+
+    def meeting(self, path, uri, digest=None):
+        nonlocal in_flight, most
+        with lock:
+            in_flight += 1
+            most = max(most, in_flight)
+        try:
+            if next(calls) < met.parties:  # one at a time, the first would wait in vain (and fail)
+                met.wait()
+            return original(self, path, uri, digest)
+        finally:
+            with lock:
+                in_flight -= 1
+
+    monkeypatch.setattr(S3Store, "upload_file", meeting)
+    uri = S3Uri(s3_bucket, "runs/r/checkpoints/last.ckpt")
+    uploads = S3Store(S3Options(parallel_files=4)).upload_save(folder, uri, names)
+    assert [up.local.name for up in uploads] == [*names, SAVE_MANIFEST]
+    assert 3 <= most <= 4
+    local = S3Store().fetch(uri, tmp_path / "cache")
+    assert {p.name: p.read_bytes() for p in local.iterdir()} == {n: (folder / n).read_bytes() for n in names}
+
+
 def test_folder_upload_mirrors_the_save_offered(s3_bucket: str, s3_env: str, tmp_path: Path):
     """A `last.ckpt` folder rewritten in place: an upload takes only the files of the save it was offered (not
     DCP's `.metadata.tmp` of a save in progress), and the finished upload leaves no older file under the
@@ -1182,3 +1220,37 @@ def test_ckpt_path_on_s3_that_is_missing_or_corrupt_stops_in_one_line(
         "nothing unverified is kept"
     )
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_weights_file_on_s3_is_fetched_once_into_the_cache(
+    tmp_path: Path, tiny_cifar: Path, data_cache: Path, s3_bucket: str, s3_env: str
+):
+    """`model.weights_file=s3://...` (a checkpoint the upload callback put there) starts a run from those
+    weights, fetched and verified into `paths.cache_dir` as `ckpt_path` is; the hyperparameters keep the URI."""
+    import hydra
+    import timm
+
+    from helpers import compose_cfg, tiny_overrides
+    from vitrain.tasks.build import build_model
+
+    source = timm.create_model(
+        "vit_tiny_patch16_224", num_classes=7, img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2
+    )
+    checkpoint = tmp_path / "last.ckpt"  # the layout of ours: the network under `net.` in `state_dict`
+    torch.save({"state_dict": {f"net.{k}": v for k, v in source.state_dict().items()}}, checkpoint)
+    uri = f"s3://{s3_bucket}/runs/old/checkpoints/last.ckpt"
+    S3Store().upload_file(checkpoint, parse_s3_uri(uri))
+    cache = tmp_path / "cache"
+    overrides = [*tiny_overrides(tiny_cifar, data_cache), f"model.weights_file={uri}"]
+    cfg = compose_cfg("train", [*overrides, f"paths.cache_dir={cache}"], tmp_path / "run")
+    datamodule = hydra.utils.instantiate(cfg.datamodule)
+    for _ in range(2):  # the second from the cache
+        model = build_model(cfg, datamodule)
+        assert model.net.head.out_features == len(datamodule.classes) == 10
+        assert torch.equal(model.net.blocks[1].attn.qkv.weight, source.blocks[1].attn.qkv.weight)
+        assert model.hparams.weights_file == uri and cfg.model.weights_file == uri
+    assert [p.read_bytes() for p in cache.rglob("last.ckpt") if p.is_file()] == [checkpoint.read_bytes()]
+
+    cfg.model.weights_file = f"s3://{s3_bucket}/runs/old/checkpoints/best.ckpt"
+    with pytest.raises(S3ObjectNotFound, match=r"runs/old/checkpoints/best\.ckpt"):
+        build_model(cfg, datamodule)

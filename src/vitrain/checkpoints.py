@@ -179,9 +179,10 @@ def wait_for_writes(trainer: L.Trainer) -> None:
         io_plugin.wait()
 
 
-def checkpoints_in(folder: Path) -> str:
+def checkpoints_in(folder: Path, key: str = "ckpt_path") -> str:
     """`: give one of its checkpoints, e.g. ckpt_path=<folder>/checkpoints/last.ckpt (others: ...)` for a run
-    directory or its checkpoints/ folder given where a checkpoint is asked for; '' when it holds none."""
+    directory or its checkpoints/ folder given where a checkpoint is asked for (as `key`); '' when it holds
+    none."""
     for where in (folder, folder / "checkpoints"):
         found = sorted(p for p in where.glob("*.ckpt")) if where.is_dir() else []
         if found:
@@ -192,12 +193,13 @@ def checkpoints_in(folder: Path) -> str:
                 if others
                 else ""
             )
-            return f": give one of its checkpoints, e.g. ckpt_path={first}{rest}"
+            return f": give one of its checkpoints, e.g. {key}={first}{rest}"
     return ""
 
 
-def load(path: Path) -> dict[str, Any]:
-    """The whole checkpoint as one dict on CPU; a sharded folder is consolidated in memory.
+def load(path: Path, key: str = "ckpt_path") -> dict[str, Any]:
+    """The whole checkpoint as one dict on CPU; a sharded folder is consolidated in memory. `key`: the
+    setting that named it, for the message when a folder is not a checkpoint.
 
     Lightning's `consolidate_checkpoint` CLI fails on ModelParallelStrategy folders (KeyError 'model':
     the weights are under 'state_dict'), so we read the folder as the fabric loader under it does.
@@ -206,7 +208,7 @@ def load(path: Path) -> dict[str, Any]:
         if path.is_dir():
             if not (path / ".metadata").is_file():
                 raise CheckpointError(
-                    f"{path} is a folder but not a sharded checkpoint (no .metadata file){checkpoints_in(path)}"
+                    f"{path} is a folder but not a sharded checkpoint (no .metadata file){checkpoints_in(path, key)}"
                 )
             return _load_sharded(path)
         return torch.load(path, map_location="cpu", weights_only=True)

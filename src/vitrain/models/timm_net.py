@@ -12,6 +12,7 @@ import timm
 import torch
 from torch import nn
 
+from vitrain.checkpoints import load as load_checkpoint
 from vitrain.checkpoints import state_dict_mismatch
 from vitrain.errors import ModelError, argument_error
 
@@ -55,7 +56,9 @@ def create_net(net: Mapping[str, Any], weights_file: str | None = None) -> nn.Mo
     _check_model_name(name)
     if weights_file:
         path = Path(weights_file).expanduser()
-        if not path.is_file():
+        if (
+            not path.exists()
+        ):  # a file, or a sharded (FSDP) checkpoint folder; s3:// is fetched by build_model
             raise ModelError(f"model.weights_file={weights_file} does not exist")
         # loaded here rather than with timm's `file=` overlay: timm hands files of "custom_load" models
         # (most ViTs) to an .npz reader; a state dict goes through its filter (pos-embed resize) instead.
@@ -119,11 +122,18 @@ def input_spec(net: nn.Module, pretrained: bool, img_size: int | None) -> dict[s
 
 
 def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
-    """Weights of a timm/safetensors file, a torch state dict, or one of our Lightning checkpoints."""
+    """Weights of a timm/safetensors file, a torch state dict, or one of our checkpoints: a Lightning file or
+    an FSDP checkpoint folder (its `state_dict`: the EMA weights where the run averaged, as evaluated)."""
+    if path.is_dir():  # timm reads files only
+        return _without_net_prefix(load_checkpoint(path, key="model.weights_file")["state_dict"])
     try:
         state_dict = timm.models.load_state_dict(str(path))
     except Exception as err:
         raise ModelError(f"model.weights_file={path} cannot be read: {type(err).__name__}: {err}") from err
+    return _without_net_prefix(state_dict)
+
+
+def _without_net_prefix(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     prefix = "net."  # ImageClassifier keeps the timm model under `net`
     if state_dict and all(k.startswith(prefix) for k in state_dict):
         state_dict = {k.removeprefix(prefix): v for k, v in state_dict.items()}

@@ -60,8 +60,8 @@ class S3Options:
     multipart_threshold: int = 64 * MiB
     multipart_chunksize: int = 16 * MiB
     max_concurrency: int = 4  # parts of one large file in flight at once
-    # objects of a folder fetched at once (a sharded checkpoint, a prefix of photos): thousands of small objects
-    # one after another are paced by each request's round trip, not by the bandwidth
+    # files of a folder fetched or uploaded at once (a sharded checkpoint, a prefix of photos, data shards):
+    # thousands of small objects one after another are paced by each request's round trip, not the bandwidth
     parallel_files: int = 8
     # Compare the ETag with the locally computed MD5 (multipart: MD5 of part MD5s). Turn off for stores whose
     # ETag is not an MD5 (SSE-KMS on AWS, some gateways); size and the sha256 metadata are still checked.

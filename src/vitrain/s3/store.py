@@ -112,10 +112,11 @@ class S3Store:
         return Uploaded(uri, path, digest.size, digest.sha256)
 
     def upload_tree(self, folder: Path, uri: S3Uri, names: Sequence[str] | None = None) -> list[Uploaded]:
-        """The files below `folder` (every one, or the relative paths `names`), keyed by relative path."""
+        """The files below `folder` (every one, or the relative paths `names`), keyed by relative path,
+        `options.parallel_files` at once; the results in the order of `names`."""
         if names is None:
             names = [path.relative_to(folder).as_posix() for path in _files(folder)]
-        return [self.upload_file(folder / name, uri.child(name)) for name in names]
+        return self._in_parallel(lambda name: self.upload_file(folder / name, uri.child(name)), list(names))
 
     def upload_save(
         self, folder: Path, uri: S3Uri, names: Sequence[str], unchanged: Callable[[], bool] | None = None
@@ -309,7 +310,7 @@ class S3Store:
         raised once the calls in flight end, and the ones not started are dropped."""
         if len(items) <= 1 or self.options.parallel_files <= 1:
             return [work(item) for item in items]
-        with ThreadPoolExecutor(min(self.options.parallel_files, len(items)), "s3-fetch") as pool:
+        with ThreadPoolExecutor(min(self.options.parallel_files, len(items)), "s3-files") as pool:
             try:
                 return list(pool.map(work, items))
             except BaseException:

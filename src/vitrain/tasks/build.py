@@ -26,7 +26,7 @@ from vitrain.errors import DataError, UserError, argument_error
 from vitrain.loggers import MetricRecord
 from vitrain.models.timm_net import check_pretrained_available
 from vitrain.tasks.precision import resolve_precision
-from vitrain.tasks.runs import RemoteCopy, resume_hint, stable_run_id
+from vitrain.tasks.runs import RemoteCopy, resolve_checkpoint, resume_hint, stable_run_id
 from vitrain.utils.config import instantiate_dict, plain, to_container
 
 log = logging.getLogger(__name__)
@@ -153,7 +153,16 @@ def build_model(cfg: DictConfig, datamodule: L.LightningDataModule) -> L.Lightni
     classes = list(datamodule.classes)
     with open_dict(cfg):
         cfg.model.net.num_classes = head_size(cfg.model.net.get("num_classes"), classes)
-    model: L.LightningModule = hydra.utils.instantiate(cfg.model)
+    weights_file = cfg.model.get("weights_file")
+    local = {}
+    if weights_file and str(weights_file).startswith("s3://"):
+        # fetched (verified, cached: one download per machine) as ckpt_path is; the config keeps the URI
+        local["weights_file"] = str(resolve_checkpoint(str(weights_file), cfg.paths.cache_dir))
+    model: L.LightningModule = hydra.utils.instantiate(cfg.model, **local)
+    if local:
+        model.hparams.weights_file = (
+            weights_file  # the checkpoint's hyperparameters name the URI, not the cache
+        )
     datamodule.set_input_spec(**model.input_spec)
     return model
 
