@@ -11,6 +11,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from helpers import TINY_VIT, compose_cfg, run_cli, tiny_overrides
 from vitrain.tasks.evaluation import evaluate
+from vitrain.tasks.export import export_model
 from vitrain.tasks.training import train
 
 
@@ -72,6 +73,71 @@ def test_local_weights_file_is_loaded_with_resized_head(tmp_path: Path):
     assert model.net.head.out_features == 10
     assert torch.equal(model.net.blocks[1].mlp.fc1.weight, source.blocks[1].mlp.fc1.weight)
     assert model.input_spec["mean"] == (0.5, 0.5, 0.5)  # the pretrained config's, not CIFAR's
+
+
+def test_runs_from_weights_are_evaluated_with_the_normalisation_they_trained_with(
+    tmp_path: Path, tiny_cifar: Path, data_cache: Path, tiny_checkpoint: Path
+):
+    """A run started from weights (a timm file, as from the hub) normalises its images with their config's
+    mean/std (0.5 for this ViT), not CIFAR's. eval.py (predict.py, export.py alike) builds the network without
+    those weights and must still normalise as training did: from the checkpoint's record, and for a
+    checkpoint without one (written before it) as training derived it. A run started from one of our
+    checkpoints takes that checkpoint's normalisation, as timm's weights give theirs."""
+    from timm.data import IMAGENET_DEFAULT_MEAN
+
+    from vitrain.data.datamodules.cifar import CIFAR10_MEAN, CIFAR10_STD
+
+    source = timm.create_model(
+        "vit_tiny_patch16_224",
+        num_classes=1000,
+        img_size=32,
+        patch_size=8,
+        embed_dim=32,
+        depth=2,
+        num_heads=2,
+    )
+    weights = tmp_path / "imagenet.pth"
+    torch.save(source.state_dict(), weights)
+    run = tmp_path / "run"
+    overrides = [*tiny_overrides(tiny_cifar, data_cache), f"model.weights_file={weights}", "test=false"]
+    trained, _ = train(compose_cfg("train", overrides, run))
+    last = run / "checkpoints" / "last.ckpt"
+    saved = torch.load(last, weights_only=True)
+    assert saved["normalisation"] == {"mean": [0.5] * 3, "std": [0.5] * 3}
+    older = tmp_path / "older.ckpt"
+    torch.save({k: v for k, v in saved.items() if k != "normalisation"}, older)
+    for checkpoint in (last, older):
+        evaluated, objects = evaluate(
+            compose_cfg(
+                "eval",
+                [
+                    f"ckpt_path={checkpoint}",
+                    "split=val",
+                    "trainer.precision=32-true",
+                    "extras.print_config=false",
+                ],
+                tmp_path / f"eval-{checkpoint.stem}",
+            )
+        )
+        assert objects.datamodule.mean == (0.5, 0.5, 0.5) != CIFAR10_MEAN
+        assert evaluated["val/loss"] == pytest.approx(trained["val/loss"], rel=1e-6)
+        assert evaluated["val/acc1"] == pytest.approx(trained["val/acc1"], abs=1e-9)
+    # the exported timm folder's data config too (predict.py reads the same model)
+    _, folder = export_model(
+        compose_cfg("export", [f"ckpt_path={older}", "extras.print_config=false"], tmp_path / "export")
+    )
+    config = json.loads((folder / "config.json").read_text())["pretrained_cfg"]
+    assert config["mean"] == [0.5] * 3 and config["std"] == [0.5] * 3
+
+    scratch = tiny_checkpoint / "checkpoints" / "last.ckpt"  # from scratch: CIFAR-10's own statistics
+    for start, mean in ((last, (0.5, 0.5, 0.5)), (scratch, CIFAR10_MEAN), (weights, (0.5, 0.5, 0.5))):
+        cfg = compose_cfg(
+            "train", [*TINY_VIT, f"model.weights_file={start}", "model.net.num_classes=3"], tmp_path
+        )
+        spec = hydra.utils.instantiate(cfg.model).input_spec
+        assert spec["mean"] == pytest.approx(mean) and spec["mean"] != pytest.approx(IMAGENET_DEFAULT_MEAN)
+        if start == scratch:
+            assert spec["std"] == pytest.approx(CIFAR10_STD)
 
 
 def test_train_and_eval_cli(tmp_path: Path, tiny_cifar: Path, data_cache: Path):

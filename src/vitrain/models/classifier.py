@@ -1,7 +1,7 @@
 """LightningModule around a timm network: loss, top-1/top-5 accuracy, AdamW + warm-up/cosine."""
 
 import inspect
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import hydra
@@ -139,16 +139,27 @@ class ImageClassifier(L.LightningModule):
         self.run_config: dict[str, Any] | None = None
         # the data's class names in label order (set by describe_run), stored in every checkpoint
         self.class_names: list[str] | None = None
+        # the mean and std the training images were normalised with (set by describe_run), stored in every
+        # checkpoint: evaluation builds the network without its pretrained weights, whose config gave them
+        self.normalisation: dict[str, list[float]] | None = None
         # accuracy per class, tracked only when eval.py asks for it (vitrain/tasks/evaluation.py)
         self.per_class_acc: MulticlassAccuracy | None = None
         # how many classes src/predict.py keeps for each image (`predict_step`)
         self.predict_top_k = 5
 
-    def describe_run(self, run_config: dict[str, Any] | None, class_names: list[str]) -> None:
+    def describe_run(
+        self,
+        run_config: dict[str, Any] | None,
+        class_names: list[str],
+        normalisation: Mapping[str, Sequence[float]] | None = None,
+    ) -> None:
         """What every checkpoint of this run stores beside the weights: the composed config (eval.py rebuilds
-        the run from it) and the class names in label order (vitrain/tasks/build.py)."""
+        the run from it), the class names in label order and the images' `mean` and `std` (eval.py, predict.py
+        and export.py normalise as the training did; `model.weights_file` starts from them) (build.py)."""
         self.run_config = run_config
         self.class_names = list(class_names)
+        if normalisation is not None:
+            self.normalisation = {k: [float(x) for x in normalisation[k]] for k in ("mean", "std")}
 
     def track_per_class_accuracy(self) -> MulticlassAccuracy:
         """Accuracy per class from now on (evaluation), synced across ranks by torchmetrics at compute()."""
@@ -372,6 +383,8 @@ class ImageClassifier(L.LightningModule):
             checkpoint["run_config"] = self.run_config
         if self.class_names is not None:
             checkpoint["class_names"] = list(self.class_names)
+        if self.normalisation is not None:
+            checkpoint["normalisation"] = self.normalisation
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Refuse, in one line, a checkpoint trained on other classes than the data now given (runs before

@@ -62,10 +62,12 @@ def create_net(net: Mapping[str, Any], weights_file: str | None = None) -> nn.Mo
             raise ModelError(f"model.weights_file={weights_file} does not exist")
         # loaded here rather than with timm's `file=` overlay: timm hands files of "custom_load" models
         # (most ViTs) to an .npz reader; a state dict goes through its filter (pos-embed resize) instead.
-        state_dict = _read_state_dict(path)
+        state_dict, normalisation = _read_weights(path)
         kwargs["pretrained"] = True
+        # the mean/std our checkpoint's images had, as timm's config of pretrained weights gives theirs
         kwargs["pretrained_cfg_overlay"] = {
             **kwargs.get("pretrained_cfg_overlay", {}),
+            **normalisation,
             "state_dict": state_dict,
         }
     try:
@@ -121,16 +123,22 @@ def input_spec(net: nn.Module, pretrained: bool, img_size: int | None) -> dict[s
     return {**spec, "mean": None, "std": None}
 
 
-def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
-    """Weights of a timm/safetensors file, a torch state dict, or one of our checkpoints: a Lightning file or
-    an FSDP checkpoint folder (its `state_dict`: the EMA weights where the run averaged, as evaluated)."""
-    if path.is_dir():  # timm reads files only
-        return _without_net_prefix(load_checkpoint(path, key="model.weights_file")["state_dict"])
+def _read_weights(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, tuple[float, ...]]]:
+    """(weights, the `mean` and `std` they were trained with where the file says) of a timm/safetensors file,
+    a torch state dict, or one of our checkpoints: a Lightning `.ckpt` file or an FSDP checkpoint folder (its
+    `state_dict`: the EMA weights where the run averaged, as evaluated; `normalisation`: recorded by
+    training since 2026-12-01)."""
+    if path.is_dir() or path.suffix == ".ckpt":  # timm reads files only, and keeps nothing but the weights
+        checkpoint = load_checkpoint(path, key="model.weights_file")
+        recorded = checkpoint.get("normalisation") or {}
+        normalisation = {k: tuple(recorded[k]) for k in ("mean", "std") if recorded.get(k)}
+        weights = checkpoint.get("state_dict", checkpoint)
+        return _without_net_prefix(weights), normalisation if len(normalisation) == 2 else {}
     try:
         state_dict = timm.models.load_state_dict(str(path))
     except Exception as err:
         raise ModelError(f"model.weights_file={path} cannot be read: {type(err).__name__}: {err}") from err
-    return _without_net_prefix(state_dict)
+    return _without_net_prefix(state_dict), {}
 
 
 def _without_net_prefix(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -64,7 +64,10 @@ def build(cfg: DictConfig) -> RunObjects:
     datamodule: L.LightningDataModule = hydra.utils.instantiate(cfg.datamodule)
     model: L.LightningModule = build_model(cfg, datamodule)
     run_config = to_container(cfg)
-    model.describe_run(run_config, list(datamodule.classes))
+    # the images' normalisation, recorded in the checkpoints (a datamodule of yours may not say it)
+    mean, std = getattr(datamodule, "mean", None), getattr(datamodule, "std", None)
+    normalisation = {"mean": mean, "std": std} if mean and std else None
+    model.describe_run(run_config, list(datamodule.classes), normalisation)
     callbacks = instantiate_dict(cfg.get("callbacks"))
     launched_as = stable_run_id()  # before the strategy's launcher adds its variables to the environment
     for callback in callbacks:

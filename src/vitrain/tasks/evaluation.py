@@ -18,6 +18,7 @@ from vitrain.callbacks.progress import ProgressLog
 from vitrain.checkpoints import CheckpointError, state_dict_mismatch
 from vitrain.errors import ModelError, UserError
 from vitrain.models.classifier import check_classes
+from vitrain.models.timm_net import input_spec
 from vitrain.tasks.build import RunObjects, build_trainer
 from vitrain.tasks.cli import EVAL_ADDED_ENV, closest_key
 from vitrain.tasks.runs import resolve_checkpoint
@@ -153,7 +154,22 @@ def checkpoint_model(
         if detail is None:
             raise
         raise CheckpointError(f"{path} does not fit model {run_cfg.model.net.model_name}: {detail}") from err
+    model.input_spec = {**model.input_spec, **trained_normalisation(checkpoint, model)}
     return model
+
+
+def trained_normalisation(checkpoint: dict[str, Any], model: L.LightningModule) -> dict[str, Any]:
+    """The `mean` and `std` the run's images were normalised with. The network is built here without its
+    pretrained weights (`saved_config`), so its input spec would leave them to the data set's own statistics
+    (CIFAR's), where training took the pretrained weights' (timm's config: 0.5 for most ViTs). A checkpoint
+    records them; for one written before it did, they are derived as training derived them."""
+    saved = checkpoint.get("normalisation")
+    if isinstance(saved, dict) and saved.get("mean") and saved.get("std"):
+        return {"mean": tuple(saved["mean"]), "std": tuple(saved["std"])}
+    trained = (checkpoint.get("run_config") or {}).get("model") or {}
+    started_from_weights = bool((trained.get("net") or {}).get("pretrained") or trained.get("weights_file"))
+    spec = input_spec(model.net, started_from_weights, model.hparams.net.get("img_size"))
+    return {"mean": spec["mean"], "std": spec["std"]}
 
 
 def preprocessing_of(checkpoint: dict[str, Any], run_cfg: DictConfig, model: L.LightningModule) -> Any:
