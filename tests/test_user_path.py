@@ -635,3 +635,12 @@ def test_the_report_names_cifar_cpus_hybrid_as_built(tmp_path: Path):
     text = describe_net(OmegaConf.to_container(cfg.model.net), 1_700_000)
     assert text.startswith("vit_tiny_patch16_224 architecture with patch embedding ConvStem")
     assert "depth=4" in text and "embed_dim=192" in text and "1.70 M parameters" in text
+    assert text.endswith(", from scratch")
+    seed = compose_cfg("train", ["experiment=cifar"], tmp_path)
+    text = describe_net(OmegaConf.to_container(seed.model.net))
+    assert text.endswith(
+        ", started from timm's pretrained weights (hf-hub:timm/vit_base_patch32_224.augreg_in21k_ft_in1k)"
+    ), text
+    assert describe_net({"model_name": "resnet18", "pretrained": True}, None, "/w/last.ckpt") == (
+        "resnet18, started from the weights in /w/last.ckpt"
+    )

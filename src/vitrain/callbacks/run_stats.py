@@ -379,7 +379,8 @@ def _run_info(trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any
         info["config"] = {key: select_key(run_config, key) for key in CONFIG_KEYS}
         net = select_key(run_config, "model.net")
         if isinstance(net, dict):
-            info["model"] = describe_net(net, sum(p.numel() for p in pl_module.parameters()))
+            parameters = sum(p.numel() for p in pl_module.parameters())
+            info["model"] = describe_net(net, parameters, select_key(run_config, "model.weights_file"))
     return info
 
 
@@ -396,9 +397,10 @@ ARCHITECTURE_KEYS = (
 )
 
 
-def describe_net(net: dict[str, Any], parameters: int | None = None) -> str:
+def describe_net(net: dict[str, Any], parameters: int | None = None, weights_file: str | None = None) -> str:
     """The model as built: the timm name, and what the config changed in its architecture (a conv-stem
-    hybrid built from `vit_tiny_patch16_224` is not a ViT-Tiny/16), with its parameter count."""
+    hybrid built from `vit_tiny_patch16_224` is not a ViT-Tiny/16), with its parameter count and the weights
+    it started from (a fine-tuned run's accuracy is not a from-scratch one's)."""
     changes = [f"{key}={net[key]}" for key in ARCHITECTURE_KEYS if net.get(key) is not None]
     layer = net.get("embed_layer")
     if isinstance(layer, dict):
@@ -409,7 +411,22 @@ def describe_net(net: dict[str, Any], parameters: int | None = None) -> str:
         text += f" architecture with {', '.join(changes)}"
     if parameters:
         text += f" ({parameters / 1e6:.2f} M parameters)"
-    return text
+    if weights_file:
+        return f"{text}, started from the weights in {weights_file}"
+    if net.get("pretrained"):
+        return f"{text}, started from timm's pretrained weights{_hub_id(str(net.get('model_name')))}"
+    return f"{text}, from scratch"
+
+
+def _hub_id(model_name: str) -> str:
+    """` (hf-hub:<repo>)`: where timm takes the model's pretrained weights from; '' when it does not say."""
+    try:
+        import timm
+
+        repo = timm.models.get_pretrained_cfg(model_name).hf_hub_id
+    except Exception:  # no pretrained config for this name
+        return ""
+    return f" (hf-hub:{repo})" if repo else ""
 
 
 def _hydra_info() -> dict[str, Any] | None:
