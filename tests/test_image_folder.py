@@ -18,6 +18,7 @@ import tarfile
 import threading
 import time
 import zipfile
+from collections import Counter
 from pathlib import Path
 
 import lightning as L
@@ -412,6 +413,8 @@ def test_archive_is_unpacked_once_and_val_carved(photos: Path, tmp_path: Path):
     assert dm.classes == list(CLASSES)
     dm.setup("fit")
     assert len(dm.train_set) + len(dm.val_set) == N_TRAIN_ALL and len(dm.val_set) == round(0.2 * N_TRAIN_ALL)
+    # each class its share of the 13 (22, 21 and 21 images: 4.5, 4.3, 4.3), not what a random carve leaves it
+    assert Counter(label for _, label in dm.val_set.files) == {0: 5, 1: 4, 2: 4}
     assert dm.test_set.files == dm.val_set.files
     unpacked = list((tmp_path / "cache" / "unpacked").iterdir())
     assert len(unpacked) == 1 and ImageFolderDataModule(

@@ -133,17 +133,54 @@ def make_sampler(
     return SequentialSampler(dataset)
 
 
-def split_indices(n: int, val_size: int | float, seed: int) -> tuple[Tensor, Tensor]:
-    """(train, val) indices from a private generator, so every rank and every restart carves the same split.
-    `val_size` is a count, or a fraction of `n` when below 1."""
+def split_indices(labels: Sequence[int] | Tensor, val_size: int | float, seed: int) -> tuple[Tensor, Tensor]:
+    """(train, val) indices carved by `stratified_split`; the validation indices in a random order (a
+    prefix of them, `trainer.limit_val_batches`, is a fair sample)."""
+    train, val = stratified_split(labels, val_size, seed)
+    order = torch.randperm(len(val), generator=torch.Generator().manual_seed(seed))
+    return torch.tensor(train, dtype=torch.long), torch.tensor(val, dtype=torch.long)[order]
+
+
+def stratified_split(
+    labels: Sequence[int] | Tensor, val_size: int | float, seed: int, key: str = "datamodule.val_size"
+) -> tuple[list[int], list[int]]:
+    """(train, val) indices, each ascending: `val_size` images (a count, or a fraction of all when below 1)
+    for validation, every class in proportion to its images (largest remainders), each keeping at least one
+    for training; which of a class's images, by a private generator: every rank and every restart carves
+    the same split. A random carve instead leaves a small class of a photo folder without validation images
+    at 5 % (a class of 20: one time in three), and its accuracy unmeasured. `key`: the setting, for errors."""
+    values = labels.tolist() if isinstance(labels, Tensor) else [int(v) for v in labels]
+    n = len(values)
     count = round(val_size * n) if isinstance(val_size, float) and val_size < 1 else int(val_size)
-    if not 0 < count < n:
+    by_class: dict[int, list[int]] = {}
+    for index, label in enumerate(values):
+        by_class.setdefault(label, []).append(index)
+    room = n - len(by_class)  # every class keeps a training image
+    if not 0 < count <= room:
         raise DataError(
-            f"datamodule.val_size={val_size} must be between 1 and {n - 1} images "
-            f"(the training set has {n} images)"
+            f"{key}={val_size} must be between 1 and {room} images (the training set has {n} images in "
+            f"{len(by_class)} classes, each keeping one for training)"
         )
-    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
-    return perm[count:], perm[:count]
+    classes = sorted(by_class)
+    quota = {c: count * len(by_class[c]) / n for c in classes}
+    taken = {c: min(math.floor(quota[c]), len(by_class[c]) - 1) for c in classes}
+    # the images left to place go to the classes with the largest remainders (ties: the smaller label)
+    for c in sorted(classes, key=lambda c: (taken[c] - quota[c], c)):
+        if sum(taken.values()) == count:
+            break
+        if taken[c] < len(by_class[c]) - 1:
+            taken[c] += 1
+    while sum(taken.values()) < count:  # classes at their cap: the rest from those with room, in order
+        c = next(c for c in classes if taken[c] < len(by_class[c]) - 1)
+        taken[c] += 1
+    generator = torch.Generator().manual_seed(seed)
+    val: list[int] = []
+    for c in classes:
+        members = by_class[c]
+        picked = torch.randperm(len(members), generator=generator)[: taken[c]].tolist()
+        val.extend(members[i] for i in picked)
+    chosen = set(val)
+    return [i for i in range(n) if i not in chosen], sorted(val)
 
 
 def partial_pass_note(

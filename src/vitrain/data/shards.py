@@ -131,7 +131,7 @@ def write_shards(
         skip = {p for p, _ in bad}
         splits = {k: [f for f in v if f[0] not in skip] for k, v in splits.items()}
     if "val" not in splits:
-        splits["train"], splits["val"] = carve_val(splits["train"], val_size, split_seed)
+        splits["train"], splits["val"] = carve_val(splits["train"], val_size, split_seed, key="--val-size")
         log.info(
             "no val/ in %s: carved %d validation images from train (seed %d)",
             src,

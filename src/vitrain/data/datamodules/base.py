@@ -454,14 +454,13 @@ class ImageDataModule(LightningDataModule):
             for key in ("train_subset", "test_subset"):
                 if hp.get(key) is not None and hp[key] < 1:
                     raise DataError(f"datamodule.{key}={hp[key]} must be at least 1 (or null for all)")
+            # a fixed random sample each, not the first images: a folder's train/ and any test split are stored
+            # sorted by class (the first 256 of CIFAR-10's class folders are all airplanes)
             if hp.train_subset is not None:
-                self.train_set = self.keep(self.train_set, range(min(hp.train_subset, len(self.train_set))))
+                n = len(self.train_set)
+                self.train_set = self.keep(self.train_set, self._sample(n, min(hp.train_subset, n)))
             if hp.get("test_subset") is not None and hp.test_subset < len(self.test_set):
-                # a fixed random sample, not the first images: a test split is stored sorted by class
-                perm = torch.randperm(
-                    len(self.test_set), generator=torch.Generator().manual_seed(hp.split_seed)
-                )
-                self.test_set = self.keep(self.test_set, perm[: hp.test_subset].sort().values.tolist())
+                self.test_set = self.keep(self.test_set, self._sample(len(self.test_set), hp.test_subset))
             warn_imbalance(self.class_images("train"), self._world()[1])  # once: fit's set-up, not test's
         smallest = min(len(self.val_set), len(self.test_set))
         if smallest < world:
@@ -470,15 +469,15 @@ class ImageDataModule(LightningDataModule):
                 "raise datamodule.val_size or use fewer devices"
             )
 
+    def _sample(self, n: int, k: int) -> list[int]:
+        """`k` of `n` indices, ascending, by `split_seed`: the same sample every run and on every rank."""
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(self.hparams.split_seed))
+        return perm[:k].sort().values.tolist()
+
     @staticmethod
     def keep(dataset: Dataset, indices: Sequence[int]) -> Dataset:
-        """The samples at `indices`, in that order (`train_subset`: the first ones, the split being shuffled
-        already; `test_subset`: a fixed random sample)."""
+        """The samples at `indices`, in that order (`train_subset`, `test_subset`: a fixed random sample)."""
         if isinstance(dataset, TensorImageDataset):
-            if isinstance(indices, range) and indices.step == 1:  # a view, no copy
-                return TensorImageDataset(
-                    dataset.x[indices.start : indices.stop], dataset.y[indices.start : indices.stop]
-                )
             idx = torch.as_tensor(list(indices), dtype=torch.long)
             return TensorImageDataset(dataset.x[idx], dataset.y[idx])
         return torch.utils.data.Subset(dataset, list(indices))

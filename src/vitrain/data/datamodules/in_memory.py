@@ -76,7 +76,7 @@ class InMemoryDataModule(ImageDataModule):
     def load_splits(self) -> Splits:
         data = self._data()
         self._decoded = None  # the splits below hold what is needed
-        train_idx, val_idx = split_indices(len(data.train_y), self.hparams.val_size, self.hparams.split_seed)
+        train_idx, val_idx = split_indices(data.train_y, self.hparams.val_size, self.hparams.split_seed)
         return tensor_splits(
             {
                 "train": (data.train_x[train_idx], data.train_y[train_idx]),

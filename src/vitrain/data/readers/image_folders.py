@@ -10,8 +10,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
+from vitrain.data.sampling import stratified_split
 from vitrain.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -98,14 +97,13 @@ def class_files(folder: Path) -> tuple[list[Path], list[Path]]:
     return sorted(images), sorted(others)
 
 
-def carve_val(files: list[tuple[str, int]], val_size: int | float, seed: int) -> tuple[list, list]:
-    """(train, val) from one list, by a fixed permutation: the same split every time the shards are written."""
-    n = len(files)
-    count = round(val_size * n) if isinstance(val_size, float) and val_size < 1 else int(val_size)
-    if not 0 < count < n:
-        raise DataError(f"--val-size {val_size} must leave 1..{n - 1} images for validation (train has {n})")
-    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
-    return [files[i] for i in sorted(perm[count:])], [files[i] for i in sorted(perm[:count])]
+def carve_val(
+    files: list[tuple[str, int]], val_size: int | float, seed: int, key: str = "datamodule.val_size"
+) -> tuple[list, list]:
+    """(train, val) from one list of (path, label), in its order, by `stratified_split`: every class in
+    proportion, the same split every time (the shards written, the folder read)."""
+    train, val = stratified_split([label for _, label in files], val_size, seed, key)
+    return [files[i] for i in train], [files[i] for i in val]
 
 
 def unreadable(path: str) -> str | None:
