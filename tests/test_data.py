@@ -287,6 +287,12 @@ def test_split_indices_cover_and_reject_bad_sizes():
         DataError, match=r"datamodule.val_size=46 must be between 1 and 45 images .* 5 classes"
     ):
         split_indices(labels, 46, seed=0)
+    # `random`: the carve of checkpoints written before the stratified one, exactly (eval.py repeats it)
+    perm = torch.randperm(50, generator=torch.Generator().manual_seed(0))
+    train, val = split_indices(labels, 5, seed=0, method="random")
+    assert torch.equal(train, perm[5:]) and torch.equal(val, perm[:5])
+    with pytest.raises(DataError, match=r"datamodule.val_size=50 must be between 1 and 49"):
+        split_indices(labels, 50, seed=0, method="random")
 
 
 def test_the_carved_validation_split_holds_every_class_in_proportion():

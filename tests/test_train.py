@@ -140,6 +140,33 @@ def test_runs_from_weights_are_evaluated_with_the_normalisation_they_trained_wit
             assert spec["std"] == pytest.approx(CIFAR10_STD)
 
 
+def test_eval_of_a_checkpoint_from_before_the_stratified_carve_validates_on_its_images(
+    tmp_path: Path, tiny_cifar: Path, data_cache: Path
+):
+    """A checkpoint written before the carved validation split was stratified names no `val_split`: eval.py
+    carves as its run did (at random), not the stratified split, which would score some of its training
+    images as validation ones."""
+    run = tmp_path / "run"
+    overrides = [*tiny_overrides(tiny_cifar, data_cache), "datamodule.val_split=random", "test=false"]
+    trained, _ = train(compose_cfg("train", overrides, run))
+    older = tmp_path / "older.ckpt"
+    checkpoint = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
+    del checkpoint["run_config"]["datamodule"]["val_split"]
+    del checkpoint["CIFAR10DataModule"]["val_split"]
+    torch.save(checkpoint, older)
+
+    def evaluated(*extra: str) -> tuple[dict[str, float], object]:
+        args = [f"ckpt_path={older}", "split=val", "trainer.precision=32-true", "extras.print_config=false"]
+        return evaluate(compose_cfg("eval", [*args, *extra], tmp_path / f"eval{len(extra)}"))
+
+    metrics, objects = evaluated()
+    assert objects.datamodule.hparams.val_split == "random"
+    assert metrics["val/loss"] == pytest.approx(trained["val/loss"], rel=1e-6)
+    assert metrics["val/acc1"] == pytest.approx(trained["val/acc1"], abs=1e-9)
+    stratified, _ = evaluated("datamodule.val_split=stratified")  # another validation split
+    assert stratified["val/loss"] != pytest.approx(trained["val/loss"], rel=1e-6)
+
+
 def test_train_and_eval_cli(tmp_path: Path, tiny_cifar: Path, data_cache: Path):
     """`src/train.py` then `src/eval.py` on its best checkpoint: eval reproduces the validation metrics."""
     overrides = [o for o in tiny_overrides(tiny_cifar, data_cache) if not o.startswith("extras.")]

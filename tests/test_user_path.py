@@ -142,7 +142,7 @@ def test_a_resume_that_splits_the_batches_otherwise_does_not_claim_to_be_exact(
     with pytest.raises(SIGTERMException):
         train(compose_cfg("train", [*overrides, *stop], stopped))
     saved = torch.load(stopped / "checkpoints" / "last.ckpt", weights_only=True)
-    assert saved["CIFAR10DataModule"] == {"batch_size": 8, "world_size": 1}
+    assert saved["CIFAR10DataModule"] == {"batch_size": 8, "world_size": 1, "val_split": "stratified"}
 
     def resumed(name: str, *extra: str, edit=None) -> str:
         run = tmp_path / name
@@ -167,6 +167,18 @@ def test_a_resume_that_splits_the_batches_otherwise_does_not_claim_to_be_exact(
 
     message = resumed("fewer", edit=by_two_processes)
     assert "not bitwise" in message and "saved by 2 process(es), this run has 1" in message, message
+
+    def before_the_stratified_carve(checkpoint: dict) -> None:  # written before 2026-12-01
+        del checkpoint["CIFAR10DataModule"]["val_split"]
+
+    message = resumed("older", edit=before_the_stratified_carve)
+    assert (
+        "not bitwise" in message and "carved its validation split by datamodule.val_split=random" in message
+    )
+    assert "resume with datamodule.val_split=random" in message and "process" not in message, message
+    assert "bitwise as if never stopped" in resumed(
+        "older_as_it_was", "datamodule.val_split=random", edit=before_the_stratified_carve
+    )
 
 
 def test_resume_hint_says_relaunch_only_where_a_relaunch_resumes():

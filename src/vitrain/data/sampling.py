@@ -133,12 +133,48 @@ def make_sampler(
     return SequentialSampler(dataset)
 
 
-def split_indices(labels: Sequence[int] | Tensor, val_size: int | float, seed: int) -> tuple[Tensor, Tensor]:
-    """(train, val) indices carved by `stratified_split`; the validation indices in a random order (a
-    prefix of them, `trainer.limit_val_batches`, is a fair sample)."""
+#: how a validation split is carved from train (`datamodule.val_split`): each class in proportion, or a random
+#: sample of all images (the carve of checkpoints written before 2026-12-01, which eval.py then repeats)
+VAL_SPLITS = ("stratified", "random")
+
+
+def split_indices(
+    labels: Sequence[int] | Tensor, val_size: int | float, seed: int, method: str = "stratified"
+) -> tuple[Tensor, Tensor]:
+    """(train, val) indices carved by `method`; the validation indices in a random order (a prefix of them,
+    `trainer.limit_val_batches`, is a fair sample)."""
+    if method == "random":
+        n = len(labels)
+        count = _val_count(val_size, n, n - 1)
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+        return perm[count:], perm[:count]
     train, val = stratified_split(labels, val_size, seed)
     order = torch.randperm(len(val), generator=torch.Generator().manual_seed(seed))
     return torch.tensor(train, dtype=torch.long), torch.tensor(val, dtype=torch.long)[order]
+
+
+def carve(
+    labels: Sequence[int], val_size: int | float, seed: int, method: str, key: str
+) -> tuple[list[int], list[int]]:
+    """(train, val) indices, each ascending, carved by `method` (`VAL_SPLITS`)."""
+    if method == "random":
+        n = len(labels)
+        count = _val_count(val_size, n, n - 1, key)
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+        return sorted(perm[count:]), sorted(perm[:count])
+    return stratified_split(labels, val_size, seed, key)
+
+
+def _val_count(
+    val_size: int | float, n: int, room: int, key: str = "datamodule.val_size", detail: str = ""
+) -> int:
+    """The images `val_size` asks for (a fraction of `n` when below 1), at least 1 and at most `room`."""
+    count = round(val_size * n) if isinstance(val_size, float) and val_size < 1 else int(val_size)
+    if not 0 < count <= room:
+        raise DataError(
+            f"{key}={val_size} must be between 1 and {room} images (the training set has {n} images{detail})"
+        )
+    return count
 
 
 def stratified_split(
@@ -151,16 +187,11 @@ def stratified_split(
     at 5 % (a class of 20: one time in three), and its accuracy unmeasured. `key`: the setting, for errors."""
     values = labels.tolist() if isinstance(labels, Tensor) else [int(v) for v in labels]
     n = len(values)
-    count = round(val_size * n) if isinstance(val_size, float) and val_size < 1 else int(val_size)
     by_class: dict[int, list[int]] = {}
     for index, label in enumerate(values):
         by_class.setdefault(label, []).append(index)
-    room = n - len(by_class)  # every class keeps a training image
-    if not 0 < count <= room:
-        raise DataError(
-            f"{key}={val_size} must be between 1 and {room} images (the training set has {n} images in "
-            f"{len(by_class)} classes, each keeping one for training)"
-        )
+    detail = f" in {len(by_class)} classes, each keeping one for training"
+    count = _val_count(val_size, n, n - len(by_class), key, detail)
     classes = sorted(by_class)
     quota = {c: count * len(by_class[c]) / n for c in classes}
     taken = {c: min(math.floor(quota[c]), len(by_class[c]) - 1) for c in classes}

@@ -45,6 +45,14 @@ def saved_config(checkpoint: dict[str, Any], path: Path) -> DictConfig:
     saved = checkpoints.current_targets(
         {"model": run_config["model"], "datamodule": run_config["datamodule"]}
     )
+    data = saved["datamodule"]
+    if (
+        str(data.get("_target_", "")).startswith("vitrain.")
+        and "val_size" in data
+        and "val_split" not in data
+    ):
+        # written before the stratified carve: the validation images are those its run carved, at random
+        data["val_split"] = "random"
     cfg = OmegaConf.create(saved)
     overrides = [o.lstrip("+") for o in _command_line_overrides(("model.", "datamodule."))]
     check_against_checkpoint(cfg, overrides, path)

@@ -32,7 +32,7 @@ from vitrain.data.loaders import (
     passthrough_collate,
 )
 from vitrain.data.readers.decode import decode_square
-from vitrain.data.sampling import make_sampler, partial_pass_note, per_process_batch
+from vitrain.data.sampling import VAL_SPLITS, make_sampler, partial_pass_note, per_process_batch
 from vitrain.data.transforms import decode_file, on_tensors, timm_transform
 from vitrain.errors import DataError
 from vitrain.utils.config import plain
@@ -176,6 +176,7 @@ class ImageDataModule(LightningDataModule):
         eval_batch_size: int | None = None,
         val_size: int | float = 5000,
         split_seed: int = 0,
+        val_split: str = "stratified",
         shuffle_seed: int = 0,
         num_workers: int | None = 0,
         pin_memory: bool | str = "auto",
@@ -209,6 +210,8 @@ class ImageDataModule(LightningDataModule):
                 f"datamodule.val_size={val_size!r} must be a count of images (at least 1) or a fraction between 0 "
                 "and 1"
             )
+        if val_split not in VAL_SPLITS:
+            raise DataError(f"datamodule.val_split={val_split!r} must be one of {', '.join(VAL_SPLITS)}")
         if img_size is not None and img_size < 1:
             raise DataError(
                 f"datamodule.img_size={img_size} must be at least 1 (null: the model's input size)"
@@ -354,8 +357,10 @@ class ImageDataModule(LightningDataModule):
     REST_OF_EPOCH_ON_OTHER_WORLD = "the rest of the epoch is the images it had left, once each"
 
     def state_dict(self) -> dict[str, Any]:
-        """What a checkpoint keeps of the data: how the training batches were split (`resume_caveat`)."""
-        return {"batch_size": int(self.hparams.batch_size), "world_size": self._world()[0]}
+        """What a checkpoint keeps of the data: how the training batches were split and how the validation
+        split was carved (`resume_caveat`)."""
+        hp = self.hparams
+        return {"batch_size": int(hp.batch_size), "world_size": self._world()[0], "val_split": hp.val_split}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._saved_split = dict(state_dict)
@@ -367,7 +372,7 @@ class ImageDataModule(LightningDataModule):
         augmentation of (seed, epoch, rank, batch), and that of worker batches draws from the global
         generators the checkpoint restores; as long as the batches are split as they were (`split_change`)."""
         own = [name for name in SAMPLE_HOOKS if defined_outside_vitrain(type(self), name)]
-        caveats = [self.split_change()]
+        caveats = [self.split_change(), self.carve_change()]
         if own:
             caveats.append(
                 f"{type(self).__name__} defines {', '.join(own)} itself: the data order resumes exactly, its "
@@ -387,9 +392,9 @@ class ImageDataModule(LightningDataModule):
         so the rest of that epoch skips or repeats images."""
         saved = getattr(self, "_saved_split", None)
         now = self.state_dict()
-        if not saved or saved == now:
+        g, w = (saved or {}).get("batch_size"), (saved or {}).get("world_size")
+        if not saved or (g, w) == (now["batch_size"], now["world_size"]):
             return None
-        g, w = saved.get("batch_size"), saved.get("world_size")
         if g != now["batch_size"] and self._resume_offset():
             return (
                 f"the checkpoint stopped in the middle of an epoch with datamodule.batch_size={g}, this run has "
@@ -403,6 +408,25 @@ class ImageDataModule(LightningDataModule):
             f"{self.REST_OF_EPOCH_ON_OTHER_WORLD}, but each process's augmentation draws and the gradients' "
             "summation order differ"
         )
+
+    def carve_change(self) -> str | None:
+        """How this run carves its validation split otherwise than the checkpoint it resumes (None: as it,
+        or nothing is carved). A checkpoint written before 2026-12-01 carved a random sample."""
+        saved = getattr(self, "_saved_split", None)
+        if not saved or not self.carves_val():
+            return None
+        was = saved.get("val_split", "random")
+        if was == self.hparams.val_split:
+            return None
+        return (
+            f"the checkpoint's run carved its validation split by datamodule.val_split={was}, this run by "
+            f"{self.hparams.val_split}: other images train and validate from here on (the best checkpoint is "
+            f"then chosen on two splits); resume with datamodule.val_split={was} to continue as it did"
+        )
+
+    def carves_val(self) -> bool:
+        """Whether the validation split is carved from train (`val_size`, `val_split`)."""
+        return True
 
     def split_sizes(self) -> dict[str, int | None]:
         """Images per split after `setup` (None: not loaded)."""

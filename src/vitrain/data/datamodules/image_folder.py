@@ -283,6 +283,9 @@ class ImageFolderDataModule(ImageDataModule):
         # these were
         return {**super().state_dict(), "in_memory": None if self._plan is None else self._plan.in_memory}
 
+    def carves_val(self) -> bool:
+        return "val" not in self.source.splits
+
     def follow_checkpoint(self, state: dict[str, Any]) -> None:
         if state.get("in_memory") is not None and self._plan is None:
             held = bool(state["in_memory"])
@@ -354,7 +357,7 @@ class ImageFolderDataModule(ImageDataModule):
         if "val" in splits:
             val_files = splits["val"]
         else:
-            train_files, val_files = carve_val(train_files, hp.val_size, hp.split_seed)
+            train_files, val_files = carve_val(train_files, hp.val_size, hp.split_seed, hp.val_split)
         train_files = self._usable("train", train_files)
         val_files = self._usable("val", val_files)
         if "test" in splits:

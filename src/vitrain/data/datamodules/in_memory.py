@@ -76,7 +76,8 @@ class InMemoryDataModule(ImageDataModule):
     def load_splits(self) -> Splits:
         data = self._data()
         self._decoded = None  # the splits below hold what is needed
-        train_idx, val_idx = split_indices(data.train_y, self.hparams.val_size, self.hparams.split_seed)
+        hp = self.hparams
+        train_idx, val_idx = split_indices(data.train_y, hp.val_size, hp.split_seed, hp.val_split)
         return tensor_splits(
             {
                 "train": (data.train_x[train_idx], data.train_y[train_idx]),

@@ -322,6 +322,9 @@ class StreamingDataModule(ImageDataModule):
         """The device that decodes training batches (this process's GPU), or None: loader workers decode."""
         return gpu_decode_device(self.hparams.decode_device, self.trainer)
 
+    def carves_val(self) -> bool:
+        return False  # the shards hold their splits (`make shards` carved theirs)
+
     def load_splits(self) -> Splits:
         meta, hp = self.metadata, self.hparams
         device = self.decode_on()

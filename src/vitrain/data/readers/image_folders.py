@@ -10,7 +10,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from vitrain.data.sampling import stratified_split
+from vitrain.data.sampling import carve
 from vitrain.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -98,11 +98,15 @@ def class_files(folder: Path) -> tuple[list[Path], list[Path]]:
 
 
 def carve_val(
-    files: list[tuple[str, int]], val_size: int | float, seed: int, key: str = "datamodule.val_size"
+    files: list[tuple[str, int]],
+    val_size: int | float,
+    seed: int,
+    method: str = "stratified",
+    key: str = "datamodule.val_size",
 ) -> tuple[list, list]:
-    """(train, val) from one list of (path, label), in its order, by `stratified_split`: every class in
-    proportion, the same split every time (the shards written, the folder read)."""
-    train, val = stratified_split([label for _, label in files], val_size, seed, key)
+    """(train, val) from one list of (path, label), in its order, by `method` (vitrain.data.sampling.carve:
+    every class in proportion by default), the same split every time (the shards written, the folder read)."""
+    train, val = carve([label for _, label in files], val_size, seed, method, key)
     return [files[i] for i in train], [files[i] for i in val]
 
 
