@@ -53,6 +53,37 @@ def test_unknown_model_name(tmp_path: Path, tiny_cifar: Path, data_cache: Path):
     )
 
 
+def test_an_experiments_option_for_another_datamodule_is_one_line(tmp_path: Path, tiny_cifar: Path):
+    """experiment=cifar sets CIFAR-10's `datamodule.download`; swapped for an image folder, it was Hydra's
+    three-line wrapper of a TypeError. One line, naming the key and how to drop it (which then runs)."""
+    overrides = [
+        "experiment=cifar",
+        "datamodule=image_folder",
+        f"datamodule.data_dir={tiny_cifar}",
+        "model.net.pretrained=false",
+        "trainer=cpu",
+    ]
+    _assert_one_line_exit_2(
+        fails_in_process("train", overrides, tmp_path / "run"),
+        "datamodule.download is not an option of ImageFolderDataModule",
+        "~datamodule.download",
+    )
+
+
+def test_a_batch_larger_than_the_training_set_stops_instead_of_completing(
+    tmp_path: Path, tiny_cifar: Path, data_cache: Path
+):
+    """224 training images and a global batch of 256: with drop_last an epoch held no batch, and fit
+    "completed" without a step, testing the initial weights. One line instead, and no checkpoint."""
+    overrides = [*tiny_overrides(tiny_cifar, data_cache), "datamodule.batch_size=256"]
+    _assert_one_line_exit_2(
+        fails_in_process("train", overrides, tmp_path / "run"),
+        "datamodule.batch_size=256 is more than the 224 training images",
+        "to 224 or less",
+    )
+    assert not list((tmp_path / "run").rglob("*.ckpt"))
+
+
 def test_model_sizes_timm_asserts_on_come_out_in_one_line(tmp_path: Path, tiny_cifar: Path, data_cache: Path):
     """timm checks sizes with asserts (heads that do not divide the width; a hybrid stem whose output its patch
     does not divide, whose assert has no message): one line, naming the check."""

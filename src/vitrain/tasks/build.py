@@ -18,6 +18,7 @@ from lightning.pytorch.loggers import Logger, WandbLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from omegaconf import DictConfig, open_dict
 
+from vitrain.callbacks.empty_epoch import EmptyEpochCheck
 from vitrain.callbacks.resume import CheckpointOnSigterm
 from vitrain.callbacks.run_stats import RunStats
 from vitrain.callbacks.time_limit import TimeLimit
@@ -27,7 +28,7 @@ from vitrain.loggers import MetricRecord
 from vitrain.models.timm_net import check_pretrained_available
 from vitrain.tasks.precision import resolve_precision
 from vitrain.tasks.runs import RemoteCopy, resolve_checkpoint, resume_hint, stable_run_id
-from vitrain.utils.config import instantiate_dict, plain, to_container
+from vitrain.utils.config import instantiate_dict, instantiate_node, plain, to_container
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ def build(cfg: DictConfig) -> RunObjects:
     """Datamodule, model, callbacks, loggers and trainer, exactly as the config says."""
     # weights that cannot be had fail in seconds, before any data is decoded
     check_pretrained_available(cfg.model.net, cfg.model.get("weights_file"))
-    datamodule: L.LightningDataModule = hydra.utils.instantiate(cfg.datamodule)
+    datamodule: L.LightningDataModule = instantiate_node(cfg.datamodule, "datamodule")
     model: L.LightningModule = build_model(cfg, datamodule)
     run_config = to_container(cfg)
     # the images' normalisation, recorded in the checkpoints (a datamodule of yours may not say it)
@@ -133,6 +134,7 @@ def build_trainer(
         # GPUs); ours agrees every few steps (vitrain/callbacks/time_limit.py) and takes its place
         callbacks = [*callbacks, TimeLimit(duration=plain(cfg.trainer.max_time))]
         extra["max_time"] = None
+    callbacks = [*callbacks, EmptyEpochCheck()]
     precision = resolve_precision(cfg.trainer)
     try:
         trainer: L.Trainer = hydra.utils.instantiate(
@@ -161,7 +163,7 @@ def build_model(cfg: DictConfig, datamodule: L.LightningDataModule) -> L.Lightni
     if weights_file and str(weights_file).startswith("s3://"):
         # fetched (verified, cached: one download per machine) as ckpt_path is; the config keeps the URI
         local["weights_file"] = str(resolve_checkpoint(str(weights_file), cfg.paths.cache_dir))
-    model: L.LightningModule = hydra.utils.instantiate(cfg.model, **local)
+    model: L.LightningModule = instantiate_node(cfg.model, "model", **local)
     if local:
         model.hparams.weights_file = (
             weights_file  # the checkpoint's hyperparameters name the URI, not the cache

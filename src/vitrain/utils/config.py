@@ -1,5 +1,6 @@
 """Printing, saving and instantiating the composed Hydra config."""
 
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,28 @@ def print_run_config(cfg: DictConfig, save_to: Path | None = None) -> None:
     """The config tree on global rank zero, printed by a task once its set-up has succeeded: an error in
     the config or the data is then one line, not one line after the whole tree."""
     print_config_tree(cfg, save_to=save_to)
+
+
+def instantiate_node(node: DictConfig, key: str, **kwargs: Any) -> Any:
+    """`hydra.utils.instantiate(node, **kwargs)`; a key its class does not take is one line naming it. Only
+    composition leaves one there (a key typed on the command line is checked first, vitrain/tasks/cli.py):
+    an experiment's option for another group choice, e.g. experiment=cifar's `datamodule.download` with
+    `datamodule=image_folder`."""
+    from hydra.errors import InstantiationException
+
+    from vitrain.errors import UserError
+
+    try:
+        return hydra.utils.instantiate(node, **kwargs)
+    except InstantiationException as err:
+        bad = re.search(r"unexpected keyword argument '(\w+)'", str(err.__cause__))
+        if not isinstance(err.__cause__, TypeError) or bad is None:
+            raise
+        target = str(node.get("_target_", "?")).rsplit(".", 1)[-1]
+        raise UserError(
+            f"{key}.{bad[1]} is not an option of {target}: the config sets it for another {key} (an "
+            f"experiment's, e.g. experiment=cifar for CIFAR-10); drop it with ~{key}.{bad[1]}"
+        ) from None
 
 
 def instantiate_dict(cfg: DictConfig | None) -> list[Any]:
