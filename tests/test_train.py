@@ -73,6 +73,8 @@ def test_local_weights_file_is_loaded_with_resized_head(tmp_path: Path):
     assert model.net.head.out_features == 10
     assert torch.equal(model.net.blocks[1].mlp.fc1.weight, source.blocks[1].mlp.fc1.weight)
     assert model.input_spec["mean"] == (0.5, 0.5, 0.5)  # the pretrained config's, not CIFAR's
+    # the file's weights are not kept a second time in the config timm attaches (nor in EMA's deep copy)
+    assert "state_dict" not in model.net.pretrained_cfg
 
 
 def test_runs_from_weights_are_evaluated_with_the_normalisation_they_trained_with(

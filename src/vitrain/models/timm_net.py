@@ -71,7 +71,7 @@ def create_net(net: Mapping[str, Any], weights_file: str | None = None) -> nn.Mo
             "state_dict": state_dict,
         }
     try:
-        return timm.create_model(name, **kwargs)
+        built = timm.create_model(name, **kwargs)
     except TypeError as err:
         # timm passes every keyword to the family's constructor: `img_size` suits a ViT, not a ResNet
         bad = re.search(r"unexpected keyword argument '(\w+)'", str(err))
@@ -103,6 +103,11 @@ def create_net(net: Mapping[str, Any], weights_file: str | None = None) -> nn.Mo
         if detail is None:
             raise
         raise ModelError(f"model.weights_file={weights_file} does not fit {name}: {detail}") from err
+    if isinstance(getattr(built, "pretrained_cfg", None), dict):
+        # timm keeps the overlay's weights in the config it attaches: a second copy of the initial weights for
+        # the whole run, in every process (and in every deep copy of the network: EMA's)
+        built.pretrained_cfg.pop("state_dict", None)
+    return built
 
 
 def input_spec(net: nn.Module, pretrained: bool, img_size: int | None) -> dict[str, Any]:
