@@ -107,6 +107,50 @@ def test_srun_two_task_ddp(srun_ddp: dict):
     assert last["epoch"] == 1 and last["global_step"] == 2 * 28
 
 
+def test_srun_eval_and_predict_on_two_tasks_equal_one(
+    srun_ddp: dict, slurm: SlurmCluster, warm_python: str, tmp_path: Path, tiny_cifar: Path
+):
+    """`srun --ntasks=2 python src/eval.py|predict.py ... trainer=ddp trainer.devices=2`: SLURM's two tasks
+    share the work (Lightning's SLURMEnvironment), and the metrics and the rows equal one process's."""
+    import csv
+    import json
+
+    from helpers import compose_cfg, predicted
+    from vitrain.tasks.evaluation import evaluate
+
+    last = srun_ddp["run_dir"] / "checkpoints" / "last.ckpt"
+    fp32 = ["trainer.precision=32-true", "extras.print_config=false"]
+    two = ["trainer=ddp", "trainer.devices=2", "trainer.num_nodes=1"]
+
+    def srun(script: str, *args: str) -> str:
+        done = slurm.run(
+            "srun", f"--job-name={script}", "--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1",
+            "python", f"src/{script}.py", *args, *fp32, *two,
+            env=_job_env(warm_python), cwd=ROOT, check=False,
+        )  # fmt: skip
+        assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+        return done.stdout + done.stderr
+
+    output = srun("eval", f"ckpt_path={last}", "split=test", f"hydra.run.dir={tmp_path / 'eval2'}")
+    assert "MEMBER: 2/2" in output
+    single = evaluate(compose_cfg("eval", [f"ckpt_path={last}", "split=test", *fp32], tmp_path / "eval1"))[0]
+    both = json.loads((tmp_path / "eval2" / "metrics.json").read_text())
+    assert sum(both["per_class_images"].values()) == 40
+    assert {k: both[k] for k in single} == pytest.approx(single, rel=1e-6)
+
+    rows = predicted(last, tiny_cifar / "test", tmp_path / "predict1", "batch_size=3")
+    output = srun(
+        "predict", f"ckpt_path={last}", f"inputs={tiny_cifar / 'test'}", "batch_size=3",
+        f"hydra.run.dir={tmp_path / 'predict2'}",
+    )  # fmt: skip
+    assert output.count("40 images classified by") == 1, output[-3000:]
+    with open(tmp_path / "predict2" / "predictions.csv", newline="") as f:
+        shared = list(csv.DictReader(f))
+    assert [(r["file"], r["class"]) for r in shared] == [(r["file"], r["class"]) for r in rows]
+    for ours, reference in zip(shared, rows, strict=True):
+        assert float(ours["probability"]) == pytest.approx(float(reference["probability"]), abs=2e-6)
+
+
 def test_sbatch_signalled_mid_epoch_requeues_and_resumes_to_the_same_weights(
     slurm: SlurmCluster, warm_python: str, srun_ddp: dict, tmp_path: Path, tiny_cifar: Path, data_cache: Path
 ):
