@@ -144,10 +144,7 @@ def split_indices(
     """(train, val) indices carved by `method`; the validation indices in a random order (a prefix of them,
     `trainer.limit_val_batches`, is a fair sample)."""
     if method == "random":
-        n = len(labels)
-        count = _val_count(val_size, n, n - 1)
-        perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
-        return perm[count:], perm[:count]
+        return _random_carve(len(labels), val_size, seed, "datamodule.val_size")
     train, val = stratified_split(labels, val_size, seed)
     order = torch.randperm(len(val), generator=torch.Generator().manual_seed(seed))
     return torch.tensor(train, dtype=torch.long), torch.tensor(val, dtype=torch.long)[order]
@@ -158,11 +155,16 @@ def carve(
 ) -> tuple[list[int], list[int]]:
     """(train, val) indices, each ascending, carved by `method` (`VAL_SPLITS`)."""
     if method == "random":
-        n = len(labels)
-        count = _val_count(val_size, n, n - 1, key)
-        perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
-        return sorted(perm[count:]), sorted(perm[:count])
+        train, val = _random_carve(len(labels), val_size, seed, key)
+        return sorted(train.tolist()), sorted(val.tolist())
     return stratified_split(labels, val_size, seed, key)
+
+
+def _random_carve(n: int, val_size: int | float, seed: int, key: str) -> tuple[Tensor, Tensor]:
+    """(train, val) as carved before 2026-12-01: the tail and the head of a seeded permutation."""
+    count = _val_count(val_size, n, n - 1, key)
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    return perm[count:], perm[:count]
 
 
 def _val_count(
@@ -195,15 +197,15 @@ def stratified_split(
     classes = sorted(by_class)
     quota = {c: count * len(by_class[c]) / n for c in classes}
     taken = {c: min(math.floor(quota[c]), len(by_class[c]) - 1) for c in classes}
-    # the images left to place go to the classes with the largest remainders (ties: the smaller label)
+    # the images left to place go to the classes with the largest remainders (ties: the smaller label), then,
+    # past the classes at their cap, to those with room, in order (`_val_count` saw that there is enough)
+    left = count - sum(taken.values())
     for c in sorted(classes, key=lambda c: (taken[c] - quota[c], c)):
-        if sum(taken.values()) == count:
-            break
-        if taken[c] < len(by_class[c]) - 1:
-            taken[c] += 1
-    while sum(taken.values()) < count:  # classes at their cap: the rest from those with room, in order
-        c = next(c for c in classes if taken[c] < len(by_class[c]) - 1)
-        taken[c] += 1
+        if left and taken[c] < len(by_class[c]) - 1:
+            taken[c], left = taken[c] + 1, left - 1
+    for c in classes:
+        more = min(left, len(by_class[c]) - 1 - taken[c])
+        taken[c], left = taken[c] + more, left - more
     generator = torch.Generator().manual_seed(seed)
     val: list[int] = []
     for c in classes:
