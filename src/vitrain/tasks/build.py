@@ -164,10 +164,8 @@ def build_model(cfg: DictConfig, datamodule: L.LightningDataModule) -> L.Lightni
         # fetched (verified, cached: one download per machine) as ckpt_path is; the config keeps the URI
         local["weights_file"] = str(resolve_checkpoint(str(weights_file), cfg.paths.cache_dir))
     model: L.LightningModule = instantiate_node(cfg.model, "model", **local)
-    if local:
-        model.hparams.weights_file = (
-            weights_file  # the checkpoint's hyperparameters name the URI, not the cache
-        )
+    if local:  # the checkpoint's hyperparameters name the URI, not the cache
+        model.hparams.weights_file = weights_file
     datamodule.set_input_spec(**model.input_spec)
     return model
 
