@@ -7,9 +7,10 @@ import socket
 import time
 import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 from unittest import mock
 
 import boto3
@@ -261,41 +262,47 @@ def test_sharded_folder_upload_and_fetch(s3_bucket: str, s3_env: str, tmp_path: 
     assert not sharded_complete(folder)
 
 
+def _meeting(original: Callable[..., Any], parties: int = 3) -> tuple[Callable[..., Any], dict[str, int]]:
+    """`original` (a method) whose first `parties` calls wait for each other before going on: made one at a
+    time, the first waits in vain and the barrier breaks. `seen["most"]`: the most calls in flight at once."""
+    import itertools
+    import threading
+
+    met, calls, lock = threading.Barrier(parties, timeout=10), itertools.count(), threading.Lock()
+    seen = {"in_flight": 0, "most": 0}
+
+    def meeting(*args: Any, **kwargs: Any) -> Any:
+        with lock:
+            seen["in_flight"] += 1
+            seen["most"] = max(seen["most"], seen["in_flight"])
+        try:
+            if next(calls) < parties:
+                met.wait()
+            return original(*args, **kwargs)
+        finally:
+            with lock:
+                seen["in_flight"] -= 1
+
+    return meeting, seen
+
+
 def test_a_folder_of_many_objects_is_read_several_at_once(
     s3_bucket: str, s3_env: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
     """A prefix of photos is read `parallel_files` objects at once (their heads, then their downloads), each
     verified; one corrupt object fails the fetch naming it, and nothing of the folder is cached."""
-    import itertools
-    import threading
-
     client = _client(s3_env)
     bodies = {f"photos/{i:03d}.jpg": os.urandom(2000 + i) for i in range(24)}
     for key, body in bodies.items():
         client.put_object(Bucket=s3_bucket, Key=key, Body=body)
-    # the first 3 downloads meet before any goes on: one at a time, the first would wait in vain (and fail)
-    met, calls, original = threading.Barrier(3, timeout=10), itertools.count(), S3Store._download_verified
-    in_flight, most, lock = 0, 0, threading.Lock()
-
-    def meeting(self, uri, head, dest):
-        nonlocal in_flight, most
-        with lock:
-            in_flight += 1
-            most = max(most, in_flight)
-        try:
-            if next(calls) < met.parties:
-                met.wait()
-            return original(self, uri, head, dest)
-        finally:
-            with lock:
-                in_flight -= 1
-
+    original = S3Store._download_verified
+    meeting, seen = _meeting(original)
     monkeypatch.setattr(S3Store, "_download_verified", meeting)
     store = S3Store(S3Options(parallel_files=4))
     local = store.fetch(S3Uri(s3_bucket, "photos"), tmp_path / "cache")
     assert sorted(p.name for p in local.iterdir()) == [k.split("/")[1] for k in sorted(bodies)]
     assert all((local / k.split("/")[1]).read_bytes() == body for k, body in bodies.items())
-    assert 3 <= most <= 4
+    assert 3 <= seen["most"] <= 4
 
     monkeypatch.setattr(S3Store, "_download_verified", original)
     sha = file_digest(local / "005.jpg", 64 * MiB, 16 * MiB).sha256
@@ -310,35 +317,17 @@ def test_a_folder_goes_up_several_files_at_once(
 ):
     """A folder's files (a sharded checkpoint's, `make shards`') are uploaded `parallel_files` at once, each
     verified; the results in the order of the names, and the save reads back whole."""
-    import itertools
-    import threading
-
     folder = tmp_path / "last.ckpt"
     folder.mkdir()
     names = [f"__{i}_0.distcp" for i in range(12)] + [".metadata", "meta.pt"]
     for i, name in enumerate(names):
         (folder / name).write_bytes(os.urandom(1000 + i))
-    met, calls, original = threading.Barrier(3, timeout=10), itertools.count(), S3Store.upload_file
-    in_flight, most, lock = 0, 0, threading.Lock()
-
-    def meeting(self, path, uri, digest=None):
-        nonlocal in_flight, most
-        with lock:
-            in_flight += 1
-            most = max(most, in_flight)
-        try:
-            if next(calls) < met.parties:  # one at a time, the first would wait in vain (and fail)
-                met.wait()
-            return original(self, path, uri, digest)
-        finally:
-            with lock:
-                in_flight -= 1
-
+    meeting, seen = _meeting(S3Store.upload_file)
     monkeypatch.setattr(S3Store, "upload_file", meeting)
     uri = S3Uri(s3_bucket, "runs/r/checkpoints/last.ckpt")
     uploads = S3Store(S3Options(parallel_files=4)).upload_save(folder, uri, names)
     assert [up.local.name for up in uploads] == [*names, SAVE_MANIFEST]
-    assert 3 <= most <= 4
+    assert 3 <= seen["most"] <= 4
     local = S3Store().fetch(uri, tmp_path / "cache")
     assert {p.name: p.read_bytes() for p in local.iterdir()} == {n: (folder / n).read_bytes() for n in names}
 

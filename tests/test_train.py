@@ -54,7 +54,8 @@ def test_train_writes_checkpoints_and_tensorboard(tmp_path: Path, tiny_cifar: Pa
     assert saved["hyper_parameters"]["label_smoothing"] == cfg.model.label_smoothing
 
 
-def test_local_weights_file_is_loaded_with_resized_head(tmp_path: Path):
+def _imagenet_weights(tmp_path: Path) -> tuple[torch.nn.Module, Path]:
+    """The tiny ViT with a 1000-class head, as a timm weights file (ImageNet weights from the hub, offline)."""
     source = timm.create_model(
         "vit_tiny_patch16_224",
         num_classes=1000,
@@ -66,6 +67,11 @@ def test_local_weights_file_is_loaded_with_resized_head(tmp_path: Path):
     )
     weights = tmp_path / "imagenet.pth"
     torch.save(source.state_dict(), weights)
+    return source, weights
+
+
+def test_local_weights_file_is_loaded_with_resized_head(tmp_path: Path):
+    source, weights = _imagenet_weights(tmp_path)
     cfg = compose_cfg(
         "train", [*TINY_VIT, f"model.weights_file={weights}", "model.net.num_classes=10"], tmp_path
     )
@@ -89,17 +95,7 @@ def test_runs_from_weights_are_evaluated_with_the_normalisation_they_trained_wit
 
     from vitrain.data.datamodules.cifar import CIFAR10_MEAN, CIFAR10_STD
 
-    source = timm.create_model(
-        "vit_tiny_patch16_224",
-        num_classes=1000,
-        img_size=32,
-        patch_size=8,
-        embed_dim=32,
-        depth=2,
-        num_heads=2,
-    )
-    weights = tmp_path / "imagenet.pth"
-    torch.save(source.state_dict(), weights)
+    _, weights = _imagenet_weights(tmp_path)
     run = tmp_path / "run"
     overrides = [*tiny_overrides(tiny_cifar, data_cache), f"model.weights_file={weights}", "test=false"]
     trained, _ = train(compose_cfg("train", overrides, run))
