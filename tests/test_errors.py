@@ -65,7 +65,7 @@ def test_an_experiments_option_for_another_datamodule_is_one_line(tmp_path: Path
     ]
     _assert_one_line_exit_2(
         fails_in_process("train", overrides, tmp_path / "run"),
-        "datamodule.download is not an option of ImageFolderDataModule",
+        "datamodule.download is not an option of ImageFolderDataModule: experiment=cifar sets it",
         "~datamodule.download",
     )
 

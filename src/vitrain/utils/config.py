@@ -59,10 +59,21 @@ def instantiate_node(node: DictConfig, key: str, **kwargs: Any) -> Any:
         if not isinstance(err.__cause__, TypeError) or bad is None:
             raise
         target = str(node.get("_target_", "?")).rsplit(".", 1)[-1]
+        experiment = _choice("experiment")
+        by = f"experiment={experiment}" if experiment else "the config"
         raise UserError(
-            f"{key}.{bad[1]} is not an option of {target}: the config sets it for another {key} (an "
-            f"experiment's, e.g. experiment=cifar for CIFAR-10); drop it with ~{key}.{bad[1]}"
+            f"{key}.{bad[1]} is not an option of {target}: {by} sets it for another {key}; drop it with "
+            f"~{key}.{bad[1]}"
         ) from None
+
+
+def _choice(group: str) -> str | None:
+    """The option chosen for a config group in this Hydra run (None outside one, or none chosen)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return None
+    return HydraConfig.get().runtime.choices.get(group)
 
 
 def instantiate_dict(cfg: DictConfig | None) -> list[Any]:
