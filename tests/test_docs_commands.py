@@ -7,8 +7,11 @@ that does not exist or a value that cannot work fails here in milliseconds. Plac
 of Hydra itself (`hydra/launcher=...`, `hydra.sweeper.*`) are the launcher's and left out.
 """
 
+import os
 import re
 import shlex
+import shutil
+import subprocess
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -98,3 +101,51 @@ def hydra_configs():
 def test_documented_command_composes(where: str, script: str, words: list[str], hydra_configs):
     cfg = compose(config_name=script, overrides=overrides_of(words))
     assert bad_value(cfg) is None, f"{where}: {bad_value(cfg)}"
+
+
+# --- the Makefile's shortcuts ---------------------------------------------------------------------------------
+
+
+def _make(*args: str) -> subprocess.CompletedProcess:
+    if shutil.which("make") is None:
+        if os.environ.get("CI"):  # CI installs make (.ci/run): a skip there would hide a broken set-up
+            pytest.fail("make is not installed")
+        pytest.skip("make is not installed")
+    return subprocess.run(["make", "--no-print-directory", *args], cwd=ROOT, capture_output=True, text=True)
+
+
+@pytest.mark.parametrize(
+    ("target", "usage"),
+    [
+        ("eval", "error: make eval CKPT="),
+        ("predict", "error: make predict CKPT="),
+        ("export", "error: make export CKPT="),
+        ("report", "error: make report RUN="),
+        ("shards", "error: make shards SRC="),
+    ],
+)
+def test_a_make_target_without_its_variable_says_what_it_needs(target: str, usage: str):
+    """`make eval` without CKPT (and the others without theirs): one line naming the variable, exit 2, and
+    nothing run (make's -n below shows what runs when it is given)."""
+    done = _make(target)
+    assert done.returncode == 2 and done.stderr.startswith(usage), done.stderr
+    assert "src/" not in done.stdout and "vitrain" not in done.stdout
+
+
+def test_make_targets_run_the_documented_commands():
+    def runs(*args: str) -> str:
+        done = _make("-n", *args)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    assert ".venv/bin/python src/eval.py ckpt_path=/w/last.ckpt" in runs("eval", "CKPT=/w/last.ckpt")
+    assert ".venv/bin/python src/predict.py ckpt_path=/w/a.ckpt inputs=/p" in runs(
+        "predict", "CKPT=/w/a.ckpt", "IMAGES=/p"
+    )
+    assert "src/export.py ckpt_path=/w/a.ckpt output=/m" in runs("export", "CKPT=/w/a.ckpt", "OUT=/m")
+    assert "output=" not in runs("export", "CKPT=/w/a.ckpt")
+    assert "-m vitrain.reporting logs/train/runs/x" in runs("report", "RUN=logs/train/runs/x")
+    assert "-m vitrain.data.shards /src s3://b/p --val-size 0.1" in runs(
+        "shards", "SRC=/src", "DST=s3://b/p", "SHARDS_ARGS=--val-size 0.1"
+    )
+    assert "src/train.py experiment=cifar" in runs("train")
