@@ -10,11 +10,12 @@ import pytest
 import torch
 from PIL import Image
 
-from helpers import PYTHON, RANK_VARS, ROOT, fails_in_process, run_cli, tiny_overrides
+from helpers import PYTHON, RANK_VARS, ROOT, compose_cfg, fails_in_process, run_cli, tiny_overrides
 from vitrain.checkpoints import state_dict_mismatch
 from vitrain.distributed.ranks import check_launch_env
 from vitrain.errors import ModelError, UserError
 from vitrain.models.timm_net import create_net
+from vitrain.tasks.training import train
 
 
 def _last_line(stderr: str) -> str:
@@ -82,6 +83,33 @@ def test_a_batch_larger_than_the_training_set_stops_instead_of_completing(
         "to 224 or less",
     )
     assert not list((tmp_path / "run").rglob("*.ckpt"))
+
+
+def test_a_resume_that_would_normalise_otherwise_stops_in_one_line(
+    tmp_path: Path, tiny_cifar: Path, data_cache: Path, tiny_checkpoint: Path
+):
+    """The checkpoint's weights were trained on CIFAR-normalised inputs; a resume whose settings give another
+    normalisation (here datamodule.mean/std; offline, dropping model.net.pretrained does the same) would go on
+    from other inputs without a word. One line naming both and the values to give; given, it resumes."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(tiny_checkpoint, run)
+    last = run / "checkpoints" / "last.ckpt"
+    before = last.read_bytes()
+    base = [*tiny_overrides(tiny_cifar, data_cache), "logger=csv", "test=false", "ckpt_path=last"]
+    other = ["datamodule.mean=[0.5,0.5,0.5]", "datamodule.std=[0.5,0.5,0.5]"]
+    done = fails_in_process("train", [*base, *other], run)
+    _assert_one_line_exit_2(
+        done,
+        "the checkpoint's images were normalised with mean [0.4914, 0.4822, 0.4465], std [0.247, 0.2435, 0.2616]",
+        "this run's with mean [0.5, 0.5, 0.5]",
+        "datamodule.mean=[0.4914,0.4822,0.4465] datamodule.std=[0.247,0.2435,0.2616]",
+    )
+    assert last.read_bytes() == before  # nothing saved over it
+    given = ["datamodule.mean=[0.4914,0.4822,0.4465]", "datamodule.std=[0.247,0.2435,0.2616]"]
+    train(compose_cfg("train", [*base, *given, "trainer.max_epochs=2"], run))
+    assert torch.load(last, weights_only=True)["epoch"] == 1
 
 
 def test_model_sizes_timm_asserts_on_come_out_in_one_line(tmp_path: Path, tiny_cifar: Path, data_cache: Path):

@@ -388,8 +388,10 @@ class ImageClassifier(L.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Refuse, in one line, a checkpoint trained on other classes than the data now given (runs before
-        the weights are loaded, which would fail on the head's shape with a long message)."""
+        the weights are loaded, which would fail on the head's shape with a long message), or on images
+        normalised otherwise than this run's."""
         check_classes(checkpoint.get("class_names"), self.class_names, "ckpt_path")
+        check_normalisation(checkpoint.get("normalisation"), self.normalisation)
 
 
 # model.compile_scope: what `parallelize` compiles (vitrain/distributed/parallelize.py)
@@ -470,6 +472,28 @@ def check_classes(saved: list[str] | None, found: list[str] | None, what: str) -
     raise CheckpointError(
         f"{what}: the checkpoint was trained on other classes ({detail}): evaluate or resume it on the same "
         "class folders, or fine-tune from its weights with model.weights_file=... instead"
+    )
+
+
+def check_normalisation(saved: Mapping[str, Any] | None, now: Mapping[str, Any] | None) -> None:
+    """A resumed run must normalise its images as the checkpoint's run did: its weights were trained on
+    those inputs. They change with `model.net.pretrained` (the weights' mean/std, else the data set's), with
+    `model.weights_file` and with `datamodule.mean/std`; e.g. an offline resume told to drop `pretrained`
+    would go on from CIFAR's statistics, the inputs off by up to 2x, without a word."""
+    if not saved or not now:
+        return
+    shown = {
+        which: {k: [round(float(v), 4) for v in values[k]] for k in ("mean", "std")}
+        for which, values in (("saved", saved), ("now", now))
+    }
+    if shown["saved"] == shown["now"]:
+        return
+    mean, std = shown["saved"]["mean"], shown["saved"]["std"]
+    raise CheckpointError(
+        f"ckpt_path: the checkpoint's images were normalised with mean {mean}, std {std}, this run's with mean "
+        f"{shown['now']['mean']}, std {shown['now']['std']} (model.net.pretrained, model.weights_file or "
+        "datamodule.mean/std differ from its run's): resume with its settings, or give its values: "
+        f"datamodule.mean=[{','.join(map(str, mean))}] datamodule.std=[{','.join(map(str, std))}]"
     )
 
 
