@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -58,13 +59,21 @@ def wait_quiet(minutes: float, threshold: float = 0.8) -> float:
 
 def carry_notes(path: Path, earlier: list[str]) -> dict:
     """The result a re-run wrote to `path`, with the notes its predecessor carried (what earlier sessions
-    found and wrote beside their figures) kept before its own: a re-run replaces figures, not history."""
+    found and wrote beside their figures) kept before its own: a re-run replaces figures, not history. A
+    note the script writes itself (its words up to the first figure the same as one of the new notes'), of
+    the run it replaces, is replaced too: "the same checkpoint scores 81.71 %" was of the old checkpoint."""
     result = json.loads(path.read_text())
     own = [note for note in result.get("notes") or [] if note not in earlier]
+    kept = [note for note in earlier if _words(note) not in {_words(mine) for mine in own}]
     if earlier:
-        result["notes"] = [*earlier, *own]
+        result["notes"] = [*kept, *own]
         path.write_text(json.dumps(result, indent=2) + "\n")
     return result
+
+
+def _words(note: str) -> str:
+    """A note's words before its first digit: what a script's note says, without its figures."""
+    return re.split(r"\d", note, maxsplit=1)[0]
 
 
 def main() -> int:

@@ -104,6 +104,11 @@ def test_a_rerun_keeps_the_notes_beside_the_figures_it_replaces(tmp_path: Path):
     assert result["notes"] == ["tenth session: ...", "eleventh session: ...", "new note"]
     assert json.loads(path.read_text()) == result
     assert carry_notes(path, [])["notes"] == result["notes"]  # a first run: the file as written
+    # the script's own note of the run replaced goes: its figures were of that run
+    flip = "flip TTA (model.tta_flip): the same checkpoint scores {} % without it"
+    path.write_text(json.dumps({"name": "accuracy", "notes": [flip.format("81.94")]}))
+    carried = carry_notes(path, ["a session's finding", flip.format("81.71")])["notes"]
+    assert carried == ["a session's finding", flip.format("81.94")]
 
 
 def test_machine_line_says_what_auto_chose_on_the_cpu():
