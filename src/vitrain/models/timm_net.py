@@ -55,10 +55,8 @@ def create_net(net: Mapping[str, Any], weights_file: str | None = None) -> nn.Mo
         kwargs.pop("num_classes", None)
     _check_model_name(name)
     if weights_file:
-        path = Path(weights_file).expanduser()
-        if (
-            not path.exists()
-        ):  # a file, or a sharded (FSDP) checkpoint folder; s3:// is fetched by build_model
+        path = Path(weights_file).expanduser()  # a file or an FSDP checkpoint folder (build_model fetches s3://)
+        if not path.exists():
             raise ModelError(f"model.weights_file={weights_file} does not exist")
         # loaded here rather than with timm's `file=` overlay: timm hands files of "custom_load" models
         # (most ViTs) to an .npz reader; a state dict goes through its filter (pos-embed resize) instead.
