@@ -55,7 +55,8 @@ def create_net(net: Mapping[str, Any], weights_file: str | None = None) -> nn.Mo
         kwargs.pop("num_classes", None)
     _check_model_name(name)
     if weights_file:
-        path = Path(weights_file).expanduser()  # a file or an FSDP checkpoint folder (build_model fetches s3://)
+        # a file or an FSDP checkpoint folder (build_model has fetched an s3:// one)
+        path = Path(weights_file).expanduser()
         if not path.exists():
             raise ModelError(f"model.weights_file={weights_file} does not exist")
         # loaded here rather than with timm's `file=` overlay: timm hands files of "custom_load" models
