@@ -112,6 +112,36 @@ def test_a_resume_that_would_normalise_otherwise_stops_in_one_line(
     assert torch.load(last, weights_only=True)["epoch"] == 1
 
 
+def test_an_offline_resume_of_a_pretrained_run_starts_from_its_checkpoint(
+    tmp_path: Path, tiny_cifar: Path, data_cache: Path, tiny_checkpoint: Path, monkeypatch, caplog
+):
+    """Offline, without the hub's cache, a pretrained run's weights cannot be had; resuming it from a given
+    checkpoint needs none of them (the checkpoint's replace them): the model starts from the checkpoint, with
+    a warning, and the run resumes. `ckpt_path=last` (found only once the trainer exists) and a new run still
+    stop in the one line that says how to go on."""
+    import logging
+    import shutil
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    run = tmp_path / "run"
+    shutil.copytree(tiny_checkpoint, run)
+    last = run / "checkpoints" / "last.ckpt"
+    base = [*tiny_overrides(tiny_cifar, data_cache), "logger=csv", "test=false", "model.net.pretrained=true"]
+    with caplog.at_level(logging.WARNING):
+        train(compose_cfg("train", [*base, f"ckpt_path={last}", "trainer.max_epochs=2"], run))
+    assert any(f"the model starts from ckpt_path={last} instead" in r.getMessage() for r in caplog.records)
+    assert torch.load(last, weights_only=True)["epoch"] == 1
+    for extra, hint in (
+        (["ckpt_path=last"], "to resume without them, name the checkpoint: ckpt_path="),
+        ([], ""),
+    ):
+        _assert_one_line_exit_2(
+            fails_in_process("train", [*base, *extra], tmp_path / f"again{len(extra)}"),
+            "could not download pretrained weights for vit_tiny_patch16_224",
+            hint,
+        )
+
+
 def test_model_sizes_timm_asserts_on_come_out_in_one_line(tmp_path: Path, tiny_cifar: Path, data_cache: Path):
     """timm checks sizes with asserts (heads that do not divide the width; a hybrid stem whose output its patch
     does not divide, whose assert has no message): one line, naming the check."""

@@ -23,7 +23,7 @@ from vitrain.callbacks.resume import CheckpointOnSigterm
 from vitrain.callbacks.run_stats import RunStats
 from vitrain.callbacks.time_limit import TimeLimit
 from vitrain.compat import drop_wandb_anonymous
-from vitrain.errors import DataError, UserError, argument_error
+from vitrain.errors import DataError, ModelError, UserError, argument_error
 from vitrain.loggers import MetricRecord
 from vitrain.models.timm_net import check_pretrained_available
 from vitrain.tasks.precision import resolve_precision
@@ -61,9 +61,13 @@ class RunObjects:
 def build(cfg: DictConfig) -> RunObjects:
     """Datamodule, model, callbacks, loggers and trainer, exactly as the config says."""
     # weights that cannot be had fail in seconds, before any data is decoded
-    check_pretrained_available(cfg.model.net, cfg.model.get("weights_file"))
+    start_from = None
+    try:
+        check_pretrained_available(cfg.model.net, cfg.model.get("weights_file"))
+    except ModelError as err:
+        start_from = resumed_instead(cfg, err)
     datamodule: L.LightningDataModule = instantiate_node(cfg.datamodule, "datamodule")
-    model: L.LightningModule = build_model(cfg, datamodule)
+    model: L.LightningModule = build_model(cfg, datamodule, start_from)
     run_config = to_container(cfg)
     # the images' normalisation, recorded in the checkpoints (a datamodule of yours may not say it)
     mean, std = getattr(datamodule, "mean", None), getattr(datamodule, "std", None)
@@ -152,20 +156,40 @@ def build_trainer(
     return trainer
 
 
-def build_model(cfg: DictConfig, datamodule: L.LightningDataModule) -> L.LightningModule:
+def resumed_instead(cfg: DictConfig, unavailable: ModelError) -> str:
+    """The checkpoint a training run resumes from, to build its model from where its pretrained weights
+    cannot be had (offline, not in the hub's cache): the checkpoint's weights replace them as fit starts,
+    and it records the normalisation they were trained with. Else the error: there is nothing to stand in."""
+    ckpt_path = cfg.get("ckpt_path")
+    if cfg.get("train") and ckpt_path == "last":  # found once the trainer exists: too late for the model
+        raise ModelError(
+            f"{unavailable}; to resume without them, name the checkpoint: ckpt_path=<run dir>/checkpoints/"
+            "last.ckpt (its weights replace them)"
+        ) from None
+    if not cfg.get("train") or not ckpt_path:
+        raise unavailable
+    log.warning(f"{unavailable}; the model starts from ckpt_path={ckpt_path} instead, which it resumes")
+    return str(ckpt_path)
+
+
+def build_model(
+    cfg: DictConfig, datamodule: L.LightningDataModule, start_from: str | None = None
+) -> L.LightningModule:
     """The model with its head sized to the classes the datamodule found (written into `cfg`, so the config
-    a checkpoint stores has the number); the datamodule learns the model's input spec in return."""
+    a checkpoint stores has the number); the datamodule learns the model's input spec in return.
+    `start_from`: a checkpoint to take the weights from in place of the configured ones (`resumed_instead`)."""
     classes = list(datamodule.classes)
     with open_dict(cfg):
         cfg.model.net.num_classes = head_size(cfg.model.net.get("num_classes"), classes)
-    weights_file = cfg.model.get("weights_file")
+    configured = cfg.model.get("weights_file")
+    weights_file = start_from or configured
     local = {}
-    if weights_file and str(weights_file).startswith("s3://"):
-        # fetched (verified, cached: one download per machine) as ckpt_path is; the config keeps the URI
+    if weights_file and (start_from or str(weights_file).startswith("s3://")):
+        # an s3:// one fetched (verified, cached: one download per machine) as ckpt_path is
         local["weights_file"] = str(resolve_checkpoint(str(weights_file), cfg.paths.cache_dir))
     model: L.LightningModule = instantiate_node(cfg.model, "model", **local)
-    if local:  # the checkpoint's hyperparameters name the URI, not the cache
-        model.hparams.weights_file = weights_file
+    if local:  # the checkpoint's hyperparameters name what the config does, not the cache or a stand-in
+        model.hparams.weights_file = configured
     datamodule.set_input_spec(**model.input_spec)
     return model
 
