@@ -8,9 +8,11 @@ from typing import Any
 import hydra
 import rich.syntax
 import rich.tree
+from hydra.errors import InstantiationException
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from vitrain.errors import UserError
 from vitrain.utils.secrets import redact
 
 PRINT_ORDER = ("datamodule", "model", "callbacks", "logger", "trainer", "paths", "extras")
@@ -48,10 +50,6 @@ def instantiate_node(node: DictConfig, key: str, **kwargs: Any) -> Any:
     composition leaves one there (a key typed on the command line is checked first, vitrain/tasks/cli.py):
     an experiment's option for another group choice, e.g. experiment=cifar's `datamodule.download` with
     `datamodule=image_folder`."""
-    from hydra.errors import InstantiationException
-
-    from vitrain.errors import UserError
-
     try:
         return hydra.utils.instantiate(node, **kwargs)
     except InstantiationException as err:

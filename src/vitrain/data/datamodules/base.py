@@ -479,7 +479,7 @@ class ImageDataModule(LightningDataModule):
                 if hp.get(key) is not None and hp[key] < 1:
                     raise DataError(f"datamodule.{key}={hp[key]} must be at least 1 (or null for all)")
             # a fixed random sample each, not the first images: a folder's train/ and any test split are stored
-            # sorted by class (the first 256 of CIFAR-10's class folders are all airplanes)
+            # sorted by class (their first images are all of one class)
             if hp.train_subset is not None:
                 n = len(self.train_set)
                 self.train_set = self.keep(self.train_set, self._sample(n, min(hp.train_subset, n)))
