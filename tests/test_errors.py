@@ -115,9 +115,10 @@ def test_a_resume_that_would_normalise_otherwise_stops_in_one_line(
 def test_an_offline_resume_of_a_pretrained_run_starts_from_its_checkpoint(
     tmp_path: Path, tiny_cifar: Path, data_cache: Path, tiny_checkpoint: Path, monkeypatch, caplog
 ):
-    """Offline, without the hub's cache, a pretrained run's weights cannot be had; resuming it from a given
-    checkpoint needs none of them (the checkpoint's replace them): the model starts from the checkpoint, with
-    a warning, and the run resumes. `ckpt_path=last` (found only once the trainer exists) and a new run still
+    """Offline, without the hub's cache, a pretrained run's weights cannot be had; resuming it needs none of
+    them (the checkpoint's replace them): the model starts from the checkpoint, with a warning, and the run
+    resumes, whether the checkpoint is named, found by `ckpt_path=last` or by a relaunch (`resume=auto`, as
+    SLURM's requeue on a node without the hub). A new run, and `ckpt_path=last` with no `last` here, still
     stop in the one line that says how to go on."""
     import logging
     import shutil
@@ -127,10 +128,24 @@ def test_an_offline_resume_of_a_pretrained_run_starts_from_its_checkpoint(
     shutil.copytree(tiny_checkpoint, run)
     last = run / "checkpoints" / "last.ckpt"
     base = [*tiny_overrides(tiny_cifar, data_cache), "logger=csv", "test=false", "model.net.pretrained=true"]
-    with caplog.at_level(logging.WARNING):
-        train(compose_cfg("train", [*base, f"ckpt_path={last}", "trainer.max_epochs=2"], run))
-    assert any(f"the model starts from ckpt_path={last} instead" in r.getMessage() for r in caplog.records)
-    assert torch.load(last, weights_only=True)["epoch"] == 1
+    resumes = {  # each extends the run by an epoch
+        "named": [f"ckpt_path={last}"],
+        "ckpt_path=last": ["ckpt_path=last"],
+        "relaunch": [],  # with the job's stable name below, as a requeued job has
+    }
+    for epochs, (how, extra) in enumerate(resumes.items(), start=2):
+        if how == "relaunch":
+            monkeypatch.setenv("VITRAIN_RUN_ID", "requeued-job")
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            train(compose_cfg("train", [*base, *extra, f"trainer.max_epochs={epochs}"], run))
+        warned = "could not download pretrained weights for vit_tiny_patch16_224"
+        assert any(
+            warned in r.getMessage() and f"the model starts from {last} instead" in r.getMessage()
+            for r in caplog.records
+        ), how
+        assert torch.load(last, weights_only=True)["epoch"] == epochs - 1, how
+    monkeypatch.delenv("VITRAIN_RUN_ID")
     for extra, hint in (
         (["ckpt_path=last"], "to resume without them, name the checkpoint: ckpt_path="),
         ([], ""),

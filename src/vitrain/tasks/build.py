@@ -27,7 +27,7 @@ from vitrain.errors import DataError, ModelError, UserError, argument_error
 from vitrain.loggers import MetricRecord
 from vitrain.models.timm_net import check_pretrained_available
 from vitrain.tasks.precision import resolve_precision
-from vitrain.tasks.runs import RemoteCopy, resolve_checkpoint, resume_hint, stable_run_id
+from vitrain.tasks.runs import RemoteCopy, configured_last, resolve_checkpoint, resume_hint, stable_run_id
 from vitrain.utils.config import instantiate_dict, instantiate_node, plain, to_container
 
 log = logging.getLogger(__name__)
@@ -159,16 +159,20 @@ def build_trainer(
 def resumed_instead(cfg: DictConfig, unavailable: ModelError) -> str:
     """The checkpoint a training run resumes from, to build its model from where its pretrained weights
     cannot be had (offline, not in the hub's cache): the checkpoint's weights replace them as fit starts,
-    and it records the normalisation they were trained with. Else the error: there is nothing to stand in."""
+    and it records the normalisation they were trained with. A named one, or the `last` that `ckpt_path=last`
+    or a relaunch (`resume=auto`: SLURM's requeue on a node without the hub) finds in the run's checkpoint
+    folder. Else the error: there is nothing to stand in."""
     ckpt_path = cfg.get("ckpt_path")
-    if cfg.get("train") and ckpt_path == "last":  # found once the trainer exists: too late for the model
-        raise ModelError(
-            f"{unavailable}; to resume without them, name the checkpoint: ckpt_path=<run dir>/checkpoints/"
-            "last.ckpt (its weights replace them)"
-        ) from None
+    if cfg.get("train") and (not ckpt_path or ckpt_path == "last"):
+        ckpt_path = configured_last(cfg)
+        if ckpt_path is None and cfg.get("ckpt_path") == "last":  # kept off this machine only (S3)
+            raise ModelError(
+                f"{unavailable}; to resume without them, name the checkpoint: ckpt_path=<run dir>/checkpoints/"
+                "last.ckpt or its s3:// copy (its weights replace them)"
+            ) from None
     if not cfg.get("train") or not ckpt_path:
         raise unavailable
-    log.warning(f"{unavailable}; the model starts from ckpt_path={ckpt_path} instead, which it resumes")
+    log.warning(f"{unavailable}; the model starts from {ckpt_path} instead, which the run resumes")
     return str(ckpt_path)
 
 

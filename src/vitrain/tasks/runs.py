@@ -296,6 +296,24 @@ def resolve_checkpoint(ckpt_path: str, cache_dir: str | Path) -> Path:
     return path
 
 
+def configured_last(cfg: DictConfig) -> Path | None:
+    """The local `last` checkpoint the run would resume from, read from the config before the trainer exists
+    (`checkpoint_to_resume` decides once it does, the same way): for `ckpt_path=last` and a relaunch under
+    `resume=auto`, the newest `last` in the checkpoint callbacks' folders. None for any other run, and where
+    the run keeps its `last` only off this machine (the S3 copy is asked once the trainer exists)."""
+    decided = decisions.get(RESUME_FROM)
+    if decided is not None:  # a process started by global rank zero's launcher: what it resumes
+        return Path(decided) if decided else None
+    ckpt_path = cfg.get("ckpt_path")
+    mode = str(cfg.get("resume") or "auto")
+    if ckpt_path != "last" and (ckpt_path or mode == "never" or stable_run_id() is None):
+        return None
+    nodes = (cfg.get("callbacks") or {}).values()
+    folders = {Path(str(n.dirpath)) for n in nodes if isinstance(n, DictConfig) and n.get("dirpath")}
+    found = [last for folder in folders if (last := last_in(folder))]
+    return max(found, key=lambda p: p.stat().st_mtime, default=None)
+
+
 def _checkpoint_dirs(trainer: L.Trainer) -> list[Path]:
     return [Path(c.dirpath) for c in trainer.checkpoint_callbacks if getattr(c, "dirpath", None)]
 
