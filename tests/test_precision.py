@@ -117,3 +117,29 @@ def test_first_call_decides_and_reports_what_it_keeps(monkeypatch, probed):
     monkeypatch.setattr(precision, "cpu_bf16_speedup", lambda: pytest.fail("measured twice"))
     assert cpu_bf16_choice() == first
     assert precision.measured_cpu_bf16_speedup() == float(kept)
+
+
+@pytest.mark.parametrize(
+    "chosen, dtype", [("bf16-true", torch.bfloat16), ("16-true", torch.float16), ("64-true", torch.float64)]
+)
+def test_true_precisions_train_test_and_predict(chosen, dtype, tmp_path, tiny_cifar, data_cache):
+    """`trainer.precision=bf16-true` (16-true, 64-true): the weights in that dtype, and the images, made float
+    on the device after Lightning converted the (uint8) batch, in it too: the run trains, tests and saves
+    weights of that dtype, and predict.py classifies with them."""
+    from helpers import tiny_overrides
+    from vitrain.tasks.prediction import predict
+    from vitrain.tasks.training import train
+
+    overrides = [*tiny_overrides(tiny_cifar, data_cache), f"trainer.precision={chosen}", "logger=none"]
+    metrics, objects = train(compose_cfg("train", overrides, tmp_path / "run"))
+    assert math.isfinite(metrics["test/loss"]) and 0 <= metrics["test/acc1"] <= 1
+    weights = torch.load(objects.best_model_path, weights_only=True)["state_dict"]
+    assert {w.dtype for k, w in weights.items() if k.endswith(".weight")} == {dtype}
+    ckpt = [
+        f"ckpt_path={objects.best_model_path}",
+        f"inputs={tiny_cifar / 'test'}",
+        f"trainer.precision={chosen}",
+    ]
+    predicted, _ = predict(compose_cfg("predict", ckpt, tmp_path / "predict"))
+    assert predicted["images"] == 40 and 0 <= predicted["acc1"] <= 1
+    assert len((tmp_path / "predict" / "predictions.csv").read_text().splitlines()) == 41

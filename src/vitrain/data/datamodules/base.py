@@ -751,9 +751,16 @@ class ImageDataModule(LightningDataModule):
         if isinstance(x, Seeded):
             x, seed = x
         if not isinstance(x, torch.Tensor) or x.dtype != torch.uint8:
-            return x, y
+            return self.as_model_input(x), y
         transform = self.device_transform()
         if transform is None:
             return x, y
         train = seed is not None or (self.trainer is not None and self.trainer.training)
-        return transform(x, train=train, seed=seed), y
+        return self.as_model_input(transform(x, train=train, seed=seed)), y
+
+    def as_model_input(self, x: Any) -> Any:
+        """Images in the dtype the precision computes in: Lightning converts a batch (`convert_input`) before
+        its transfer, when ours is still uint8, so under a `*-true` precision (bf16-true, 16-true, 64-true:
+        the weights in that dtype) the float images made here would meet weights of another dtype."""
+        plugin = getattr(self.trainer, "precision_plugin", None) if self.trainer is not None else None
+        return plugin.convert_input(x) if plugin is not None else x
