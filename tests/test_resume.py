@@ -372,3 +372,27 @@ def test_rng_states_round_trip_through_a_checkpoint(tmp_path: Path):
     set_rng_states({**saved, "python": (version, list(state), gauss), "torch.cuda": []})
     torch.testing.assert_close(torch.rand(3), expected[0])
     assert (np.random.rand(3) == expected[1]).all() and random.random() == expected[2]
+
+
+def test_last_is_saved_after_every_epoch_also_between_validations(
+    tmp_path: Path, tiny_cifar: Path, data_cache: Path
+):
+    """With `trainer.check_val_every_n_epoch=2`, `last.ckpt` still holds every epoch's end: Lightning's
+    ModelCheckpoint would wait for a validation, and a run killed after the third epoch would lose it."""
+    from helpers import compose_cfg
+    from vitrain.tasks.training import train
+
+    overrides = [
+        *tiny_overrides(tiny_cifar, data_cache),
+        "trainer.max_epochs=3",
+        "trainer.check_val_every_n_epoch=2",
+        "logger=none",
+        "test=false",
+    ]
+    _, objects = train(compose_cfg("train", overrides, tmp_path))
+    last = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)
+    assert last["epoch"] == 2 and last["global_step"] == objects.trainer.global_step == 3 * 28
+    assert [p.name for p in (tmp_path / "checkpoints").glob("epoch*.ckpt")] == [
+        Path(objects.best_model_path).name
+    ]
+    assert Path(objects.best_model_path).name.startswith("epoch001-")  # the one validated epoch
