@@ -276,6 +276,46 @@ def test_ema_update_is_averaged_models_without_reading_its_count(use_buffers: bo
         reference.update_parameters(on_meta)
 
 
+def test_the_ema_of_a_16_bit_model_moves(tmp_path: Path, tiny_cifar: Path, data_cache: Path):
+    """Under `trainer.precision=bf16-true` the weights are bf16: an EMA step moves the average by 1e-3 of its
+    distance to them (decay 0.999), far below bf16's resolution. Both EMA kinds average in float32 and follow
+    the weights as float32 arithmetic does; a bf16 average would not move (Lightning's AveragedModel, made
+    before the model was converted, is float32: the update failed on the mixed dtypes)."""
+    from vitrain.callbacks.ema import ShardedEMA
+
+    module = _ConvBN().to(torch.bfloat16)
+    callback = _ema_callback(_ConvBN(), use_buffers=True)  # made in float32, as Lightning's setup makes it
+    callback.decay = 0.999
+    sharded = ShardedEMA(module, use_buffers=True)
+    first = [t.float() for t in module.parameters()]
+    expected = list(first)
+    for step in range(3):
+        if step:
+            with torch.no_grad():
+                for t in module.parameters():
+                    t.add_(0.5)
+            expected = [e.lerp(t.float(), 0.001) for e, t in zip(expected, module.parameters(), strict=True)]
+        callback._update(module)  # the first update copies the weights, as AveragedModel's does
+        sharded.update(0.999)
+    kept = list(averaged_model(callback).module.parameters())
+    shards = sharded.average[: len(kept)]  # the parameters first, then the buffers
+    for ours, shard, want, start in zip(kept, shards, expected, first, strict=True):
+        assert ours.dtype == shard.dtype == torch.float32
+        assert torch.equal(ours, want) and torch.equal(shard, want) and not torch.equal(want, start)
+
+    # and a whole run: trains, validates and saves the EMA (float32) beside the bf16 weights
+    overrides = [
+        *tiny_overrides(tiny_cifar, data_cache),
+        "callbacks=[default,ema]",
+        "trainer.precision=bf16-true",
+    ]
+    train(compose_cfg("train", [*overrides, "logger=none", "test=false"], tmp_path))
+    saved = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)
+    name = "net.patch_embed.proj.weight"
+    assert saved["state_dict"][name].dtype == torch.float32
+    assert saved["current_model_state"][name].dtype == torch.bfloat16
+
+
 @pytest.fixture(scope="module")
 def fsdp_ema_run(tmp_path_factory: pytest.TempPathFactory, tiny_cifar: Path, data_cache: Path):
     """The EMA run on 2 FSDP processes (gloo): 2 epochs of 3 steps, every epoch's checkpoint a folder."""

@@ -51,14 +51,21 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
+def averaged_dtype(tensor: torch.Tensor) -> torch.dtype:
+    """float32 for 16-bit floats (a `bf16-true` or `16-true` model): an update moves the average by
+    (1 - decay) of its distance to the weights, 1e-3 of it at the default decay, far below the 2^-8 steps
+    between bf16 numbers near it (2^-11 in fp16): the average kept in bf16 would not move at all."""
+    return torch.float32 if tensor.dtype in (torch.bfloat16, torch.float16) else tensor.dtype
+
+
 @torch.no_grad()
 def ema_step(average: list[torch.Tensor], current: list[torch.Tensor], decay: float, first: bool) -> None:
     """`average = decay * average + (1 - decay) * current` for floating tensors (one fused kernel), a copy
     for integer ones (BatchNorm's batch count); the first update copies all, as AveragedModel does."""
     floats = [a.is_floating_point() and not first for a in average]
     lerped = [(a, c) for a, c, f in zip(average, current, floats, strict=True) if f]
-    if lerped:
-        foreach_lerp_([a for a, _ in lerped], [c for _, c in lerped], 1.0 - decay)
+    if lerped:  # a 16-bit model's weights are averaged in float32 (`averaged_dtype`)
+        foreach_lerp_([a for a, _ in lerped], [c.to(a.dtype) for a, c in lerped], 1.0 - decay)
     for a, c, f in zip(average, current, floats, strict=True):
         if not f:
             a.copy_(c)
@@ -75,7 +82,9 @@ class ShardedEMA:
         self.params = list(module.parameters())
         self.buffers = list(module.buffers()) if use_buffers else []
         with torch.no_grad():
-            self.average = [_local(t).detach().clone() for t in self.params + self.buffers]
+            self.average = [
+                _local(t).detach().to(averaged_dtype(t), copy=True) for t in self.params + self.buffers
+            ]
         self.n_averaged = 0
 
     @torch.no_grad()
@@ -117,8 +126,11 @@ class AveragePairs:
         tracked = list(average.module.parameters()) + (list(average.module.buffers()) if use_buffers else [])
         current = list(module.parameters()) + (list(module.buffers()) if use_buffers else [])
         self.tracked, self.current = tracked, current
-        # the average on another device (`callbacks.ema.device=cpu`): the weights are copied to it each step
-        self.moved = any(t.device != c.device for t, c in zip(tracked, current, strict=True))
+        # the average on another device (`callbacks.ema.device=cpu`), or in float32 for a 16-bit model (made
+        # before the precision plugin converted the model: `averaged_dtype`): the weights are copied to it
+        self.moved = any(
+            t.device != c.device or t.dtype != c.dtype for t, c in zip(tracked, current, strict=True)
+        )
         floats = [t.is_floating_point() for t in tracked]
         self.lerp = (
             [t for t, f in zip(tracked, floats, strict=True) if f],
@@ -133,7 +145,7 @@ class AveragePairs:
     @torch.no_grad()
     def step(self, decay: float, first: bool) -> None:
         if self.moved or first:
-            current = [c.to(t.device) for t, c in zip(self.tracked, self.current, strict=True)]
+            current = [c.to(t.device, t.dtype) for t, c in zip(self.tracked, self.current, strict=True)]
             ema_step(self.tracked, current, decay, first)
         else:  # what ema_step does, its lists made once
             if self.lerp[0]:
