@@ -498,6 +498,10 @@ def test_progressive_resize_ramps_to_the_full_size():
     x = torch.rand(2, 3, 32, 48)
     assert resize(x, 0.0).shape == (2, 3, 16, 24)  # the short side to the size, the aspect ratio kept
     assert resize(x, 1.0) is x
+    # a 16-bit batch (trainer.precision=bf16-true): resized as float32 is (the CPU has no 16-bit kernel)
+    for dtype in (torch.bfloat16, torch.float16):
+        small = resize(x.to(dtype), 0.0)
+        assert small.dtype == dtype and torch.equal(small, resize(x.to(dtype).float(), 0.0).to(dtype))
     assert ProgressiveResize(start_size=64, multiple=8).size(0.0, 32) == 32  # never upsampled
     assert make_resize({"start_size": None, "end": 0.5}) is None
     for bad, message in [

@@ -58,6 +58,12 @@ class ProgressiveResize:
             return x
         scale, step = size / min(height, width), self.multiple
         new = [max(round(side * scale / step) * step, step) for side in (height, width)]
+        if x.dtype in (
+            torch.bfloat16,
+            torch.float16,
+        ):  # a 16-bit batch (bf16-true): no antialiased CPU kernel
+            resized = F.interpolate(x.float(), size=new, mode="bilinear", antialias=True, align_corners=False)
+            return resized.to(x.dtype)
         return F.interpolate(x, size=new, mode="bilinear", antialias=True, align_corners=False)
 
 
