@@ -467,10 +467,14 @@ def test_layer_decay_param_groups():
         tiny_classifier(layer_decay=1.5)
 
 
-def test_recipe_options_train_together(tmp_path: Path, tiny_cifar: Path, data_cache: Path):
-    """mixup + cutmix, RandAugment, random erasing, LLRD, grad checkpointing, clipping, accumulation."""
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_recipe_options_train_together(precision: str, tmp_path: Path, tiny_cifar: Path, data_cache: Path):
+    """mixup + cutmix, RandAugment, random erasing, LLRD, grad checkpointing, clipping, accumulation; under
+    a mixed precision (a GPU's default) too, where Lightning refuses to clip a fused optimizer's gradients:
+    the optimizer then steps unfused, and a `fused: true` given is refused in one line."""
     overrides = [
         *tiny_overrides(tiny_cifar, data_cache),
+        f"trainer.precision={precision}",
         "model.mixup.mixup_alpha=0.8",
         "model.mixup.cutmix_alpha=1.0",
         "model.layer_decay=0.75",
@@ -486,6 +490,16 @@ def test_recipe_options_train_together(tmp_path: Path, tiny_cifar: Path, data_ca
     assert objects.trainer.global_step == 2
     assert objects.model.net.grad_checkpointing is True
     assert all(torch.isfinite(p).all() for p in objects.model.parameters())
+    assert bool(objects.trainer.optimizers[0].defaults.get("fused")) is (precision == "32-true")
+    if precision == "bf16-mixed":
+        code, stderr = fails_in_process(
+            "train", [*overrides, "+model.optimizer.fused=true"], tmp_path / "fused"
+        )
+        assert code == 2 and stderr.strip().splitlines()[-1] == (
+            "error: model.optimizer.fused=true cannot be combined with trainer.gradient_clip_val=1.0 under "
+            "trainer.precision=bf16-mixed: Lightning does not clip a fused optimizer's gradients under mixed "
+            "precision; drop model.optimizer.fused (the default steps without it then) or the clipping"
+        ), stderr
 
 
 # --- progressive resizing ----------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import hydra
 import lightning as L
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.trainer.states import TrainerFn
 from timm.data import Mixup
@@ -358,8 +359,9 @@ class ImageClassifier(L.LightningModule):
             base_lr = options["lr"]
             for group in groups:
                 group["lr"] = base_lr * group["lr_scale"]  # torch's schedulers scale each group's own lr
-        optimizer = build_node("model.optimizer", options, params=groups, **fused_default(options, self.net))
         trainer = attached_trainer(self)
+        fused = fused_default(options, self.net, clipping_under_amp(trainer))
+        optimizer = build_node("model.optimizer", options, params=groups, **fused)
         if trainer is not None and getattr(trainer.strategy, "fsdp_options", None) is not None:
             # the step on each rank's shards, without DTensor's dispatch (same numbers; SGD, Adam, AdamW)
             steps_on_local_shards(optimizer)
@@ -418,18 +420,37 @@ def compile_choice(value: bool | str, strategy: Strategy | None) -> bool:
     return value
 
 
-def fused_default(options: Mapping[str, Any], net: nn.Module) -> dict[str, Any]:
+def fused_default(options: Mapping[str, Any], net: nn.Module, clipping: str | None = None) -> dict[str, Any]:
     """`fused=True` for an optimizer that has a fused kernel (Adam, AdamW, SGD...) when the config does not
     say, on a GPU or a CPU: one kernel for the whole update instead of a few per parameter list (torch's own
     default is foreach; fused AdamW trains `experiment=cifar_cpu` 1.06x faster, docs/benchmarks.md "Levers").
     Sharded (FSDP2's DTensor) parameters too: torch's fused Adam(W) runs on their local shards, and a foreach
-    update of DTensors costs host time per op that a one-GPU FSDP step waits on."""
-    if "fused" in options:
+    update of DTensors costs host time per op that a one-GPU FSDP step waits on.
+    Not with gradient clipping under a mixed precision (`clipping`, `clipping_under_amp`): Lightning refuses
+    to clip a fused optimizer's gradients there (it takes the fused step to unscale them, bf16's too), so
+    torch's default steps them; a `fused: true` in the config is refused in one line."""
+    if clipping is not None and options.get("fused"):
+        raise ModelError(
+            f"model.optimizer.fused=true cannot be combined with {clipping}: Lightning does not clip a fused "
+            "optimizer's gradients under mixed precision; drop model.optimizer.fused (the default steps without "
+            "it then) or the clipping"
+        )
+    if "fused" in options or clipping is not None:
         return {}
     cls = hydra.utils.get_class(options["_target_"])
     if params_device_type(net) in FUSED_DEVICES and "fused" in inspect.signature(cls.__init__).parameters:
         return {"fused": True}
     return {}
+
+
+def clipping_under_amp(trainer: L.Trainer | None) -> str | None:
+    """`trainer.gradient_clip_val=V under trainer.precision=P` when the run clips gradients under Lightning's
+    mixed-precision plugin (bf16-mixed, 16-mixed; DDP's and FSDP2's too), else None."""
+    clip = getattr(trainer, "gradient_clip_val", None)
+    plugin = getattr(trainer, "precision_plugin", None)
+    if not clip or not isinstance(plugin, MixedPrecision):
+        return None
+    return f"trainer.gradient_clip_val={clip} under trainer.precision={plugin.precision}"
 
 
 # where torch (>= 2.4) has the fused Adam(W)/SGD/Adagrad kernels and the template runs
