@@ -146,6 +146,23 @@ def test_decode_tensor_reads_what_pil_reads():
         decode_tensor(b"not an image at all")
 
 
+def test_a_16_bit_image_is_scaled_to_8_bits(tmp_path: Path):
+    """A 16-bit PNG (microscopy, medical and scanned images) is its high byte in every decoder: the workers'
+    (torchvision's uint16), PIL's (mode I;16) and the in-memory cache's. PIL's `convert("RGB")` clipped it at
+    255: a 16-bit photo trained as a white image."""
+    from vitrain.data.readers.decode import decode_square
+
+    values = torch.arange(140, dtype=torch.int32).reshape(10, 14) * 400 + 100  # up to 55,700
+    path = tmp_path / "sixteen.png"
+    Image.fromarray(values.numpy().astype("uint16")).save(path)
+    assert Image.open(path).mode == "I;16"
+    expected = (values >> 8).to(torch.uint8).expand(3, -1, -1)
+    data = path.read_bytes()
+    assert torch.equal(decode_tensor(data), expected)
+    assert torch.equal(pil_to_tensor(decode_pil(data)), expected)
+    assert torch.equal(decode_square(str(path), 10, Image.NEAREST), expected[:, :, 2:12])
+
+
 def test_randaugment_posterize_to_zero_bits_does_not_stop_the_run():
     """timm's 'inc1' RandAugment keeps 4 - int(4 m / 10) bits: 0 at m = 10, which `mstd0.5` draws around m9
     in 2.3 % of the draws, and Pillow 13 refuses 0 bits (ValueError in a loader worker, about one image in

@@ -186,22 +186,47 @@ def is_webp(data: bytes) -> bool:
     return data[:4] == b"RIFF" and data[8:12] == b"WEBP"
 
 
+# PIL's modes of 16-bit grayscale (a 16-bit PNG or TIFF)
+SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N")
+
+
+def pil_rgb(img: Any) -> Any:
+    """A PIL image of any mode as 8-bit RGB. 16-bit grayscale is scaled to 8 bits (its high byte, as
+    torchvision scales): PIL's own `convert("RGB")` clips it at 255, a white image for any 16-bit photo."""
+    from PIL import Image
+
+    if img.mode in SIXTEEN_BIT_MODES:
+        import numpy as np
+
+        img = Image.fromarray((np.asarray(img).astype(np.uint16) >> 8).astype(np.uint8))
+    return img.convert("RGB")
+
+
+def to_uint8(image: Tensor) -> Tensor:
+    """A decoded image as uint8: torchvision decodes a 16-bit PNG to uint16, scaled here to 8 bits."""
+    if image.dtype == torch.uint16:
+        return (image.to(torch.int32) >> 8).to(torch.uint8)  # torch has few uint16 ops
+    return image
+
+
 def decode_pil(data: bytes, upright: bool = True) -> Any:
     """Encoded bytes -> RGB PIL image, upright (its EXIF orientation applied: a phone's portrait photo is
-    stored landscape with the tag; `upright=False`: as stored); grayscale, palette, RGBA, CMYK converted."""
+    stored landscape with the tag; `upright=False`: as stored); grayscale (16-bit too), palette, RGBA, CMYK
+    converted."""
     from PIL import Image, ImageOps
 
     with Image.open(io.BytesIO(data)) as img:
         if upright and header_orientation(img) != 1:  # from the header, as torchvision's decoders read it
-            return ImageOps.exif_transpose(img).convert("RGB")  # decodes the pixels
-        return img.convert("RGB")  # (a TIFF: PIL's reader turns it itself)
+            return pil_rgb(ImageOps.exif_transpose(img))  # decodes the pixels
+        return pil_rgb(img)  # (a TIFF: PIL's reader turns it itself)
 
 
 def decode_tensor(data: bytes, upright: bool = True) -> Tensor:
     """Encoded bytes -> uint8 RGB tensor (3, H, W), upright as `decode_pil` turns it (`upright=False`: as
     stored), by torchvision's decoders (libjpeg-turbo, libpng, libwebp, giflib; grayscale, palette, alpha and
-    CMYK converted; a GIF's first frame), PIL's for the rest (BMP, TIFF, 16-bit PNG). torchvision applies a
-    JPEG's and a PNG's EXIF orientation itself, not a WebP's: that one is read from the header here."""
+    CMYK converted; a GIF's first frame; a 16-bit PNG scaled to 8 bits), PIL's for the rest (BMP, TIFF).
+    torchvision applies a JPEG's and a PNG's EXIF orientation itself, not a WebP's: that one is read from the
+    header here."""
     from torchvision.io import ImageReadMode, decode_image
     from torchvision.transforms.functional import pil_to_tensor
 
@@ -210,8 +235,8 @@ def decode_tensor(data: bytes, upright: bool = True) -> Tensor:
         image = decode_image(blob, mode=ImageReadMode.RGB, apply_exif_orientation=upright)
     except RuntimeError:  # "Unsupported image file", or bytes PIL may still read
         image = None
-    if image is not None and image.dtype == torch.uint8:
-        image = image[0] if image.ndim == 4 else image
+    if image is not None and image.dtype in (torch.uint8, torch.uint16):
+        image = to_uint8(image[0] if image.ndim == 4 else image)
         return orient(image, exif_orientation(data)).contiguous() if upright and is_webp(data) else image
     return pil_to_tensor(decode_pil(data, upright))
 

@@ -16,6 +16,7 @@ from torch import Tensor
 from torchvision.io import ImageReadMode, decode_image
 
 from vitrain.data.readers.cifar_spec import IMAGE_SHAPE, CifarSpec, Decoded
+from vitrain.data.transforms import to_uint8
 from vitrain.errors import DataError
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
@@ -95,6 +96,7 @@ def _decode_one(path: Path, spec: CifarSpec) -> Tensor:
         with path.open("rb") as f:
             raw = f.read()
         img = decode_image(torch.frombuffer(bytearray(raw), dtype=torch.uint8), mode=ImageReadMode.UNCHANGED)
+        img = to_uint8(img)  # a 16-bit PNG
     except (RuntimeError, ValueError, OSError) as e:
         raise DataError(
             f"cannot decode image {path} ({e}): the file is corrupted, replace or delete it"

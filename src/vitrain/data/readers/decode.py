@@ -19,7 +19,7 @@ from PIL import Image, ImageOps
 from torch import Tensor
 
 from vitrain.data.readers.cache import digest, stat_key
-from vitrain.data.transforms import header_orientation
+from vitrain.data.transforms import header_orientation, pil_rgb
 from vitrain.errors import DataError
 from vitrain.utils.atomic import write_atomic
 
@@ -28,8 +28,9 @@ log = logging.getLogger(__name__)
 #: share of the memory available at start-up that `in_memory_budget_gb: null` allows
 DEFAULT_BUDGET_FRACTION = 0.25
 GB = 1e9
-# bump when what the cache file holds changes (2: images turned upright by their EXIF orientation)
-CACHE_FORMAT = 2
+# bump when what the cache file holds changes (2: images turned upright by their EXIF orientation; 3: 16-bit
+# images scaled to 8 bits, not clipped)
+CACHE_FORMAT = 3
 
 Files = list[tuple[str, int]]
 
@@ -90,7 +91,7 @@ def decode_square(path: str, size: int, resample: int) -> Tensor:
             # JPEG: let libjpeg decode at 1/2, 1/4 or 1/8 scale when still at least `size` on both sides
             img.draft("RGB", (size, size))
             # upright, as every decoder here turns it
-            rgb = (ImageOps.exif_transpose(img) if header_orientation(img) != 1 else img).convert("RGB")
+            rgb = pil_rgb(ImageOps.exif_transpose(img) if header_orientation(img) != 1 else img)
     except Exception as e:  # PIL raises many types; only reachable with verify_images=false
         raise DataError(
             f"cannot decode {path} ({type(e).__name__}: {e}): remove or replace it "
