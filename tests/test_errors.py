@@ -44,6 +44,31 @@ def test_missing_data_folder(tmp_path: Path, data_cache: Path):
     _assert_one_line_exit_2(done, "nowhere", "datamodule.data_dir")
 
 
+def test_eval_of_a_checkpoint_whose_data_moved_says_to_give_their_place(
+    tmp_path: Path, tiny_cifar: Path, data_cache: Path
+):
+    """eval.py reads the data where the checkpoint's run read them: on another machine, or once the folder
+    moved, the one line says so and how to name their place; named, it evaluates."""
+    import shutil
+
+    data = tmp_path / "photos"
+    shutil.copytree(tiny_cifar, data)
+    overrides = [*tiny_overrides(data, data_cache), "logger=none", "test=false"]
+    _, objects = train(compose_cfg("train", overrides, tmp_path / "run"))
+    moved = data.rename(tmp_path / "photos_moved")
+    ckpt = [f"ckpt_path={objects.best_model_path}", "split=val"]
+    _assert_one_line_exit_2(
+        fails_in_process("eval", ckpt, tmp_path / "eval"),
+        f"(the checkpoint's run read its data from {data}: give their place on this machine with "
+        "datamodule.data_dir=...)",
+    )
+    from vitrain.tasks.evaluation import evaluate
+
+    given = [*ckpt, f"datamodule.data_dir={moved}", "trainer.precision=32-true"]  # as the run validated
+    metrics, _ = evaluate(compose_cfg("eval", given, tmp_path / "eval2"))
+    assert metrics["val/acc1"] == pytest.approx(float(objects.trainer.checkpoint_callback.best_model_score))
+
+
 def test_unknown_model_name(tmp_path: Path, tiny_cifar: Path, data_cache: Path):
     overrides = [*tiny_overrides(tiny_cifar, data_cache), "model.net.model_name=vit_tinny_patch16_224"]
     _assert_one_line_exit_2(

@@ -16,7 +16,7 @@ from rich.table import Table
 from vitrain import checkpoints
 from vitrain.callbacks.progress import ProgressLog
 from vitrain.checkpoints import CheckpointError, state_dict_mismatch
-from vitrain.errors import ModelError, UserError
+from vitrain.errors import DataError, ModelError, UserError
 from vitrain.models.classifier import check_classes
 from vitrain.models.timm_net import input_spec
 from vitrain.tasks.build import RunObjects, build_trainer
@@ -200,8 +200,11 @@ def evaluate(cfg: DictConfig) -> tuple[dict[str, float], RunObjects]:
         L.seed_everything(cfg.seed, workers=True)
 
     # the data first: a checkpoint trained on other classes is refused before its weights are read
-    datamodule: L.LightningDataModule = hydra.utils.instantiate(run_cfg.datamodule)
-    classes = list(datamodule.classes)
+    try:
+        datamodule: L.LightningDataModule = hydra.utils.instantiate(run_cfg.datamodule)
+        classes = list(datamodule.classes)
+    except DataError as err:
+        raise DataError(elsewhere_hint(str(err), run_cfg.datamodule.get("data_dir"))) from None
     check_classes(checkpoint.get("class_names"), classes, str(cfg.ckpt_path))
     model = checkpoint_model(checkpoint, path, run_cfg, classes, str(cfg.ckpt_path))
     datamodule.set_input_spec(**model.input_spec)
@@ -227,6 +230,19 @@ def evaluate(cfg: DictConfig) -> tuple[dict[str, float], RunObjects]:
         images_of = "val" if cfg.split == "test" and getattr(datamodule, "test_is_val", False) else cfg.split
         write_metrics(cfg, metrics, objects.per_class_acc, objects.per_class_images, images_of)
     return metrics, objects
+
+
+def elsewhere_hint(problem: str, data_dir: Any) -> str:
+    """A data error where the checkpoint's own `datamodule.data_dir` is not on this machine (the run's
+    machine, a folder since moved): the problem, and that their place here is to be given."""
+    if not data_dir or str(data_dir).startswith("s3://") or Path(str(data_dir)).expanduser().exists():
+        return problem
+    if _command_line_overrides(("datamodule.data_dir",)):
+        return problem
+    return (
+        f"{problem} (the checkpoint's run read its data from {data_dir}: give their place on this machine with "
+        "datamodule.data_dir=...)"
+    )
 
 
 def write_metrics(
