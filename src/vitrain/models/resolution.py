@@ -58,10 +58,8 @@ class ProgressiveResize:
             return x
         scale, step = size / min(height, width), self.multiple
         new = [max(round(side * scale / step) * step, step) for side in (height, width)]
-        if x.dtype in (
-            torch.bfloat16,
-            torch.float16,
-        ):  # a 16-bit batch (bf16-true): no antialiased CPU kernel
+        if x.dtype in (torch.bfloat16, torch.float16):
+            # a 16-bit batch (bf16-true): the CPU has no antialiased kernel for it
             resized = F.interpolate(x.float(), size=new, mode="bilinear", antialias=True, align_corners=False)
             return resized.to(x.dtype)
         return F.interpolate(x, size=new, mode="bilinear", antialias=True, align_corners=False)

@@ -46,7 +46,7 @@ import os
 import re
 import shlex
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
@@ -309,7 +309,11 @@ def configured_last(cfg: DictConfig) -> Path | None:
     if ckpt_path != "last" and (ckpt_path or mode == "never" or stable_run_id() is None):
         return None
     nodes = (cfg.get("callbacks") or {}).values()
-    folders = {Path(str(n.dirpath)) for n in nodes if isinstance(n, DictConfig) and n.get("dirpath")}
+    return newest_last(Path(str(n.dirpath)) for n in nodes if isinstance(n, DictConfig) and n.get("dirpath"))
+
+
+def newest_last(folders: Iterable[Path]) -> Path | None:
+    """The newest whole `last` checkpoint in these folders, if any."""
     found = [last for folder in folders if (last := last_in(folder))]
     return max(found, key=lambda p: p.stat().st_mtime, default=None)
 
@@ -319,8 +323,7 @@ def _checkpoint_dirs(trainer: L.Trainer) -> list[Path]:
 
 
 def _local_last(trainer: L.Trainer) -> Path | None:
-    found = [last for folder in _checkpoint_dirs(trainer) if (last := last_in(folder))]
-    return max(found, key=lambda p: p.stat().st_mtime, default=None)
+    return newest_last(_checkpoint_dirs(trainer))
 
 
 def resume_hint(

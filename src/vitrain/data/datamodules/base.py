@@ -762,5 +762,5 @@ class ImageDataModule(LightningDataModule):
         """Images in the dtype the precision computes in: Lightning converts a batch (`convert_input`) before
         its transfer, when ours is still uint8, so under a `*-true` precision (bf16-true, 16-true, 64-true:
         the weights in that dtype) the float images made here would meet weights of another dtype."""
-        plugin = getattr(self.trainer, "precision_plugin", None) if self.trainer is not None else None
+        plugin = getattr(self.trainer, "precision_plugin", None)
         return plugin.convert_input(x) if plugin is not None else x
