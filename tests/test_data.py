@@ -293,6 +293,11 @@ def test_split_indices_cover_and_reject_bad_sizes():
     assert torch.equal(train, perm[5:]) and torch.equal(val, perm[:5])
     with pytest.raises(DataError, match=r"datamodule.val_size=50 must be between 1 and 49"):
         split_indices(labels, 50, seed=0, method="random")
+    # a fraction of a few images is one image at least (5 % of 9 is 0.45), either way; 0 is still refused
+    for method in ("stratified", "random"):
+        assert len(split_indices(labels[:9], 0.05, seed=0, method=method)[1]) == 1
+        with pytest.raises(DataError, match=r"datamodule.val_size=0.0 must be between 1 and"):
+            split_indices(labels[:9], 0.0, seed=0, method=method)
 
 
 def test_the_carved_validation_split_holds_every_class_in_proportion():

@@ -170,8 +170,11 @@ def _random_carve(n: int, val_size: int | float, seed: int, key: str) -> tuple[T
 def _val_count(
     val_size: int | float, n: int, room: int, key: str = "datamodule.val_size", detail: str = ""
 ) -> int:
-    """The images `val_size` asks for (a fraction of `n` when below 1), at least 1 and at most `room`."""
-    count = round(val_size * n) if isinstance(val_size, float) and val_size < 1 else int(val_size)
+    """The images `val_size` asks for (a fraction of `n` when below 1, rounded, and one image where that is
+    none: the folder default of 5 % of a few photos; scikit-learn's `train_test_split` rounds a fraction up),
+    at least 1 and at most `room`."""
+    fraction = isinstance(val_size, float) and 0 < val_size < 1
+    count = max(1, round(val_size * n)) if fraction else int(val_size)
     if not 0 < count <= room:
         raise DataError(
             f"{key}={val_size} must be between 1 and {room} images (the training set has {n} images{detail})"
