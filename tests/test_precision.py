@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from helpers import ROOT, compose_cfg
+from helpers import ROOT, compose_cfg, tiny_overrides
 from vitrain.compat import mkldnn_bf16_supported
 from vitrain.errors import UserError
 from vitrain.tasks import precision
@@ -126,7 +126,6 @@ def test_true_precisions_train_test_and_predict(chosen, dtype, tmp_path, tiny_ci
     """`trainer.precision=bf16-true` (16-true, 64-true): the weights in that dtype, and the images, made float
     on the device after Lightning converted the (uint8) batch, in it too: the run trains, tests and saves
     weights of that dtype, and predict.py classifies with them."""
-    from helpers import tiny_overrides
     from vitrain.tasks.prediction import predict
     from vitrain.tasks.training import train
 

@@ -17,7 +17,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from helpers import ROOT, TINY_VIT, compose_cfg, fails_in_process, tiny_overrides
 from test_distributed import RUN_TIMEOUT, torchrun
 from vitrain import checkpoints
-from vitrain.callbacks.ema import EMA
+from vitrain.callbacks.ema import EMA, ShardedEMA
 from vitrain.callbacks.throughput import ImageThroughputMonitor
 from vitrain.compat import averaged_model
 from vitrain.data.augment import OPS, BatchTransform, RandomAugment
@@ -281,8 +281,6 @@ def test_the_ema_of_a_16_bit_model_moves(tmp_path: Path, tiny_cifar: Path, data_
     distance to them (decay 0.999), far below bf16's resolution. Both EMA kinds average in float32 and follow
     the weights as float32 arithmetic does; a bf16 average would not move (Lightning's AveragedModel, made
     before the model was converted, is float32: the update failed on the mixed dtypes)."""
-    from vitrain.callbacks.ema import ShardedEMA
-
     module = _ConvBN().to(torch.bfloat16)
     callback = _ema_callback(_ConvBN(), use_buffers=True)  # made in float32, as Lightning's setup makes it
     callback.decay = 0.999

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import ROOT, epoch_figures, fails_in_process, run_cli, tiny_overrides
+from helpers import ROOT, compose_cfg, epoch_figures, fails_in_process, run_cli, tiny_overrides
 from warm import run_script
 
 TESTS = str(ROOT / "tests")
@@ -379,7 +379,6 @@ def test_last_is_saved_after_every_epoch_also_between_validations(
 ):
     """With `trainer.check_val_every_n_epoch=2`, `last.ckpt` still holds every epoch's end: Lightning's
     ModelCheckpoint would wait for a validation, and a run killed after the third epoch would lose it."""
-    from helpers import compose_cfg
     from vitrain.tasks.training import train
 
     overrides = [
