@@ -3,6 +3,7 @@
 import csv
 import json
 import re
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -295,6 +296,19 @@ def test_the_ema_of_a_16_bit_model_moves(tmp_path: Path, tiny_cifar: Path, data_
             expected = [e.lerp(t.float(), 0.001) for e, t in zip(expected, module.parameters(), strict=True)]
         callback._update(module)  # the first update copies the weights, as AveragedModel's does
         sharded.update(0.999)
+        # validation's swaps: the model validates the EMA rounded to bf16, the average stays exact (swapped
+        # back through the bf16 model it was rounded at every validation: Lightning's swap)
+        raw = [t.clone() for t in module.parameters()]
+        lightnings = (
+            partial(callback.on_validation_epoch_start, None, module),
+            partial(callback.on_validation_epoch_end, None, module),
+        )
+        for swap_in, swap_out in (lightnings, (sharded.swap, sharded.swap)):
+            swap_in()
+            validated = [t.clone() for t in module.parameters()]
+            assert all(torch.equal(v, e.bfloat16()) for v, e in zip(validated, expected, strict=True))
+            swap_out()
+            assert all(torch.equal(t, r) for t, r in zip(module.parameters(), raw, strict=True))
     kept = list(averaged_model(callback).module.parameters())
     shards = sharded.average[: len(kept)]  # the parameters first, then the buffers
     for ours, shard, want, start in zip(kept, shards, expected, first, strict=True):

@@ -20,7 +20,9 @@ reads its update count, a tensor on the model's device, twice per step, and on a
 every queued kernel. Integer buffers (BatchNorm's batch count) are copied, not averaged.
 """
 
+import itertools
 import warnings
+from collections.abc import Iterable
 from typing import Any
 
 import lightning as L
@@ -71,6 +73,36 @@ def ema_step(average: list[torch.Tensor], current: list[torch.Tensor], decay: fl
             a.copy_(c)
 
 
+class Swap:
+    """Exchanges an average's values with the model's in place; called twice, restores both.
+
+    Exchanged back, a 16-bit model's float32 average (`averaged_dtype`) would come back rounded to the
+    model's dtype: at every validation the EMA would lose what bf16 cannot hold and, validated every few
+    steps, stay put as an average kept in bf16 does. Lightning's swap does that; this one keeps the exact
+    values of such an average aside while the model holds them."""
+
+    def __init__(self) -> None:
+        self.kept: list[torch.Tensor | None] | None = None  # set while the model holds the average
+
+    def __call__(self, average: Iterable[torch.Tensor], current: Iterable[torch.Tensor]) -> None:
+        # outside inference mode (validation's): the copies must stay ordinary tensors training updates;
+        # then no_grad, as leaving inference mode turns grad mode on
+        with torch.inference_mode(False), torch.no_grad():
+            pairs = list(zip(average, current, strict=True))
+            kept, restoring = self.kept, self.kept is not None
+            if kept is None:
+                kept = [a.clone() if a.dtype != c.dtype else None for a, c in pairs]
+            for a, c in pairs:
+                held = c.clone()
+                c.copy_(a)
+                a.copy_(held)
+            if restoring:
+                for (a, _), exact in zip(pairs, kept, strict=True):
+                    if exact is not None:
+                        a.copy_(exact)
+            self.kept = None if restoring else kept
+
+
 class ShardedEMA:
     """The EMA of one rank's shards: a copy of each local parameter shard (and buffer), lerped in place.
 
@@ -86,6 +118,7 @@ class ShardedEMA:
                 _local(t).detach().to(averaged_dtype(t), copy=True) for t in self.params + self.buffers
             ]
         self.n_averaged = 0
+        self._swap = Swap()
 
     @torch.no_grad()
     def update(self, decay: float) -> None:
@@ -94,13 +127,7 @@ class ShardedEMA:
 
     def swap(self) -> None:
         """Exchange the averaged and the current values in place (twice restores both)."""
-        # outside inference mode: the copies must stay ordinary tensors that training can update again
-        with torch.no_grad(), torch.inference_mode(False):
-            for average, tensor in zip(self.average, self.params + self.buffers, strict=True):
-                current = _local(tensor)
-                kept = current.clone()
-                current.copy_(average)
-                average.copy_(kept)
+        self._swap(self.average, [_local(t) for t in self.params + self.buffers])
 
     @torch.no_grad()
     def copy_to_model(self) -> None:
@@ -173,6 +200,7 @@ class EMA(EMAWeightAveraging):
         self._sharded: ShardedEMA | None = None
         self._count = 0  # updates of the AveragedModel so far, kept on the host (see `_update_average`)
         self._pairs: AveragePairs | None = None
+        self._swap = Swap()
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if isinstance(trainer.strategy, ModelParallelStrategy):
@@ -242,6 +270,21 @@ class EMA(EMAWeightAveraging):
         pairs.step(self.decay, first=self._count == 0)
         average.n_averaged.add_(1)
         self._count += 1
+
+    # Lightning's swap points, with a swap that keeps a float32 average of a 16-bit model exact (`Swap`)
+    def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._swap_averaged_model(pl_module)
+
+    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._swap_averaged_model(pl_module)
+
+    def _swap_averaged_model(self, pl_module: L.LightningModule) -> None:
+        average = averaged_model(self)
+        if average is not None:  # None under FSDP (`ShardedEMA` swaps in on_validation_start)
+            self._swap(
+                itertools.chain(average.module.parameters(), average.module.buffers()),
+                itertools.chain(pl_module.parameters(), pl_module.buffers()),
+            )
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._sharded is None:
