@@ -89,17 +89,12 @@ class Swap:
         # then no_grad, as leaving inference mode turns grad mode on
         with torch.inference_mode(False), torch.no_grad():
             pairs = list(zip(average, current, strict=True))
-            kept, restoring = self.kept, self.kept is not None
-            if kept is None:
-                kept = [a.clone() if a.dtype != c.dtype else None for a, c in pairs]
-            for a, c in pairs:
+            restoring = self.kept is not None
+            kept = self.kept or [a.clone() if a.dtype != c.dtype else None for a, c in pairs]
+            for (a, c), exact in zip(pairs, kept, strict=True):
                 held = c.clone()
                 c.copy_(a)
-                a.copy_(held)
-            if restoring:
-                for (a, _), exact in zip(pairs, kept, strict=True):
-                    if exact is not None:
-                        a.copy_(exact)
+                a.copy_(exact if restoring and exact is not None else held)
             self.kept = None if restoring else kept
 
 
