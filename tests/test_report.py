@@ -203,6 +203,14 @@ def test_a_run_not_meant_to_train_is_not_reported_interrupted(
     assert "test/acc1" in metrics and "Interrupted" not in report, report[:600]
     assert "| stopped | without training: train=false |" in report
 
+    # a fit told to train nothing: "completed", and its MFU "no ImageThroughputMonitor", before
+    no_epochs = tmp_path / "no_epochs"
+    metrics, _ = train(compose_cfg("train", [*base, "trainer.max_epochs=0", "trainer.max_steps=-1"], no_epochs))
+    report = (no_epochs / "report.md").read_text()
+    assert "test/acc1" in metrics
+    assert "| stopped | without training: trainer.max_epochs=0 |" in report, report[:1500]
+    assert "| MFU | n/a: no training step in this run (trainer.max_epochs=0) |" in report
+
 
 def test_batch_size_search_trains_at_full_size():
     """Progressive resizing would start the trials at 16 px: the search's copy trains at full size."""

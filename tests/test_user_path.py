@@ -282,6 +282,15 @@ def test_report_of_a_run_killed_before_its_stats_is_truthful(tmp_path: Path):
             "error: trainer.limit_train_batches=-1: must be null (all), a count >= 0 or a fraction in [0, 1]",
         ),
         ("seed=abc", "error: seed=abc: must be a whole number or null"),
+        # 0: Lightning's ZeroDivisionError at the first batch; a half-written duration: its error as it starts
+        *(
+            (
+                f"+trainer.val_check_interval={value}",
+                f"error: trainer.val_check_interval={value}: must be null, a count of training batches >= 1, "
+                "a fraction of the epoch in [0, 1] or a duration 'DD:HH:MM:SS'",
+            )
+            for value in ("0", "2.5", "00:30:00")
+        ),
         (
             "datamodule.num_workers=-2",
             "error: datamodule.num_workers=-2: must be a whole number >= 0 or null (its share of the cores)",
@@ -336,6 +345,7 @@ def test_a_good_sweep_passes_the_check_with_one_composition_per_value(capsys):
         ["hparams_search=cifar_optuna", "seed=1,2", "datamodule.batch_size=8"],
         ["-m", "datamodule=glob(cifar*)", "+hydra.sweeper.params.x=interval(0,1)"],
         ["hparams_search=cifar_optuna", "datamodule.batch_size=int(interval(16,256))"],
+        ["-m", "+trainer.val_check_interval=0.25,100,00:00:30:00,null"],
     ):
         check_overrides("train", ["experiment=smoke", *args])  # no exit
     assert capsys.readouterr().err == ""
@@ -362,11 +372,19 @@ def test_library_argument_errors_name_the_config_key(tmp_path: Path, tiny_cifar:
     code, err = fails_in_process("train", [*base, "model.net.drop_path_rate=abc"], tmp_path / "b")
     assert code == 2 and err.startswith("error: model.net.drop_path_rate=abc"), err
     # Lightning's own check of its arguments, as it starts: one line naming the key (Hydra's wrapper before)
-    code, err = fails_in_process("train", [*base, "+trainer.val_check_interval=-3"], tmp_path / "c")
+    every_batches = ["trainer.check_val_every_n_epoch=null", "+trainer.val_check_interval=0.5"]
+    code, err = fails_in_process("train", [*base, *every_batches], tmp_path / "c")
     assert code == 2 and err.startswith(
-        "error: trainer.val_check_interval=-3: You have passed invalid value -3 for val_check_interval"
+        "error: trainer.check_val_every_n_epoch=None: `val_check_interval` should be an integer or a time-based"
     ), err
     assert len(err.strip().splitlines()) == 1
+    # a count of batches past the epoch's end: Lightning's ValueError from its fit loop, a traceback before
+    code, err = fails_in_process("train", [*base, "+trainer.val_check_interval=1000"], tmp_path / "e")
+    assert code == 2 and err.strip() == (
+        "error: trainer.val_check_interval=1000: more than the 28 training batches of an epoch; give at most 28 "
+        "(or a fraction of the epoch, e.g. 0.25), or count batches across epochs with "
+        "trainer.check_val_every_n_epoch=null"
+    ), err
     # a GPU the machine lacks: CUDA's driver traceback from the precision probe before, or Lightning's "No
     # supported gpu backend found!" with an explicit precision
     missing = torch.cuda.device_count() + 3

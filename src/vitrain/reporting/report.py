@@ -150,7 +150,7 @@ def build_report(run_dir: Path, scalars: Scalars | None = None) -> dict[str, Any
         "first_step_s": fit.get("first_step_s"),
         "images_per_s_after_first_step": fit.get("images_per_s_after_first_step"),
         "mfu_note": None if mfu is not None else mfu_note(flops, stats, config),
-        "stopped": stats.get("stopped") or ({} if stats.get("fit") else _without_fit(config, search)),
+        "stopped": stats.get("stopped") or _fit_end(config, stats, search),
         "flops": flops or None,
         "metrics": metric_summary(scalars, stats),
         "memory": memory or None,
@@ -172,6 +172,25 @@ def build_report(run_dir: Path, scalars: Scalars | None = None) -> dict[str, Any
     return redact(report)
 
 
+def _fit_end(config: dict[str, Any], stats: dict[str, Any], search: dict[str, Any] | None) -> dict[str, Any]:
+    """How a run that recorded no stop ended: completed ({}), or without a training step."""
+    if not stats.get("fit"):
+        return _without_fit(config, search)
+    limit = zero_training_limit(config, stats)
+    return {"by": "no training", "why": limit} if limit else {}
+
+
+def zero_training_limit(config: dict[str, Any] | None, stats: dict[str, Any]) -> str | None:
+    """`trainer.max_epochs=0` (or max_steps, limit_train_batches) where it left the fit without a training
+    step: the run tested the weights it started with and measured no speed (it read "completed" before)."""
+    fit = stats.get("fit") or {}
+    if not fit or fit.get("images") or fit.get("epochs"):
+        return None
+    keys = ("trainer.max_epochs", "trainer.max_steps", "trainer.limit_train_batches")
+    limits = [f"{key}=0" for key in keys if (config or {}).get(key) == 0]
+    return ", ".join(limits) or None
+
+
 def _without_fit(config: dict[str, Any], search: dict[str, Any] | None) -> dict[str, Any]:
     """How a run without a record of its fit ended: it was not meant to train (`train=false`: a test of a
     checkpoint, a batch-size search alone), or it stopped before the end of fit (killed, or still running)."""
@@ -185,6 +204,9 @@ def mfu_note(flops: dict[str, Any], stats: dict[str, Any], config: dict[str, Any
     """Why a run's report has no MFU: the real reason, from what the run recorded."""
     if (config or {}).get("train") is False:
         return "no training in this run (train=false)"
+    limit = zero_training_limit(config, stats)
+    if limit:
+        return f"no training step in this run ({limit})"
     if not flops:
         if not stats:
             return "not measured (no run_stats.json: the run ended before its statistics were written)"

@@ -151,6 +151,11 @@ VALUE_CHECKS: dict[str, tuple[str, Callable[[Any], bool]]] = {
         "a positive whole number or null",
         lambda v: v is None or (_whole(v) and v > 0),
     ),
+    # Lightning's forms; a count of 0 ends in a ZeroDivisionError at the first batch
+    "trainer.val_check_interval": (
+        "null, a count of training batches >= 1, a fraction of the epoch in [0, 1] or a duration 'DD:HH:MM:SS'",
+        lambda v: _validation_interval(v),
+    ),
     **{
         f"trainer.limit_{split}_batches": (
             "null (all), a count >= 0 or a fraction in [0, 1]",
@@ -190,6 +195,17 @@ def _number(value: Any) -> bool:
 
 def _whole(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _validation_interval(value: Any) -> bool:
+    if value is None:
+        return True
+    if isinstance(value, str):  # days:hours:minutes:seconds, whole numbers each
+        parts = value.split(":")
+        return len(parts) == 4 and all(part.strip().isdigit() for part in parts)
+    if _whole(value):
+        return value >= 1
+    return _number(value) and (0 <= value <= 1 or (value > 1 and value % 1 == 0))
 
 
 def bad_value(cfg: Any) -> str | None:

@@ -17,7 +17,7 @@ from typing import Any
 
 import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 from omegaconf import DictConfig
 
 from vitrain.checkpoints import CheckpointError, state_dict_mismatch
@@ -119,6 +119,11 @@ def fit(objects: RunObjects, carried: dict[str, str]) -> None:
         except SIGTERMException:
             finish_run(objects)  # report.md of what ran, marked interrupted, and how to resume it
             raise
+        except (ValueError, MisconfigurationException) as err:
+            message = validation_interval_error(cfg, trainer, err)
+            if message is None:
+                raise
+            raise UserError(message) from err
         except RuntimeError as err:
             detail = state_dict_mismatch(err)
             if detail is None:
@@ -126,6 +131,23 @@ def fit(objects: RunObjects, carried: dict[str, str]) -> None:
             raise CheckpointError(
                 f"ckpt_path={cfg.ckpt_path} does not fit model {cfg.model.net.model_name}: {detail}"
             ) from err
+
+
+def validation_interval_error(cfg: DictConfig, trainer: L.Trainer, err: Exception) -> str | None:
+    """One line, in our config keys, for Lightning's refusal of `val_check_interval` once it knows the
+    epoch's batches (a traceback from its fit loop before); None for any other error."""
+    if "val_check_interval" not in str(err):
+        return None
+    interval = cfg.trainer.get("val_check_interval")
+    batches = trainer.num_training_batches
+    if isinstance(interval, int) and batches < interval:
+        return (
+            f"trainer.val_check_interval={interval}: more than the {batches} training batches of an epoch; "
+            f"give at most {batches} (or a fraction of the epoch, e.g. 0.25), or count batches across epochs "
+            "with trainer.check_val_every_n_epoch=null"
+        )
+    first = str(err).strip().split(". ")[0].replace("`", "")
+    return f"trainer.val_check_interval={interval}: {first}"
 
 
 def best_checkpoint(trainer: L.Trainer) -> str | None:

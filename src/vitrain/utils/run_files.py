@@ -37,6 +37,8 @@ CONFIG_KEYS = (
     "datamodule.train_subset",
     "datamodule.test_subset",
     "trainer.max_epochs",
+    "trainer.max_steps",
+    "trainer.limit_train_batches",  # with max_epochs and max_steps: 0 trains no step (the report says so)
     "trainer.max_time",
     "trainer.precision",  # as asked (`auto`); the top-level `precision` is what it resolved to
     "seed",
