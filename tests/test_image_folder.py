@@ -341,7 +341,7 @@ def test_albums_and_other_formats_are_read_and_the_rest_is_counted(photos: Path,
     (cat / "2019" / "summer").mkdir(parents=True)
     picture = Image.open(next(cat.glob("*.jpg"))).convert("RGB")
     picture.save(cat / "2019" / "summer" / "beach.jpg")
-    for fmt in ("BMP", "GIF", "TIFF"):
+    for fmt in ("BMP", "GIF", "TIFF", "PPM"):
         picture.save(cat / f"scan.{fmt.lower()}", fmt)
     (cat / "IMG_0001.heic").write_bytes(b"not decodable here")
     (cat / "notes.txt").write_text("taken with my phone")
@@ -351,12 +351,17 @@ def test_albums_and_other_formats_are_read_and_the_rest_is_counted(photos: Path,
     with caplog.at_level(logging.WARNING):
         dm = ImageFolderDataModule(str(root), str(tmp_path / "cache"), batch_size=4, in_memory=False)
         dm.setup("fit")
-    assert len(dm.train_set) == N_TRAIN_ALL + 4
+    assert len(dm.train_set) == N_TRAIN_ALL + 5
     read = {Path(f).name for f, _ in dm.train_set.files}
-    assert {"beach.jpg", "scan.bmp", "scan.gif", "scan.tiff"} <= read and "t.jpg" not in read
+    assert {"beach.jpg", "scan.bmp", "scan.gif", "scan.tiff", "scan.ppm"} <= read and "t.jpg" not in read
     [warning] = [r.getMessage() for r in caplog.records if "left out" in r.getMessage()]
     assert "left out 2 file(s) that are not" in warning and "(.heic: 1, .txt: 1)" in warning, warning
-    for name in ("scan.bmp", "scan.tiff", "scan.gif"):  # decoded as the CPU path does, and by the GPU decoder
+    for name in (
+        "scan.bmp",
+        "scan.tiff",
+        "scan.gif",
+        "scan.ppm",
+    ):  # decoded as the CPU path does, and by the GPU decoder
         i = next(i for i, (f, _) in enumerate(dm.train_set.files) if f.endswith(name))
         assert dm.train_set[i][0].shape == (3, 224, 224)
         blob = torch.frombuffer(bytearray((cat / name).read_bytes()), dtype=torch.uint8)
@@ -489,6 +494,14 @@ def test_head_mismatch_and_bad_image_errors(photos: Path, tmp_path: Path):
     code, stderr = fails_in_process("train", _overrides(root, tmp_path), tmp_path / "run")
     assert code == 2 and "trunc.jpg is not a readable image" in stderr, stderr[-3000:]
     assert not (tmp_path / "run" / "checkpoints").exists(), "stopped before training"
+    # a float TIFF (PIL's convert clipped it: a black image in training)
+    (root / "train" / "ship" / "trunc.jpg").unlink()
+    Image.fromarray(torch.rand(40, 50).numpy()).save(root / "train" / "ship" / "scan.tif")
+    code, stderr = fails_in_process("train", _overrides(root, tmp_path), tmp_path / "run2")
+    assert code == 2 and stderr.strip().endswith(
+        "scan.tif is not a readable image (32-bit float pixels (PIL mode F) have no 8-bit scale: save the image "
+        "with 8 or 16 bits per channel) in train/: remove or replace it, or set datamodule.bad_images=skip"
+    ), stderr[-3000:]
 
 
 def test_unreadable_file_found_by_a_worker_is_one_line(photos: Path, tmp_path: Path):

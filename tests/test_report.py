@@ -205,7 +205,9 @@ def test_a_run_not_meant_to_train_is_not_reported_interrupted(
 
     # a fit told to train nothing: "completed", and its MFU "no ImageThroughputMonitor", before
     no_epochs = tmp_path / "no_epochs"
-    metrics, _ = train(compose_cfg("train", [*base, "trainer.max_epochs=0", "trainer.max_steps=-1"], no_epochs))
+    metrics, _ = train(
+        compose_cfg("train", [*base, "trainer.max_epochs=0", "trainer.max_steps=-1"], no_epochs)
+    )
     report = (no_epochs / "report.md").read_text()
     assert "test/acc1" in metrics
     assert "| stopped | without training: trainer.max_epochs=0 |" in report, report[:1500]

@@ -163,6 +163,38 @@ def test_a_16_bit_image_is_scaled_to_8_bits(tmp_path: Path):
     assert torch.equal(decode_square(str(path), 10, Image.NEAREST), expected[:, :, 2:12])
 
 
+def test_32_bit_pixels_are_read_as_16_bit_where_they_fit_and_refused_otherwise(tmp_path: Path):
+    """PIL opens a 16-bit PGM (and TIFFs of 32-bit pixels) as mode I, float TIFFs as mode F; its
+    `convert("RGB")` clipped them at 255: a 16-bit PGM trained as a white image, a float one in [0, 1] as a
+    black one. Integers within 16 bits are read as 16-bit; the others are refused, by name, before training."""
+    from vitrain.data.readers.decode import decode_square
+    from vitrain.data.readers.image_folders import unreadable
+
+    values = torch.arange(140, dtype=torch.int32).reshape(10, 14) * 400 + 100  # up to 55,700
+    pgm = tmp_path / "sixteen.pgm"
+    Image.fromarray(values.numpy().astype("uint16")).save(pgm)
+    assert Image.open(pgm).mode == "I"
+    expected = (values >> 8).to(torch.uint8).expand(3, -1, -1)
+    assert unreadable(str(pgm)) is None
+    assert torch.equal(decode_tensor(pgm.read_bytes()), expected)
+    assert torch.equal(decode_square(str(pgm), 10, Image.NEAREST), expected[:, :, 2:12])
+
+    wide = tmp_path / "wide.tif"
+    Image.fromarray((values * 1000).numpy()).save(wide)
+    floats = tmp_path / "floats.tif"
+    Image.fromarray((values / 65535).numpy().astype("float32")).save(floats)
+    assert unreadable(str(wide)) == (
+        "32-bit integer pixels (PIL mode I) from 100000 to 55700000 have no 8-bit scale: save the image with 8 "
+        "or 16 bits per channel"
+    )
+    assert unreadable(str(floats)) == (
+        "32-bit float pixels (PIL mode F) have no 8-bit scale: save the image with 8 or 16 bits per channel"
+    )
+    for path in (wide, floats):
+        with pytest.raises(ValueError, match="have no 8-bit scale"):
+            decode_tensor(path.read_bytes())
+
+
 def test_randaugment_posterize_to_zero_bits_does_not_stop_the_run():
     """timm's 'inc1' RandAugment keeps 4 - int(4 m / 10) bits: 0 at m = 10, which `mstd0.5` draws around m9
     in 2.3 % of the draws, and Pillow 13 refuses 0 bits (ValueError in a loader worker, about one image in

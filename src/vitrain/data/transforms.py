@@ -192,10 +192,15 @@ SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N")
 
 def pil_rgb(img: Any) -> Any:
     """A PIL image of any mode as 8-bit RGB. 16-bit grayscale is scaled to 8 bits (its high byte, as
-    torchvision scales): PIL's own `convert("RGB")` clips it at 255, a white image for any 16-bit photo."""
+    torchvision scales): PIL's own `convert("RGB")` clips it at 255, a white image for any 16-bit photo.
+    32-bit pixels: integers that fit in 16 bits are read as 16-bit, others refused (ValueError)."""
     from PIL import Image
 
-    if img.mode in SIXTEEN_BIT_MODES:
+    from vitrain.data.readers.image_folders import wide_pixels
+
+    if why := wide_pixels(img):
+        raise ValueError(why)
+    if img.mode in (*SIXTEEN_BIT_MODES, "I"):
         import numpy as np
 
         img = Image.fromarray((np.asarray(img).astype(np.uint16) >> 8).astype(np.uint8))

@@ -9,6 +9,7 @@ import os
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from vitrain.data.sampling import carve
 from vitrain.errors import DataError
@@ -18,7 +19,18 @@ log = logging.getLogger(__name__)
 SPLITS = ("train", "val", "test")
 # what the decoders read (vitrain.data.transforms.decode_tensor: torchvision's, PIL's for BMP and TIFF);
 # torchvision's ImageFolder takes the same formats
-IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
+IMAGE_SUFFIXES = (
+    ".jpg",
+    ".jpeg",
+    ".png",
+    ".webp",
+    ".bmp",
+    ".gif",
+    ".tif",
+    ".tiff",
+    ".ppm",
+    ".pgm",
+)  # torchvision's
 
 
 @dataclass(frozen=True)
@@ -110,8 +122,24 @@ def carve_val(
     return [files[i] for i in train], [files[i] for i in val]
 
 
+def wide_pixels(img: Any) -> str | None:
+    """Why a PIL image of 32-bit pixels is not used, or None. PIL's `convert("RGB")` clips them at 255 (a
+    float image in [0, 1] trained as a black one): float pixels have no 8-bit scale; integer ones (a 16-bit
+    PGM opens as mode I) are read as 16-bit when they fit in 16 bits (decoded here to see), else refused."""
+    if img.mode == "F":
+        return "32-bit float pixels (PIL mode F) have no 8-bit scale: save the image with 8 or 16 bits per channel"
+    if img.mode == "I":
+        low, high = img.getextrema()
+        if low < 0 or high > 65535:
+            return (
+                f"32-bit integer pixels (PIL mode I) from {low} to {high} have no 8-bit scale: save the image "
+                "with 8 or 16 bits per channel"
+            )
+    return None
+
+
 def unreadable(path: str) -> str | None:
-    """Why `path` is not a usable image (truncated, not an image), or None; checked by PIL without decoding
+    """Why `path` is not a usable image (truncated, not an image, 32-bit pixels), or None; checked by PIL without decoding
     every pixel, so writing ImageNet stays I/O bound.
 
     PIL's verify reads a JPEG's headers only, so a JPEG cut short passes it: one without its end-of-image
@@ -121,8 +149,13 @@ def unreadable(path: str) -> str | None:
 
     try:
         with Image.open(path) as img:
-            jpeg = img.format == "JPEG"
+            jpeg, wide = img.format == "JPEG", img.mode in ("I", "F")
             img.verify()
+        if wide:  # only such files pay for a decode
+            with Image.open(path) as img:
+                why = wide_pixels(img)
+            if why:
+                return why
         if jpeg and not _ends_jpeg(path):
             with Image.open(path) as img:
                 img.draft(img.mode, (1, 1))
