@@ -173,3 +173,16 @@ class KillAtStep(Callback):
         if trainer.global_step == self.step:
             wait_for_writes(trainer)
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+class NonFiniteLossAt(Callback):
+    """The training loss the module hands the loggers (`logged_train_loss`) made infinite at the given global
+    steps (`rank`: on that global rank only; None: on every rank), as a 16-bit overflow would make it: set
+    after the backward, between the training step and the divergence check at the batch's end."""
+
+    def __init__(self, steps: list[int], rank: int | None = None) -> None:
+        self.steps, self.rank = set(steps), rank
+
+    def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.global_step in self.steps and self.rank in (None, trainer.global_rank):
+            pl_module.logged_train_loss = float("inf")

@@ -119,3 +119,15 @@ def test_lost_peer_ends_the_run_within_the_timeout(
     assert fault_at.is_file(), "rank 1 never reached the fault"
     waited = ended - float(fault_at.read_text())
     assert 0 < waited < 300, waited
+
+
+def test_ranks_stop_a_diverged_ddp_run_together(tmp_path: Path, tiny_cifar: Path, data_cache: Path):
+    """Only rank 1's loss is infinite (its batch overflowed), at two log steps in a row: both ranks stop at
+    the same step and the run ends; a rank stopping alone would leave the other in its next all-reduce."""
+    fault = ["+callbacks.fault._target_=fault_injection.NonFiniteLossAt", "+callbacks.fault.steps=[4,5]",
+             "+callbacks.fault.rank=1", "test=false"]  # fmt: skip
+    run = run_cli("train.py", [*_ddp(tiny_cifar, data_cache, tmp_path), *fault], env={"PYTHONPATH": TESTS})
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 6
+    report = (tmp_path / "report.md").read_text()
+    assert "| stopped | by a NaN or infinite training loss (diverged) at step 6 (epoch 0) |" in report

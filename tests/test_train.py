@@ -235,3 +235,36 @@ def test_real_cifar10_learns(tmp_path: Path, real_cifar10_cache):
     assert evaluated["test/acc1"] == pytest.approx(metrics["test/acc1"])
     plain = evaluate(compose_cfg("eval", [*ckpt, "model.tta_flip=false"], tmp_path / "plain"))[0]
     assert plain["test/loss"] != pytest.approx(metrics["test/loss"]) and plain["test/acc1"] > 0.25, plain
+
+
+def test_a_diverged_run_stops_and_its_report_says_so(
+    tmp_path: Path, tiny_cifar: Path, data_cache: Path, caplog
+):
+    """A learning rate far too high: the loss is NaN from the second step, and the run trained on through
+    all its epochs before, its report saying "completed" with its loss rows missing."""
+    overrides = [*tiny_overrides(tiny_cifar, data_cache), "trainer.max_epochs=3", "trainer.limit_val_batches=1",
+                 "trainer.num_sanity_val_steps=0", "model.optimizer.lr=1e9", "logger=csv"]  # fmt: skip
+    with caplog.at_level("ERROR"):
+        _, objects = train(compose_cfg("train", overrides, tmp_path))
+    assert objects.trainer.global_step == 3  # NaN at steps 2 and 3 (log_every_n_steps=1), not 3 x 28 steps
+    assert "the run diverged and stops. Lower model.optimizer.lr" in caplog.text
+    report = (tmp_path / "report.md").read_text()
+    assert "| stopped | by a NaN or infinite training loss (diverged) at step 3 (epoch 0) |" in report
+    assert json.loads((tmp_path / "report.json").read_text())["stopped"]["step"] == 3
+
+
+@pytest.mark.parametrize(("steps", "trained"), [([3], 10), ([3, 4], 5)], ids=["one_overflow", "two_in_a_row"])
+def test_one_non_finite_loss_is_no_divergence(
+    tmp_path: Path, tiny_cifar: Path, data_cache: Path, steps: list[int], trained: int
+):
+    """Under 16-mixed a step whose loss overflowed is skipped and training goes on: one non-finite loss among
+    finite ones trains to the end; two log steps in a row stop the run (the default `patience`)."""
+    from omegaconf import open_dict
+
+    overrides = [*tiny_overrides(tiny_cifar, data_cache), "trainer.limit_train_batches=10",
+                 "trainer.limit_val_batches=1", "trainer.num_sanity_val_steps=0", "test=false", "logger=none"]  # fmt: skip
+    cfg = compose_cfg("train", overrides, tmp_path)
+    with open_dict(cfg):
+        cfg.callbacks["fault"] = {"_target_": "fault_injection.NonFiniteLossAt", "steps": steps}
+    _, objects = train(cfg)
+    assert objects.trainer.global_step == trained

@@ -23,6 +23,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, Timer
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from vitrain.callbacks.divergence import DIVERGED, StopOnDivergence
 from vitrain.callbacks.epoch_metrics import epoch_in_progress
 from vitrain.callbacks.throughput import ImageThroughputMonitor, batch_size
 from vitrain.utils.measuring import UtilisationSampler, device_memory, metric_floats, reset_peak_memory
@@ -168,6 +169,9 @@ class RunStats(Callback):
                 "step": trainer.global_step,
                 "epoch": trainer.current_epoch,
             }
+        diverged = next((c.stopped for c in trainer.callbacks if isinstance(c, StopOnDivergence)), None)
+        if diverged:
+            self.stats["stopped"] = {"by": DIVERGED, **diverged}
 
     def on_exception(
         self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException

@@ -134,6 +134,8 @@ class ImageClassifier(L.LightningModule):
         # the epoch's mean training loss and accuracy, summed on the device (vitrain/models/train_figures.py);
         # no NaN check (a host sync per step on GPU; a NaN loss still shows in train/loss_step and the mean)
         self.train_figures = TrainingFigures(accuracy_top_k(num_classes))
+        # the training loss of the last step the loggers wrote, on the host
+        self.logged_train_loss: float | None = None
         # the loss and the figures' batch sums: compiled with the network in configure_model when it is
         self._loss_and_figures = loss_and_figures
         # the composed Hydra config of the run, stored in every checkpoint so eval.py can rebuild it
@@ -271,7 +273,9 @@ class ImageClassifier(L.LightningModule):
         # epoch ends, a GPU sync each time were it a GPU tensor; the one copy here is on log steps only.
         # A float would be turned into a tensor on the model's device (a host-to-GPU copy, another sync).
         if should_update_logs(self.trainer):
-            self.log("train/loss_step", loss.detach().to("cpu"), prog_bar=True)
+            logged = loss.detach().to("cpu")
+            self.logged_train_loss = float(logged)  # for StopOnDivergence (vitrain/callbacks/divergence.py)
+            self.log("train/loss_step", logged, prog_bar=True)
             # one `lr` curve (LearningRateMonitor logs one per param group: lr/decay, lr/no_decay)
             self.log("lr", torch.tensor(float(self.trainer.optimizers[0].param_groups[0]["lr"])))
             if self.resize is not None:
