@@ -12,6 +12,7 @@ from lightning.pytorch.callbacks import Timer
 from helpers import ROOT, compose_cfg, run_cli, tiny_overrides
 from vitrain import checkpoints
 from vitrain.callbacks.time_limit import CHECK_EVERY_N_STEPS, TimeLimit
+from vitrain.errors import UserError
 from vitrain.tasks.build import build_trainer
 
 
@@ -71,6 +72,12 @@ def test_a_bad_max_time_is_refused_in_one_line(tmp_path: Path, tiny_cifar: Path,
     )
     assert run.returncode != 0
     assert "trainer.max_time='abc' is no duration: use DD:HH:MM:SS" in run.stderr
+    # a zero budget trained no step, and the run's report said "completed"
+    with pytest.raises(UserError, match=r"trainer\.max_time='00:00:00:00': a run of no time trains nothing"):
+        TimeLimit("00:00:00:00")
+    with pytest.raises(UserError, match="a run of no time"):
+        TimeLimit({"minutes": -5})
+    assert TimeLimit({"seconds": 1}).time_remaining() == 1
     assert "Traceback" not in run.stderr, run.stderr[-2000:]
 
 

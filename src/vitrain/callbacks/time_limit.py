@@ -38,6 +38,12 @@ class TimeLimit(Timer):
                 f"trainer.max_time={duration!r} is no duration: use DD:HH:MM:SS (e.g. 00:12:00:00 for 12 hours), "
                 "a dict such as {hours: 12}, or null for no limit"
             ) from None
+        remaining = self.time_remaining()  # the duration, before any start
+        if remaining is not None and remaining <= 0:  # no step ran, and the run said "completed"
+            raise UserError(
+                f"trainer.max_time={duration!r}: a run of no time trains nothing; give a positive duration "
+                "(DD:HH:MM:SS, e.g. 00:12:00:00 for 12 hours) or null for no limit"
+            )
         self.check_every_n_steps = max(int(check_every_n_steps), 1)
 
     @property
