@@ -31,7 +31,8 @@ def _trainer(world_size: int, broadcasts: list[int]) -> SimpleNamespace:
 def test_the_decision_is_taken_every_n_steps_with_several_processes(world_size: int):
     broadcasts: list[int] = []
     trainer = _trainer(world_size, broadcasts)
-    timer = TimeLimit("00:00:00:00")  # spent from the start: every check says stop
+    timer = TimeLimit("00:00:00:01")
+    timer.load_state_dict({"time_elapsed": {"train": 2.0}})  # spent from the start: every check says stop
     timer.on_train_start(trainer, None)
     stopped_at = None
     for step in range(1, 25):
