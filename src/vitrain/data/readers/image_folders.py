@@ -30,7 +30,7 @@ IMAGE_SUFFIXES = (
     ".tiff",
     ".ppm",
     ".pgm",
-)  # torchvision's
+)
 
 
 @dataclass(frozen=True)
@@ -139,8 +139,8 @@ def wide_pixels(img: Any) -> str | None:
 
 
 def unreadable(path: str) -> str | None:
-    """Why `path` is not a usable image (truncated, not an image, 32-bit pixels), or None; checked by PIL without decoding
-    every pixel, so writing ImageNet stays I/O bound.
+    """Why `path` is not a usable image (truncated, not an image, 32-bit pixels), or None; checked by PIL
+    without decoding every pixel, so writing ImageNet stays I/O bound.
 
     PIL's verify reads a JPEG's headers only, so a JPEG cut short passes it: one without its end-of-image
     marker near the end is decoded at 1/8 scale (libjpeg's DCT scaling), which fails on a truncated file and
