@@ -17,7 +17,7 @@ from vitrain.errors import DataError
 log = logging.getLogger(__name__)
 
 SPLITS = ("train", "val", "test")
-# what the decoders read (vitrain.data.transforms.decode_tensor: torchvision's, PIL's for BMP and TIFF);
+# what the decoders read (vitrain.data.transforms.decode_tensor: torchvision's, PIL's for BMP, TIFF, PPM/PGM);
 # torchvision's ImageFolder takes the same formats
 IMAGE_SUFFIXES = (
     ".jpg",
