@@ -111,6 +111,54 @@ def test_throughput_and_flops_are_logged(run_dir: Path):
     assert 2.5 < stats["flops"]["train_flops_per_image"] / stats["flops"]["eval_flops_per_image"] < 3.5
 
 
+def test_the_report_names_the_code_and_libraries_that_made_it(run_dir: Path):
+    """The commit of the checkout the run's code came from (and whether it had changes), and the versions of
+    Python, torch, Lightning and timm: what makes one run's figures comparable with another's."""
+    import lightning
+    import timm
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", *args], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+
+    report = json.loads((run_dir / "report.json").read_text())
+    dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+    assert report["code"] == {"commit": git("rev-parse", "HEAD"), "dirty": dirty}
+    assert report["software"]["torch"] == torch.__version__
+    assert (
+        report["software"]["lightning"] == lightning.__version__
+        and report["software"]["timm"] == timm.__version__
+    )
+    row = f"| code | `{git('rev-parse', 'HEAD')[:12]}`{' with uncommitted changes' if dirty else ''}; python "
+    assert row in (run_dir / "report.md").read_text()
+
+
+def test_code_version_is_the_commit_of_a_tracked_file(tmp_path: Path):
+    from vitrain.utils.provenance import code_version
+
+    def git(*args: str) -> None:
+        subprocess.run(["git", *args], cwd=tmp_path, capture_output=True, check=True)
+
+    code = tmp_path / "pkg" / "module.py"
+    code.parent.mkdir()
+    code.write_text("x = 1\n")
+    assert code_version(code) is None  # no repository
+    git("init", "-q")
+    git("add", "pkg/module.py")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "first")
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=tmp_path, capture_output=True, text=True).stdout
+    assert code_version(code) == {"commit": commit.strip(), "dirty": False}
+    (tmp_path / "logs.txt").write_text("untracked: not a change of the code")
+    assert code_version(code) == {"commit": commit.strip(), "dirty": False}
+    code.write_text("x = 2\n")
+    assert code_version(code) == {"commit": commit.strip(), "dirty": True}
+    installed = tmp_path / ".venv" / "vitrain" / "__init__.py"  # a copy in an untracked folder
+    installed.parent.mkdir(parents=True)
+    installed.write_text("")
+    assert code_version(installed) is None
+
+
 def test_plots_are_valid_pngs(run_dir: Path):
     for name in ("loss", "accuracy"):
         path = run_dir / "plots" / f"{name}.png"

@@ -27,6 +27,7 @@ from vitrain.callbacks.divergence import DIVERGED, StopOnDivergence
 from vitrain.callbacks.epoch_metrics import epoch_in_progress
 from vitrain.callbacks.throughput import ImageThroughputMonitor, batch_size
 from vitrain.utils.measuring import UtilisationSampler, device_memory, metric_floats, reset_peak_memory
+from vitrain.utils.provenance import code_version, software_versions
 from vitrain.utils.run_files import CONFIG_KEYS, STATS_FILE, read_json, select_key, write_json
 from vitrain.utils.secrets import redact
 
@@ -57,6 +58,8 @@ class RunStats(Callback):
         device = trainer.strategy.root_device
         if not self.stats:
             self.stats = {"created": _now(), "host": socket.gethostname(), **_run_info(trainer, pl_module)}
+            if trainer.is_global_zero:  # what produced the numbers (the only rank that writes them)
+                self.stats.update(code=code_version(), software=software_versions())
             # a batch-size search or the previous job of a sweep must not count in this run's peak
             self._memory_reset = reset_peak_memory(device)
         if stage == "fit":

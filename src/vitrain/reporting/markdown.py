@@ -60,6 +60,18 @@ def _skipped(data: dict[str, Any] | None) -> str:
     return f"{count} (unreadable, left out: {', '.join(f'`{n}`' for n in names)}{more})"
 
 
+def _code(code: dict[str, Any] | None, software: dict[str, Any] | None) -> str:
+    """The commit the run's code was at (and whether it had changes), and the libraries it ran with."""
+    if code:
+        where = f"`{code['commit'][:12]}`" + (" with uncommitted changes" if code.get("dirty") else "")
+    else:
+        where = "not recorded (not a git checkout)" if software else "not recorded"
+    if software:
+        names = ("python", "torch", "lightning", "timm", "cuda")
+        where += "; " + ", ".join(f"{n} {software[n]}" for n in names if software.get(n))
+    return where
+
+
 def _stopped(stopped: dict[str, Any] | None, with_resume: bool = False) -> str:
     """How the run ended: completed, at the time limit, or interrupted (with what resumes it)."""
     if not stopped:
@@ -125,6 +137,7 @@ def render_markdown(report: dict[str, Any]) -> str:
                 ["model", report.get("model") or report["config"].get("model.net.model_name")],
                 ["stopped", _stopped(report.get("stopped"))],
                 ["strategy", f"{fmt(report['strategy'])} on {fmt(report['accelerator'])}, {layout}"],
+                ["code", _code(report.get("code"), report.get("software"))],
                 ["precision", _precision(report)],
                 [
                     "batch size",

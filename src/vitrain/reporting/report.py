@@ -125,6 +125,8 @@ def build_report(run_dir: Path, scalars: Scalars | None = None) -> dict[str, Any
         "config": config,
         "model": stats.get("model"),
         "strategy": stats.get("strategy"),
+        "code": stats.get("code"),
+        "software": stats.get("software"),
         "accelerator": stats.get("accelerator"),
         "world_size": world,
         "num_nodes": stats.get("num_nodes"),
