@@ -43,6 +43,7 @@ def test_cifar_checkpoint_classifies_files_as_it_evaluates(
     )  # top_k=3
     assert scored["per_class_acc"] == pytest.approx(objects.per_class_acc, abs=1e-6)
     assert scored["per_class_images"] == objects.per_class_images
+    assert scored["code"]["commit"] and scored["software"]["timm"]  # what produced the numbers
     predicted(last, tiny_cifar / "test", tmp_path / "top5")  # top_k=5, the default: top-5 accuracy too
     scored = json.loads((tmp_path / "top5" / "metrics.json").read_text())
     assert scored["acc5"] == pytest.approx(evaluated["test/acc5"], abs=1e-6)

@@ -191,6 +191,10 @@ def test_train_and_eval_cli(tmp_path: Path, tiny_cifar: Path, data_cache: Path):
     assert done.returncode == 0, done.stderr[-3000:]
     metrics = json.loads((eval_dir / "metrics.json").read_text())
     assert metrics["val/acc1"] == pytest.approx(float(score), abs=1e-6)
+    # what produced the numbers, as the training report names it
+    trained = json.loads((run_dir / "report.json").read_text())
+    assert metrics["code"] == trained["code"] and metrics["code"]["commit"]
+    assert metrics["software"]["torch"] == torch.__version__
     assert "val/acc1" in done.stdout  # the Rich table
 
     done = run_cli("eval.py", [f"ckpt_path={best}", f"hydra.run.dir={tmp_path / 'eval_test'}"])

@@ -24,6 +24,7 @@ from vitrain.tasks.cli import EVAL_ADDED_ENV, closest_key
 from vitrain.tasks.runs import resolve_checkpoint
 from vitrain.utils.atomic import write_atomic
 from vitrain.utils.config import instantiate_dict, print_run_config
+from vitrain.utils.provenance import code_version, software_versions
 from vitrain.utils.run_files import EVAL_METRICS
 
 log = logging.getLogger(__name__)
@@ -270,6 +271,9 @@ def write_metrics(
                 **metrics,
                 "per_class_acc": per_class,
                 "per_class_images": images,
+                # what produced these numbers
+                "code": code_version(),
+                "software": software_versions(),
             },
             indent=2,
         ),

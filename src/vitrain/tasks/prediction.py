@@ -36,6 +36,7 @@ from vitrain.tasks.evaluation import (
     read_checkpoint,
 )
 from vitrain.utils.atomic import write_atomic
+from vitrain.utils.provenance import code_version, software_versions
 from vitrain.utils.run_files import EVAL_METRICS
 
 log = logging.getLogger(__name__)
@@ -191,7 +192,8 @@ def predict(cfg: DictConfig) -> tuple[dict[str, float], RunObjects]:
         summary |= {k: v for k, v in metrics.items() if k != "images"}
         summary |= {"per_class_acc": objects.per_class_acc, "per_class_images": objects.per_class_images}
     written = Path(cfg.paths.output_dir) / EVAL_METRICS
-    write_atomic(written, json.dumps({**summary, "predictions": str(out)}, indent=2))
+    provenance = {"code": code_version(), "software": software_versions()}  # what produced these numbers
+    write_atomic(written, json.dumps({**summary, "predictions": str(out), **provenance}, indent=2))
     log.info(f"{'Metrics of the labelled files' if labels is not None else 'Summary'} written to {written}")
     return metrics, objects
 
