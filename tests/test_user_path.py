@@ -289,7 +289,7 @@ def test_report_of_a_run_killed_before_its_stats_is_truthful(tmp_path: Path):
                 f"error: trainer.val_check_interval={value}: must be null, a count of training batches >= 1, "
                 "a fraction of the epoch in [0, 1] or a duration 'DD:HH:MM:SS'",
             )
-            for value in ("0", "2.5", "00:30:00")
+            for value in ("0", "-3", "2.5", "00:30:00")
         ),
         (
             "datamodule.num_workers=-2",
