@@ -71,13 +71,21 @@ def parse_args(doc: str | None, **extra: tuple[type, Any, str]) -> argparse.Name
 
 
 def cpu_model() -> str:
+    """The CPU's name, with its family and model numbers: a VM often names only the vendor's line ("AMD EPYC"
+    for Zen 3, 4 and 5 alike), and the benchmarks' sections from another CPU kind must not read as this one's."""
+    fields: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
+            if key.strip() == "flags":  # the first processor's fields are all read
+                break
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    name = fields.get("model name") or platform.processor() or platform.machine()
+    if "cpu family" in fields and "model" in fields:
+        name += f" (family {fields['cpu family']}, model {fields['model']})"
+    return name
 
 
 def cpu_flags() -> set[str]:

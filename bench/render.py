@@ -123,7 +123,8 @@ def render(run: dict[str, Any] | None, results: list[dict[str, Any]]) -> str:
             ]
     gpu = f"{m['gpus']} x {m['gpu']}" if m.get("gpu") else "none"
     out += [
-        f"**Machine:** {m['cpu']}, {m['cores']} cores, {_bf16(m)}, "
+        f"**Machine** (the first section's; a section measured on another names it): {m['cpu']}, {m['cores']} cores, "
+        f"{_bf16(m)}, "
         f"{m['memory_gb']} GB RAM, GPU: {gpu}. **Software:** Python {m['python']}, torch {m['torch']}, "
         f"lightning {m['lightning']}, timm {m['timm']}.",
         "",
